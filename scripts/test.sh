@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The README's test command: installs everything the tests need, then runs lint, types and tests.
+# Usage: bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== installing torchmem with its test extras (torch 2.13.0 CPU build)"
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+
+# The HTML viewer is tested in a real headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing Debian's chromium for the browser tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "!! chromium not found and cannot be installed here: browser tests will be skipped"
+    fi
+fi
+
+echo "== ruff"
+python -m ruff check src tests benchmarks
+echo "== mypy"
+python -m mypy
+echo "== pytest"
+python -m pytest "$@"

@@ -1,0 +1,127 @@
+"""The ``torchmem`` command line: one module per subcommand, one place for exit codes.
+
+Each subcommand module in this package defines ``add_arguments(parser)`` and ``run(args) -> int``.
+Only the chosen subcommand's module is imported, so ``torchmem stats`` does not pay for torch.
+
+Exit codes: 0 success; 1 an unexpected internal error; 2 bad usage or bad input (a
+:class:`~torchmem.errors.TorchmemError`); 130 interrupted. ``torchmem run`` passes on the exit
+code of the user's script.
+
+Example:
+    >>> from torchmem.cli import main
+    >>> main(["--version"])  # doctest: +ELLIPSIS
+    torchmem ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from torchmem._version import __version__
+from torchmem.errors import TorchmemError
+
+__all__ = ["main", "entry_point", "SUBCOMMANDS"]
+
+# name -> (module, one-line help). Keep in the order shown by --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("torchmem.cli.inspect", "exact storage report of a module, optimizer or live tensors"),
+    "run": ("torchmem.cli.run", "run a Python script under the memory tracker and summarise it"),
+    "summary": ("torchmem.cli.summary", "summarise a saved torchmem trace"),
+    "plot": ("torchmem.cli.plot", "plot a trace's memory timeline to a PNG"),
+    "stats": ("torchmem.cli.stats", "per-device allocator statistics of a memory snapshot"),
+    "peak": ("torchmem.cli.peak", "what was live at the peak of a snapshot, grouped by stack"),
+    "diff": ("torchmem.cli.diff", "what grew and shrank between two snapshots"),
+    "trace": ("torchmem.cli.trace", "a snapshot's event log with running totals"),
+    "flame": ("torchmem.cli.flame", "folded stacks of a snapshot for flame-graph tools"),
+    "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
+    "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items() if _available(name)]
+    p = argparse.ArgumentParser(
+        prog="torchmem",
+        description="Make PyTorch memory visible and manageable.",
+        epilog="subcommands:\n" + "\n".join(lines) + "\n\nRun 'torchmem SUBCOMMAND --help' for its options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"torchmem {__version__}")
+    p.add_argument("subcommand", nargs="?", help="one of the subcommands below")
+    return p
+
+
+def _available(name: str) -> bool:
+    module = SUBCOMMANDS[name][0]
+    return importlib.util.find_spec(module) is not None
+
+
+def _debug() -> bool:
+    return os.environ.get("TORCHMEM_DEBUG", "") not in ("", "0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``) and return the exit code.
+
+    Example:
+        >>> main(["no-such-command"])  # doctest: +SKIP
+        2
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not args or args[0].startswith("-"):
+        try:
+            top.parse_args(args)
+        except SystemExit as e:  # --help / --version / bad flag
+            return int(e.code or 0)
+        top.print_help()
+        return 0
+    name = args[0]
+    if name not in SUBCOMMANDS or not _available(name):
+        known = ", ".join(n for n in SUBCOMMANDS if _available(n))
+        print(f"torchmem: error: unknown subcommand {name!r}; expected one of: {known}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"torchmem {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(parser)
+    try:
+        ns = parser.parse_args(args[1:])
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        return int(module.run(ns) or 0)
+    except TorchmemError as e:
+        if _debug():
+            traceback.print_exc()
+        print(f"torchmem {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"torchmem {name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
+        if _debug():
+            traceback.print_exc()
+        print(
+            f"torchmem {name}: internal error: {type(e).__name__}: {e}\n"
+            "This is a bug in torchmem; rerun with TORCHMEM_DEBUG=1 for the traceback and report it.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def entry_point() -> None:
+    """Console-script entry: ``sys.exit(main())``.
+
+    Example:
+        $ torchmem --help
+    """
+    sys.exit(main())

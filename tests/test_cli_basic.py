@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from torchmem import __version__
+from torchmem.cli import main
+
+
+def test_version(capsys) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"torchmem {__version__}"
+
+
+def test_unknown_subcommand(capsys) -> None:
+    assert main(["definitely-not-a-command"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand" in err and "expected one of" in err
+
+
+def test_python_dash_m() -> None:
+    out = subprocess.run([sys.executable, "-m", "torchmem", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"torchmem {__version__}"
