@@ -32,11 +32,12 @@ from typing import NamedTuple
 
 import torch
 
-from torchmem.errors import InvalidInputError, UnsupportedTensorError
+from torchmem.errors import DeviceError, InvalidInputError, UnsupportedTensorError
 
 __all__ = [
     "Span",
     "device_str",
+    "resolve_device",
     "storage_of",
     "storage_id",
     "storage_ref",
@@ -109,6 +110,59 @@ def device_str(device: torch.device | str | torch.Tensor) -> str:
         except Exception:
             return f"{d.type}:0"
     return str(d)
+
+
+def resolve_device(device: torch.device | str | int) -> torch.device:
+    """Parse ``device`` and check that it exists on this machine; ``'cuda'`` gets its index.
+
+    Raises :class:`~torchmem.errors.DeviceError` for an unknown device string (``'gpu'``) and for
+    a device that is absent here (``'cuda:0'`` without CUDA, ``'cuda:7'`` with two GPUs). An int
+    means that accelerator index, as in PyTorch.
+
+    Example:
+        >>> resolve_device("cpu"), resolve_device("meta")
+        (device(type='cpu'), device(type='meta'))
+        >>> resolve_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.DeviceError: unknown device 'gpu': ...
+    """
+    if isinstance(device, torch.device):
+        d = device
+    elif isinstance(device, (str, int)) and not isinstance(device, bool):
+        try:
+            d = torch.device(device)
+        except (RuntimeError, ValueError, TypeError) as e:
+            if isinstance(device, int):
+                raise DeviceError(
+                    f"device index {device} means an accelerator, but none is available on this "
+                    f"machine ({e}). Fix: pass 'cpu'"
+                ) from None
+            raise DeviceError(
+                f"unknown device {device!r}: expected a device such as 'cpu', 'cuda', 'cuda:1' "
+                f"or 'meta' ({e})"
+            ) from None
+    else:
+        raise DeviceError(
+            f"expected a device (torch.device, a string such as 'cuda:0', or an int), got "
+            f"{type(device).__name__}: {device!r}"
+        )
+    if d.type in ("cpu", "meta"):
+        return d
+    mod = getattr(torch, d.type, None)
+    available = getattr(mod, "is_available", None)
+    if mod is None or available is None or not available():
+        raise DeviceError(
+            f"device {str(d)!r} is not available on this machine (torch {torch.__version__} "
+            f"reports no {d.type} device). Fix: pass 'cpu' or a device that exists here"
+        )
+    count = getattr(mod, "device_count", None)
+    index = d.index if d.index is not None else int(mod.current_device())
+    if count is not None and index >= int(count()):
+        raise DeviceError(
+            f"device {str(d)!r} does not exist: this machine has {int(count())} {d.type} "
+            f"device(s) (indices 0..{int(count()) - 1})"
+        )
+    return torch.device(d.type, index)
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
@@ -199,6 +253,11 @@ def tensor_span(t: torch.Tensor) -> Span:
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when ``a`` and ``b`` view the same storage (O(1); works on meta and fake tensors).
+
+    torchlinops' ``same_storage`` instead asked whether one tensor's element addresses are a
+    subset of the other's: the answers agree for a tensor and its views and for unrelated
+    tensors, but two disjoint slices of one storage are the same storage here (use
+    :func:`overlaps` to ask whether their bytes intersect). See :mod:`torchmem.compat`.
 
     Example:
         >>> import torch

@@ -1,0 +1,219 @@
+"""Tracker overhead, memory per event and trace loading, side by side with PyTorch's tools.
+
+Workloads (CPU, one thread):
+  mlp          8 x (Linear(256, 256) + ReLU), batch 32, SGD step
+  transformer  TransformerEncoder (2 layers, d_model 128, 4 heads, ff 256), batch 8 x seq 32, Adam
+
+Variants, measured in the same process and interleaved round by round; time is the CPU time
+of the calling thread (time.thread_time: preemption by other processes on the shared cores is not
+counted); each figure is the minimum over rounds of the mean step time:
+  untracked   the bare step
+  floor       the step under a TorchDispatchMode that does nothing (the cost any dispatch-mode
+              tracker pays before doing any work)
+  profiler    torch.profiler with profile_memory=True (CPU activity), a lower-level capture
+  memtracker  torch.distributed._tools.mem_tracker.MemTracker (reset_mod_stats every step,
+              which it requires for repeated iterations)
+  torchmem    torchmem.track(model, opt): ops, modules (forward and backward), phases,
+              categories, step markers
+  torchmem-nomod  torchmem.track(model, opt, modules=False): no module hooks
+
+Also: bytes the tracker holds per recorded event over a long run (tracemalloc delta of the
+tracking session divided by its events; torch's tensor memory is not traced by tracemalloc),
+and the time to load a 1,000,000-event trace file.
+
+Run:  python benchmarks/bench_tracker.py            (about 2-4 minutes on 2 busy cores)
+      python benchmarks/bench_tracker.py --quick    (fewer rounds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchmem
+from torchmem.model.events import EventKind
+from torchmem.model.trace import BYTES_PER_EVENT, Trace, load_trace
+
+# CPU time of this thread: other processes on the shared cores do not inflate it (CPU
+# autograd runs backward on the calling thread, and torch uses one thread here).
+_clock = time.thread_time
+
+
+class NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def mlp() -> tuple[Callable[[], None], torch.nn.Module, torch.optim.Optimizer]:
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    net = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(32, 256)
+
+    def step() -> None:
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+
+    return step, net, opt
+
+
+def transformer() -> tuple[Callable[[], None], torch.nn.Module, torch.optim.Optimizer]:
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=128, nhead=4, dim_feedforward=256, batch_first=True, dropout=0.0
+    )
+    net = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    x = torch.randn(8, 32, 128)
+
+    def step() -> None:
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+
+    return step, net, opt
+
+
+def variants(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def memtracker() -> Any:
+        mt = MemTracker()
+        mt.track_external(net, opt)
+        return mt
+
+    def profiler() -> Any:
+        return torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+
+    return {
+        "untracked": (contextlib.nullcontext, None),
+        "floor": (NoopMode, None),
+        "profiler": (profiler, None),
+        "memtracker": (memtracker, lambda mt: mt.reset_mod_stats()),
+        "torchmem": (lambda: torchmem.track(net, opt), None),
+        "torchmem-nomod": (lambda: torchmem.track(net, opt, modules=False), None),
+    }
+
+
+def time_variant(step: Callable[[], None], factory: Any, per_step: Any, n: int) -> float:
+    gc.collect()
+    with factory() as ctx:
+        step()  # warm-up inside the context (optimizer state, caches)
+        total = 0.0
+        for _ in range(n):
+            if per_step is not None:
+                per_step(ctx)
+            t0 = _clock()
+            step()
+            total += _clock() - t0
+    return total / n
+
+
+def bench_workload(name: str, build: Any, rounds: int, n: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    step, net, opt = build()
+    vs = variants(net, opt)
+    best = {k: float("inf") for k in vs}
+    for r in range(rounds):
+        for k, (factory, per_step) in vs.items():
+            steps = max(3, n // 4) if k == "memtracker" else n
+            best[k] = min(best[k], time_variant(step, factory, per_step, steps))
+        print(f"  {name}: round {r + 1}/{rounds} done", file=sys.stderr)
+    return best
+
+
+def bytes_per_event(steps: int) -> tuple[float, int]:
+    torch.manual_seed(0)
+    step, net, opt = mlp()
+    step()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    with torchmem.track(net, opt) as tr:
+        step()
+        warm_events = len(tr)
+        gc.collect()
+        mid = tracemalloc.get_traced_memory()[0]
+        for _ in range(steps):
+            step()
+        gc.collect()
+        end = tracemalloc.get_traced_memory()[0]
+        n = len(tr) - warm_events
+    tracemalloc.stop()
+    del base
+    return (end - mid) / max(n, 1), n
+
+
+def load_million(tmp: str) -> tuple[float, int]:
+    tr = Trace()
+    kinds = [int(EventKind.ALLOC), int(EventKind.FREE)]
+    tr.intern_device("cpu")
+    op = tr.intern("aten::mm")
+    mod = tr.intern("Net.layers.0")
+    n = 1_000_000
+    tr.kind.extend(kinds[i & 1] for i in range(n))
+    tr.time_ns.extend(range(n))
+    tr.device.extend([0] * n)
+    tr.nbytes.extend([4096] * n)
+    tr.storage.extend(i >> 1 for i in range(n))
+    tr.op.extend([op] * n)
+    tr.module.extend([mod] * n)
+    tr.phase.extend([1] * n)
+    tr.category.extend([4] * n)
+    tr.step.extend(i // 1000 for i in range(n))
+    tr.stack.extend([-1] * n)
+    path = os.path.join(tmp, "million.tmtrace")
+    tr.save(path)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        back = load_trace(path)
+        best = min(best, time.perf_counter() - t0)
+        assert len(back) == n
+    return best, os.path.getsize(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rounds, n = (3, 10) if args.quick else (7, 20)
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores (shared), 1 torch thread")
+    for name, build in (("mlp", mlp), ("transformer", transformer)):
+        best = bench_workload(name, build, rounds, n)
+        u, f = best["untracked"], best["floor"]
+        print(f"\n{name}: untracked step {u * 1e3:.2f} ms (min over {rounds} rounds)")
+        print(f"  {'variant':<16}{'ms/step':>9}{'x untracked':>13}{'x floor':>9}")
+        for k, v in best.items():
+            print(f"  {k:<16}{v * 1e3:>9.2f}{v / u:>13.2f}{v / f:>9.2f}")
+        print(
+            f"  torchmem vs MemTracker: {best['memtracker'] / best['torchmem']:.1f}x faster; "
+            f"torchmem / floor = {best['torchmem'] / f:.2f} (target <= 1.25)"
+        )
+    per, nev = bytes_per_event(300 if args.quick else 1500)
+    print(f"\ntracker memory: {per:.1f} bytes per held event over {nev} events "
+          f"(columns alone: {BYTES_PER_EVENT} bytes/event; target <= 64)")
+    with tempfile.TemporaryDirectory() as tmp:
+        secs, size = load_million(tmp)
+    print(f"loading a 1,000,000-event trace ({size / 1e6:.1f} MB): {secs:.3f} s (min of 5; target <= 1 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""Summaries of an event trace: peak, top operators/modules, categories, iterations (no torch).
+
+Everything here reads a :class:`~torchmem.model.trace.Trace` (from a live tracker's ``.trace``
+or from :func:`~torchmem.model.trace.load_trace`) and returns plain data.
+
+Definitions:
+  * *allocated*: the sum of the sizes of all storages an operator (or module) created.
+  * *live at the peak*: the storages alive at the event where the device's live bytes first reach
+    their maximum, grouped by the operator / module / category / phase that allocated them.
+  * *iteration k*: the events between step marker k-1 and step marker k (``Event.step == k``);
+    its *peak* is the highest live byte count inside it, its *retained growth* is live bytes at
+    its end minus live bytes at its start. Steady training shows growth ~0 after the first
+    iterations; a leak shows the same positive growth every iteration.
+
+Example:
+    >>> from torchmem.model.trace import Trace
+    >>> from torchmem.model.events import EventKind as K, Category as C, Phase as P
+    >>> tr = Trace()
+    >>> _ = tr.append(K.ALLOC, 0, "cpu", 100, 1, category=C.PARAMETER)
+    >>> _ = tr.append(K.ALLOC, 1, "cpu", 40, 2, op="aten::mm", module="Net.fc", phase=P.FORWARD,
+    ...               category=C.ACTIVATION)
+    >>> _ = tr.append(K.FREE, 2, "cpu", 40, 2)
+    >>> _ = tr.append(K.MARK, 3, "cpu", 0, 0, op="step")
+    >>> s = summarize_trace(tr)
+    >>> s.peak, s.categories_at_peak, s.top_ops_allocated[0][:2]
+    ({'cpu': 140}, {'parameter': 100, 'activation': 40}, ('aten::mm', 40))
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torchmem.model.events import Category, EventKind, Phase
+from torchmem.model.trace import Trace
+
+__all__ = ["IterationStat", "TraceSummary", "summarize_trace", "category_series"]
+
+_ALLOC = int(EventKind.ALLOC)
+_FREE = int(EventKind.FREE)
+_MARK = int(EventKind.MARK)
+_CATS = [c.label for c in Category]
+_PHASES = [p.label for p in Phase]
+
+
+@dataclass
+class IterationStat:
+    """One iteration (between step markers) on the summary's device.
+
+    Example:
+        >>> IterationStat(0, 10, 0, 4, 4, 6).retained_growth
+        4
+    """
+
+    step: int
+    peak_bytes: int
+    start_bytes: int
+    end_bytes: int
+    retained_growth: int
+    allocated_bytes: int
+    complete: bool = True  # False for the events after the last step marker
+
+
+@dataclass
+class TraceSummary:
+    """The result of :func:`summarize_trace`; ``to_dict()`` gives JSON-ready data.
+
+    Lists of tops hold ``(name, bytes, count)`` tuples, largest first.
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> summarize_trace(Trace()).to_dict()["events"]
+        0
+    """
+
+    device: str | None
+    events: int
+    steps: int
+    peak: dict[str, int]
+    peak_seq: int
+    peak_time_ns: int
+    final_live: dict[str, int]
+    top_ops_allocated: list[tuple[str, int, int]] = field(default_factory=list)
+    top_modules_allocated: list[tuple[str, int, int]] = field(default_factory=list)
+    top_ops_at_peak: list[tuple[str, int, int]] = field(default_factory=list)
+    top_modules_at_peak: list[tuple[str, int, int]] = field(default_factory=list)
+    categories_at_peak: dict[str, int] = field(default_factory=dict)
+    phases_at_peak: dict[str, int] = field(default_factory=dict)
+    top_stacks_at_peak: list[tuple[str, int, int]] = field(default_factory=list)
+    iterations: list[IterationStat] = field(default_factory=list)
+    leak_suspect: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (bytes are ints).
+
+        Example:
+            >>> from torchmem.model.trace import Trace
+            >>> sorted(summarize_trace(Trace()).to_dict())[:3]
+            ['categories_at_peak', 'device', 'events']
+        """
+        d = asdict(self)
+        for key in (
+            "top_ops_allocated",
+            "top_modules_allocated",
+            "top_ops_at_peak",
+            "top_modules_at_peak",
+            "top_stacks_at_peak",
+        ):
+            d[key] = [{"name": n, "bytes": b, "count": c} for n, b, c in d[key]]
+        return d
+
+
+def _top(groups: dict[str, list[int]], top: int) -> list[tuple[str, int, int]]:
+    items = sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return [(name, v[0], v[1]) for name, v in items[:top]]
+
+
+def _main_device(trace: Trace, peaks: dict[str, int]) -> str | None:
+    if not peaks:
+        return None
+    return max(peaks, key=lambda d: (peaks[d], d.startswith("cuda"), d))
+
+
+def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> TraceSummary:
+    """Summarise ``trace`` for one device (default: the device with the highest peak).
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.model.events import EventKind as K
+        >>> tr = Trace()
+        >>> for step in range(3):     # a leak: 8 bytes kept every iteration
+        ...     _ = tr.append(K.ALLOC, step, "cpu", 8, step + 1, op="aten::ones", step=step)
+        ...     _ = tr.append(K.MARK, step, "cpu", 0, 0, op="step", step=step)
+        >>> [it.retained_growth for it in summarize_trace(tr).iterations], summarize_trace(tr).leak_suspect
+        ([8, 8, 8], True)
+    """
+    peaks = trace.peak()
+    if device is None:
+        device = _main_device(trace, peaks)
+    n = len(trace)
+    want = trace.devices.index(device) if device in trace.devices else -1
+    strings = trace.strings
+    kind, dev, nbytes, sid_col = trace.kind, trace.device, trace.nbytes, trace.storage
+    op_col, mod_col, cat_col, phase_col, stack_col = (
+        trace.op,
+        trace.module,
+        trace.category,
+        trace.phase,
+        trace.stack,
+    )
+    step_col = trace.step
+
+    # pass 1: allocated per op/module, the peak on the device, iterations
+    ops: dict[int, list[int]] = {}
+    mods: dict[int, list[int]] = {}
+    live = 0
+    peak = 0
+    peak_seq = -1
+    iters: list[IterationStat] = []
+    it_start = 0
+    it_peak = 0
+    it_alloc = 0
+    cur_step = step_col[0] if n else 0
+    steps = 0
+    # the initial state (ALLOC events at time 0 before any operator) belongs before iteration 0
+    initial_end = -1
+    while (
+        initial_end + 1 < n
+        and kind[initial_end + 1] == _ALLOC
+        and trace.time_ns[initial_end + 1] == 0
+        and op_col[initial_end + 1] == 0
+    ):
+        initial_end += 1
+    for i in range(n):
+        k = kind[i]
+        if k == _MARK:
+            if strings[op_col[i]] == "step":
+                iters.append(
+                    IterationStat(step_col[i], it_peak, it_start, live, live - it_start, it_alloc)
+                )
+                steps += 1
+                it_start = it_peak = live
+                it_alloc = 0
+                cur_step = step_col[i] + 1
+            continue
+        if dev[i] != want:
+            continue
+        b = nbytes[i]
+        if k == _ALLOC:
+            live += b
+            it_alloc += b
+            if live > peak:
+                peak = live
+                peak_seq = i
+            if live > it_peak:
+                it_peak = live
+            o = op_col[i]
+            if o:
+                v = ops.get(o)
+                if v is None:
+                    ops[o] = [b, 1]
+                else:
+                    v[0] += b
+                    v[1] += 1
+            m = mod_col[i]
+            v = mods.get(m)
+            if v is None:
+                mods[m] = [b, 1]
+            else:
+                v[0] += b
+                v[1] += 1
+        else:
+            live -= b
+        if i == initial_end:
+            it_start = it_peak = live
+            it_alloc = 0
+    if it_alloc or (iters and live != it_start):
+        iters.append(
+            IterationStat(cur_step, it_peak, it_start, live, live - it_start, it_alloc, False)
+        )
+
+    # pass 2: what is alive at the peak
+    alive: dict[int, int] = {}
+    for i in range(peak_seq + 1):
+        if dev[i] != want:
+            continue
+        k = kind[i]
+        if k == _ALLOC:
+            alive[sid_col[i]] = i
+        elif k == _FREE:
+            alive.pop(sid_col[i], None)
+    at_ops: dict[str, list[int]] = {}
+    at_mods: dict[str, list[int]] = {}
+    at_stacks: dict[str, list[int]] = {}
+    cats: dict[str, int] = {}
+    phases: dict[str, int] = {}
+    for i in alive.values():
+        b = nbytes[i]
+        for groups, key in (
+            (at_ops, strings[op_col[i]] or "(initial state)"),
+            (at_mods, strings[mod_col[i]] or "(no module)"),
+        ):
+            v = groups.setdefault(key, [0, 0])
+            v[0] += b
+            v[1] += 1
+        st = stack_col[i]
+        if st >= 0 and trace.stacks[st]:
+            v = at_stacks.setdefault(trace.stacks[st][-1], [0, 0])
+            v[0] += b
+            v[1] += 1
+        c = _CATS[cat_col[i]]
+        cats[c] = cats.get(c, 0) + b
+        p = _PHASES[phase_col[i]]
+        phases[p] = phases.get(p, 0) + b
+
+    full = [it for it in iters if it.complete]
+    tail = full[1:] if len(full) > 2 else []  # the first iteration builds state (grads, optimizer)
+    leak = len(tail) >= 2 and all(it.retained_growth > 0 for it in tail)
+    return TraceSummary(
+        device=device,
+        events=n,
+        steps=steps,
+        peak=peaks,
+        peak_seq=peak_seq,
+        peak_time_ns=trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
+        final_live=trace.live_bytes(),
+        top_ops_allocated=_top({strings[k]: v for k, v in ops.items()}, top),
+        top_modules_allocated=_top({(strings[k] or "(no module)"): v for k, v in mods.items()}, top),
+        top_ops_at_peak=_top(at_ops, top),
+        top_modules_at_peak=_top(at_mods, top),
+        categories_at_peak=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        phases_at_peak=dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+        top_stacks_at_peak=_top(at_stacks, top),
+        iterations=iters,
+        leak_suspect=leak,
+        metadata=dict(trace.metadata),
+    )
+
+
+def category_series(
+    trace: Trace, device: str | None = None, max_points: int = 4000
+) -> tuple[list[int], list[int], dict[str, list[int]], list[int]]:
+    """Live bytes per category over time on one device, for plots.
+
+    Returns ``(seqs, times_ns, {category: bytes}, phases)`` sampled at most ``max_points`` times
+    (each sample is the event with the highest total in its bucket, so the peak is kept).
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.model.events import EventKind as K, Category as C
+        >>> tr = Trace()
+        >>> _ = tr.append(K.ALLOC, 0, "cpu", 10, 1, category=C.PARAMETER)
+        >>> _ = tr.append(K.ALLOC, 5, "cpu", 4, 2, category=C.ACTIVATION)
+        >>> seqs, t, series, _ = category_series(tr)
+        >>> seqs, series["parameter"], series["activation"]
+        ([0, 1], [10, 10], [0, 4])
+    """
+    peaks = trace.peak()
+    if device is None:
+        device = _main_device(trace, peaks)
+    want = trace.devices.index(device) if device in trace.devices else -1
+    ncat = len(_CATS)
+    live = [0] * ncat
+    cat_of: dict[int, int] = {}
+    rows: list[tuple[int, int, int, tuple[int, ...]]] = []
+    kind, dev, nbytes, sid_col, cat_col = (
+        trace.kind,
+        trace.device,
+        trace.nbytes,
+        trace.storage,
+        trace.category,
+    )
+    n = len(trace)
+    bucket = max(1, -(-n // max_points)) if max_points > 0 else 1
+    best: tuple[int, int, int, tuple[int, ...]] | None = None
+    best_total = -1
+    for i in range(n):
+        k = kind[i]
+        if k != _MARK and dev[i] == want:
+            if k == _ALLOC:
+                c = cat_col[i]
+                cat_of[sid_col[i]] = c
+                live[c] += nbytes[i]
+            else:
+                c = cat_of.pop(sid_col[i], cat_col[i])
+                live[c] -= nbytes[i]
+        total = sum(live)
+        if total > best_total:
+            best_total = total
+            best = (i, trace.time_ns[i], trace.phase[i], tuple(live))
+        if (i + 1) % bucket == 0 or i == n - 1:
+            assert best is not None
+            rows.append(best)
+            best = None
+            best_total = -1
+    seqs = [r[0] for r in rows]
+    times = [r[1] for r in rows]
+    phases = [r[2] for r in rows]
+    series = {name: [r[3][j] for r in rows] for j, name in enumerate(_CATS)}
+    return seqs, times, series, phases

@@ -1,0 +1,149 @@
+"""``torchmem ledger``: device usage now, or polled for a while; text table or JSON.
+
+Examples::
+
+    torchmem ledger                      # every available device, one reading
+    torchmem ledger --json               # the same as JSON
+    torchmem ledger --poll 5 --interval 0.5 --device cpu --json
+                                         # 5 s of readings from the background poller
+
+Example:
+    >>> import io, json, contextlib
+    >>> from torchmem.cli import main
+    >>> buf = io.StringIO()
+    >>> with contextlib.redirect_stdout(buf):
+    ...     code = main(["ledger", "--json", "--device", "cpu"])
+    >>> code, json.loads(buf.getvalue())["readings"][0]["device"]
+    (0, 'cpu')
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from torchmem.errors import DeviceError, InvalidInputError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``torchmem ledger``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> p.parse_args(["--poll", "2", "--json"]).poll
+        2.0
+    """
+    parser.add_argument(
+        "--device", action="append", default=None,
+        help="device to show (cpu, cuda, cuda:1); repeatable; default: every available device",
+    )
+    parser.add_argument(
+        "--poll", type=float, default=0.0, metavar="SECONDS",
+        help="keep reading for SECONDS with the background poller (default: one reading)",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.5, metavar="SECONDS",
+        help="seconds between readings when polling (default 0.5)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _devices(args: argparse.Namespace) -> list[str]:
+    from torchmem.devices import available_devices, normalize_device
+
+    present = available_devices()
+    if not args.device:
+        return present
+    out: list[str] = []
+    for d in args.device:
+        if str(d).strip().lower() == "cuda":
+            cudas = [p for p in present if p.startswith("cuda:")]
+            if not cudas:
+                raise DeviceError(
+                    f"no CUDA device on this machine; available: {', '.join(present)}"
+                )
+            out.extend(cudas)
+            continue
+        name = normalize_device(d)
+        if name not in present:
+            raise DeviceError(
+                f"device {d!r} is not available here; available: {', '.join(present)}"
+            )
+        out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def _table(rows: list[Any]) -> str:
+    from torchmem.units import format_bytes
+
+    head = f"{'device':<8} {'total':>12} {'used':>12} {'used %':>7} {'process':>12} {'source':<10}"
+    lines = [head]
+    for u in rows:
+        proc = format_bytes(u.process) if u.process is not None else "-"
+        lines.append(
+            f"{u.device:<8} {format_bytes(u.total):>12} {format_bytes(u.used):>12} "
+            f"{u.used_pct:>6.1f}% {proc:>12} {u.source:<10}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print device usage; return 0.
+
+    Example:
+        >>> run(argparse.Namespace(device=["cpu"], poll=0.0, interval=0.5, json=False))  # doctest: +ELLIPSIS
+        device ...
+        0
+    """
+    from torchmem.devices import UsagePoller, poll_usage
+
+    if args.poll < 0 or args.interval <= 0:
+        raise InvalidInputError(
+            f"--poll must be >= 0 and --interval > 0 seconds, got --poll {args.poll} "
+            f"--interval {args.interval}"
+        )
+    devices = _devices(args)
+    if args.poll == 0:
+        rows = [poll_usage(d) for d in devices]
+        if args.json:
+            print(json.dumps({"readings": [u.as_dict() for u in rows]}, indent=2))
+        else:
+            print(_table(rows))
+        return 0
+
+    tty = sys.stderr.isatty()
+    readings: list[dict[str, Any]] = []
+    end = time.monotonic() + args.poll
+    with UsagePoller(interval=args.interval) as poller:
+        n = 0
+        last: dict[str, float] = {}
+        while True:
+            rows = []
+            for d in devices:
+                u = poller.usage(d)
+                if u is not None and last.get(d) != u.time:  # only new readings
+                    last[d] = u.time
+                    rows.append(u)
+            n += 1
+            if args.json:
+                readings.extend(u.as_dict() for u in rows)
+            elif rows:
+                print(_table(rows) + "\n", flush=True)
+            left = end - time.monotonic()
+            if tty:
+                print(f"\rtorchmem ledger: reading {n}, {max(left, 0):.1f}s left ", end="",
+                      file=sys.stderr, flush=True)
+            if left <= 0:
+                break
+            time.sleep(min(args.interval, left))
+    if tty:
+        print(file=sys.stderr)
+    if args.json:
+        print(json.dumps({"interval": args.interval, "seconds": args.poll, "readings": readings},
+                         indent=2))
+    return 0

@@ -1,0 +1,55 @@
+"""``torchmem summary TRACE [--json]``: summarise a saved trace (no torch needed).
+
+Example:
+    >>> from torchmem.cli import main
+    >>> main(["summary", "/no/such.tmtrace"])
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``torchmem summary``.
+
+    Example:
+        >>> import argparse
+        >>> p = argparse.ArgumentParser(); add_arguments(p); p.parse_args(["t", "--json"]).json
+        True
+    """
+    parser.add_argument("trace", help="a .tmtrace file written by 'torchmem run' or tracker.save()")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--top", type=int, default=10, help="rows per table (default 10)")
+    parser.add_argument("--device", default=None, help="device to summarise (default: highest peak)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the trace, summarise and print it.
+
+    Example:
+        >>> import argparse
+        >>> run(argparse.Namespace(trace="/no/such.tmtrace", json=False, top=5, device=None))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+    """
+    from torchmem.analysis.tracking import summarize_trace
+    from torchmem.errors import InvalidInputError
+    from torchmem.model.trace import load_trace
+    from torchmem.report.summary import render_summary, summary_json
+
+    trace = load_trace(args.trace)
+    if args.device is not None and args.device not in trace.devices:
+        raise InvalidInputError(
+            f"device {args.device!r} is not in this trace; it has: {', '.join(trace.devices) or 'none'}"
+        )
+    summary = summarize_trace(trace, top=args.top, device=args.device)
+    if args.json:
+        print(summary_json(summary))
+    else:
+        render_summary(summary)
+    return 0

@@ -1,0 +1,481 @@
+"""Device capacity and usage: what a device holds now, read once or polled in the background.
+
+Sources, in order of preference:
+
+* ``cpu``: :mod:`psutil` -- system memory (``total``, ``used = total - available``) and this
+  process's resident set size (``process``).
+* ``cuda:i``: NVML through ``nvidia-ml-py`` (optional extra ``torchmem[nvml]``; needs no CUDA
+  context), else :func:`torch.cuda.mem_get_info`. ``process`` is this process's NVML figure when
+  the driver reports it, else PyTorch's reserved bytes for that device.
+
+Devices absent on this machine are skipped cleanly: :func:`available_devices` lists only those
+that exist, :func:`poll_usage` raises :class:`~torchmem.errors.DeviceError` for the others and
+:meth:`UsagePoller.usage` returns ``None`` for them.
+
+:class:`UsagePoller` runs one daemon thread per device that someone asked about, at a configurable
+interval; threads start on the first :meth:`~UsagePoller.usage` call for a device, stop on
+:meth:`~UsagePoller.close` and at interpreter exit. Anything with a ``usage(device) ->
+DeviceUsage | None`` method is a *usage source* (see :class:`UsageSource`); the ledger's auto-GC
+reads one, and tests inject their own.
+
+Example:
+    >>> u = poll_usage("cpu")
+    >>> u.device, u.total > 0, 0 <= u.used_pct <= 100, u.process is not None and u.process > 0
+    ('cpu', True, True, True)
+    >>> with UsagePoller(interval=0.05) as poller:
+    ...     poller.usage("cpu").total == u.total
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.units import format_bytes
+
+__all__ = [
+    "DeviceUsage",
+    "UsageSource",
+    "UsagePoller",
+    "available_devices",
+    "poll_usage",
+    "poll_all",
+    "normalize_device",
+]
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """One reading of a device's memory: capacity, used bytes and used percent.
+
+    ``process`` is this process's share where the source knows it (RSS on CPU), else ``None``.
+    ``time`` is :func:`time.time` at the reading; ``source`` names where it came from
+    (``"psutil"``, ``"nvml"``, ``"torch.cuda"`` or a test's own name).
+
+    Example:
+        >>> u = DeviceUsage("cuda:0", total=80 * 2**30, used=20 * 2**30)
+        >>> u.used_pct, u.free, str(u)
+        (25.0, 64424509440, 'cuda:0: 20.00 GiB / 80.00 GiB used (25.0%)')
+    """
+
+    device: str
+    total: int
+    used: int
+    process: Optional[int] = None
+    source: str = "manual"
+    time: float = 0.0
+
+    @property
+    def used_pct(self) -> float:
+        """Used bytes as a percentage of capacity (0.0 when capacity is unknown).
+
+        Example:
+            >>> DeviceUsage("cpu", total=200, used=50).used_pct
+            25.0
+        """
+        return 100.0 * self.used / self.total if self.total > 0 else 0.0
+
+    @property
+    def free(self) -> int:
+        """Capacity minus used bytes (never negative).
+
+        Example:
+            >>> DeviceUsage("cpu", total=200, used=50).free
+            150
+        """
+        return max(0, self.total - self.used)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-dict form for JSON (bytes stay ints).
+
+        Example:
+            >>> DeviceUsage("cpu", 100, 25, source="x").as_dict()["used_pct"]
+            25.0
+        """
+        return {
+            "device": self.device,
+            "total": self.total,
+            "used": self.used,
+            "free": self.free,
+            "used_pct": round(self.used_pct, 3),
+            "process": self.process,
+            "source": self.source,
+            "time": self.time,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"{self.device}: {format_bytes(self.used)} / {format_bytes(self.total)} used "
+            f"({self.used_pct:.1f}%)"
+        )
+
+
+@runtime_checkable
+class UsageSource(Protocol):
+    """Anything that answers ``usage(device) -> DeviceUsage | None`` without blocking for long.
+
+    The ledger's auto-GC reads the device's used % from one. :class:`UsagePoller` is the real one;
+    a test can pass its own object.
+
+    Example:
+        >>> class Fixed:
+        ...     def usage(self, device):
+        ...         return DeviceUsage(device, total=100, used=90)
+        >>> isinstance(Fixed(), UsageSource), Fixed().usage("cpu").used_pct
+        (True, 90.0)
+    """
+
+    def usage(self, device: str) -> Optional[DeviceUsage]: ...
+
+
+def normalize_device(device: Any) -> str:
+    """Canonical device name for polling: ``'cpu'`` or ``'cuda:<index>'`` (``'cuda'`` -> ``'cuda:0'``).
+
+    Accepts a string, a ``torch.device`` or an int (a CUDA index).
+
+    Example:
+        >>> normalize_device("cuda"), normalize_device(1), normalize_device("cpu")
+        ('cuda:0', 'cuda:1', 'cpu')
+    """
+    if isinstance(device, bool):
+        raise InvalidInputError(f"expected a device such as 'cpu' or 'cuda:0', got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise DeviceError(f"expected a non-negative CUDA index, got {device}")
+        return f"cuda:{device}"
+    text = str(device).strip().lower()
+    if text == "cpu":
+        return "cpu"
+    if text == "cuda":
+        return "cuda:0"
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return f"cuda:{int(text[5:])}"
+    raise DeviceError(
+        f"expected a device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}; "
+        "usage polling knows CPU and CUDA devices only"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+def _cpu_usage() -> DeviceUsage:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    try:
+        rss: Optional[int] = int(psutil.Process(os.getpid()).memory_info().rss)
+    except Exception:  # pragma: no cover - psutil cannot read our own process
+        rss = None
+    total = int(vm.total)
+    return DeviceUsage(
+        "cpu", total=total, used=total - int(vm.available), process=rss, source="psutil",
+        time=time.time(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: NVML when available (no CUDA context needed), else torch.cuda.mem_get_info
+
+_nvml_lock = threading.Lock()
+_nvml_state: dict[str, Any] = {"tried": False, "ok": False}
+
+
+def _nvml() -> Any:
+    """The ``pynvml`` module after a successful ``nvmlInit``, or ``None``."""
+    with _nvml_lock:
+        if not _nvml_state["tried"]:
+            _nvml_state["tried"] = True
+            try:
+                import pynvml  # from the nvidia-ml-py package
+
+                pynvml.nvmlInit()
+                _nvml_state["ok"] = True
+                _nvml_state["mod"] = pynvml
+            except Exception:  # no package, no driver, no GPU
+                _nvml_state["ok"] = False
+        return _nvml_state.get("mod") if _nvml_state["ok"] else None
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _nvml_handle(nv: Any, index: int) -> Any:
+    # torch's index follows CUDA_VISIBLE_DEVICES; NVML's does not. Match by UUID when we can.
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        if uuid:
+            key = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+            return nv.nvmlDeviceGetHandleByUUID(key)
+    except Exception:
+        pass
+    return nv.nvmlDeviceGetHandleByIndex(index)
+
+
+def _cuda_usage(index: int) -> DeviceUsage:
+    import torch
+
+    name = f"cuda:{index}"
+    nv = _nvml()
+    if nv is not None:
+        try:
+            h = _nvml_handle(nv, index)
+            info = nv.nvmlDeviceGetMemoryInfo(h)
+            proc: Optional[int] = None
+            try:
+                pid = os.getpid()
+                for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                    if int(p.pid) == pid and p.usedGpuMemory is not None:
+                        proc = int(p.usedGpuMemory)
+            except Exception:
+                proc = None
+            return DeviceUsage(
+                name, total=int(info.total), used=int(info.used), process=proc, source="nvml",
+                time=time.time(),
+            )
+        except Exception:
+            pass  # fall back to torch
+    free, total = torch.cuda.mem_get_info(index)
+    return DeviceUsage(
+        name, total=int(total), used=int(total) - int(free),
+        process=int(torch.cuda.memory_reserved(index)), source="torch.cuda", time=time.time(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# public one-shot functions
+
+
+def available_devices() -> list[str]:
+    """Devices whose usage can be polled here: ``'cpu'`` then each visible ``'cuda:i'``.
+
+    Example:
+        >>> import torch
+        >>> available_devices() == ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        True
+    """
+    return ["cpu"] + [f"cuda:{i}" for i in range(_cuda_count())]
+
+
+def poll_usage(device: Any = "cpu") -> DeviceUsage:
+    """Read one device's usage now (synchronously).
+
+    Raises :class:`~torchmem.errors.DeviceError` for a device absent on this machine.
+
+    Example:
+        >>> import psutil
+        >>> poll_usage("cpu").total == psutil.virtual_memory().total
+        True
+        >>> poll_usage("cuda:0")  # doctest: +SKIP
+        DeviceUsage(device='cuda:0', total=..., used=..., ...)
+    """
+    name = normalize_device(device)
+    if name == "cpu":
+        return _cpu_usage()
+    index = int(name.split(":")[1])
+    count = _cuda_count()
+    if index >= count:
+        raise DeviceError(
+            f"cannot poll {name}: this machine has {count} visible CUDA device(s); "
+            f"use one of {available_devices()} (see torchmem.available_devices())"
+        )
+    return _cuda_usage(index)
+
+
+def poll_all() -> dict[str, DeviceUsage]:
+    """Usage of every available device, read now.
+
+    Example:
+        >>> sorted(poll_all()) == sorted(available_devices())
+        True
+    """
+    out: dict[str, DeviceUsage] = {}
+    for name in available_devices():
+        try:
+            out[name] = poll_usage(name)
+        except Exception:  # a device that vanished or a driver error: skip it
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# background polling
+
+_live_pollers: weakref.WeakSet[UsagePoller] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def _close_all_pollers() -> None:  # atexit
+    with _live_lock:
+        pollers = list(_live_pollers)
+    for p in pollers:
+        p.close()
+
+
+atexit.register(_close_all_pollers)
+
+
+class _DeviceThread:
+    """One daemon thread refreshing one device's reading."""
+
+    def __init__(self, owner: UsagePoller, device: str, first: DeviceUsage) -> None:
+        self.device = device
+        self.latest = first
+        self.reads = 1
+        self.errors = 0
+        self.stop = threading.Event()
+        owner_ref = weakref.ref(owner)
+        self.thread = threading.Thread(
+            target=self._run, args=(owner_ref,), name=f"torchmem-usage-{device}", daemon=True
+        )
+
+    def _run(self, owner_ref: weakref.ref[UsagePoller]) -> None:
+        while True:
+            owner = owner_ref()
+            if owner is None:
+                return
+            interval = owner.interval
+            read = owner._read
+            del owner  # do not keep the poller alive while sleeping
+            if self.stop.wait(interval):
+                return
+            try:
+                self.latest = read(self.device)
+                self.reads += 1
+            except Exception:
+                self.errors += 1
+
+
+class UsagePoller:
+    """Background usage polling: one daemon thread per device asked about, at ``interval`` seconds.
+
+    :meth:`usage` returns the latest reading without blocking (the first call for a device reads
+    synchronously and starts that device's thread). Absent devices give ``None`` and start no
+    thread. :meth:`close` stops and joins every thread; pollers still open at interpreter exit are
+    closed by an ``atexit`` handler. Usable as a context manager.
+
+    ``reader`` replaces the real reading function (``poll_usage``) -- e.g. to feed a fixed
+    sequence of readings through the real threads.
+
+    Example:
+        >>> p = UsagePoller(interval=0.05)
+        >>> p.usage("cpu").source, p.running_devices()
+        ('psutil', ['cpu'])
+        >>> p.close(); p.running_devices()
+        []
+    """
+
+    def __init__(self, interval: float = 0.2, *, reader: Any = None) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise InvalidInputError(
+                f"UsagePoller interval must be a positive number of seconds, got {interval!r}; "
+                "try 0.2"
+            )
+        self.interval = float(interval)
+        self._read = reader if reader is not None else poll_usage
+        self._threads: dict[str, _DeviceThread] = {}
+        self._absent: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        with _live_lock:
+            _live_pollers.add(self)
+
+    def usage(self, device: Any) -> Optional[DeviceUsage]:
+        """Latest reading for ``device`` (``'cpu'``, ``'cuda:1'``, ...), or ``None`` if absent.
+
+        Example:
+            >>> with UsagePoller() as p:
+            ...     p.usage("cpu").device, p.usage("cuda:99")
+            ('cpu', None)
+        """
+        t = self._threads.get(device)  # fast path: an already polled canonical name
+        if t is not None:
+            return t.latest
+        try:
+            name = normalize_device(device)
+        except DeviceError:
+            return None  # meta, mps, ...: nothing to poll
+        t = self._threads.get(name)
+        if t is not None:
+            return t.latest
+        if name in self._absent or self._closed:
+            return None
+        with self._lock:
+            t = self._threads.get(name)
+            if t is not None:
+                return t.latest
+            try:
+                first = self._read(name)
+            except DeviceError:
+                self._absent.add(name)
+                return None
+            if first is None:
+                self._absent.add(name)
+                return None
+            t = _DeviceThread(self, name, first)
+            self._threads[name] = t
+            t.thread.start()
+            return first
+
+    def reads(self, device: Any) -> int:
+        """How many readings this poller took for ``device`` so far (0 if never polled).
+
+        Example:
+            >>> with UsagePoller() as p:
+            ...     _ = p.usage("cpu"); p.reads("cpu") >= 1
+            True
+        """
+        t = self._threads.get(normalize_device(device))
+        return t.reads if t is not None else 0
+
+    def running_devices(self) -> list[str]:
+        """Devices whose polling thread is alive.
+
+        Example:
+            >>> UsagePoller().running_devices()
+            []
+        """
+        return sorted(n for n, t in self._threads.items() if t.thread.is_alive())
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop and join every polling thread (idempotent).
+
+        Example:
+            >>> p = UsagePoller(); p.close(); p.close()
+        """
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads.values())
+            self._threads.clear()
+        for t in threads:
+            t.stop.set()
+        for t in threads:
+            if t.thread is not threading.current_thread():
+                t.thread.join(timeout)
+        with _live_lock:
+            _live_pollers.discard(self)
+
+    def __enter__(self) -> UsagePoller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"UsagePoller(interval={self.interval}, devices={self.running_devices()})"

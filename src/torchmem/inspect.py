@@ -1,0 +1,384 @@
+"""Storage census: exact tensor memory of a module, an optimizer, given tensors or the process.
+
+:func:`inspect_memory` walks what you give it, names every tensor (``encoder.layers.0.linear1.
+weight``, ``encoder.layers.0.linear1.weight.grad``, ``state[encoder.0.weight].exp_avg``), groups
+tensors by storage and returns a :class:`~torchmem.model.report.MemoryReport` with per-device,
+per-category and per-tensor numbers in which shared storage (tied weights, views, buffers that
+view parameters, ``expand``) is counted once and the sharing is listed.
+
+The work is linear in the number of tensors (one dict lookup per tensor, a sort per storage), so
+a scan of every live tensor (``all_live=True``, based on :func:`gc.get_objects`) stays fast with
+tens of thousands of tensors.
+
+Example:
+    >>> import torch, torchmem
+    >>> lin = torch.nn.Linear(4, 4)                         # 64 + 16 bytes
+    >>> lin.register_buffer("w_t", lin.weight.detach().t()) # a view: no new bytes
+    >>> r = torchmem.inspect_memory(lin)
+    >>> r.unique_bytes, r.naive_bytes
+    ({'cpu': 80}, {'cpu': 144})
+    >>> r.sharing_groups
+    [['weight', 'w_t']]
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from torchmem.errors import InvalidInputError, UnsupportedTensorError
+from torchmem.model.report import MemoryReport, StorageRecord, TensorRecord
+from torchmem.storage import _check_tensor, device_str, merge_spans
+
+__all__ = ["inspect_memory", "Census", "param_names"]
+
+
+def param_names(module: torch.nn.Module) -> dict[int, str]:
+    """``{id(param): qualified name}`` for the parameters of ``module`` (first name wins).
+
+    The ids are only meaningful while ``module`` holds its parameters; use the mapping at once.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> sorted(param_names(m).values())
+        ['0.bias', '0.weight']
+    """
+    out: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
+
+
+class Census:
+    """Accumulates named tensors and builds a :class:`MemoryReport` (used by inspect_memory).
+
+    Each distinct tensor object becomes one row; further names of the same object become its
+    aliases. The census holds strong references to the tensors it was given until
+    :meth:`report` returns, so identities cannot be reused meanwhile.
+
+    Example:
+        >>> import torch
+        >>> c = Census()
+        >>> x = torch.zeros(4)
+        >>> c.add("x", x, "other"); c.add("x_view", x[1:], "other"); c.add("again", x, "other")
+        >>> r = c.report()
+        >>> [t.names for t in r.tensors], r.unique_bytes
+        ([['x', 'again'], ['x_view']], {'cpu': 16})
+    """
+
+    def __init__(self) -> None:
+        self._index: dict[int, int] = {}  # id(tensor) -> row; valid because _keep holds them
+        self._keep: list[torch.Tensor] = []
+        self._storages: list[torch.UntypedStorage] = []
+        self._names: list[list[str]] = []
+        self._cats: list[str] = []
+        self.skipped = 0
+        self.skipped_kinds: dict[str, int] = {}
+
+    def __contains__(self, t: object) -> bool:
+        return id(t) in self._index and self._keep[self._index[id(t)]] is t
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        """The first name ``t`` was added under, or None.
+
+        Example:
+            >>> import torch
+            >>> c = Census(); x = torch.zeros(1); c.add("x", x, "other"); c.name_of(x)
+            'x'
+        """
+        i = self._index.get(id(t))
+        if i is None or self._keep[i] is not t:
+            return None
+        return self._names[i][0]
+
+    def add(self, name: str, t: torch.Tensor, category: str, *, strict: bool = True) -> None:
+        """Add tensor ``t`` under ``name``; a second name for the same object becomes an alias.
+
+        With ``strict=False`` an unmeasurable tensor (sparse, nested, no storage) is counted in
+        ``skipped`` instead of raising.
+
+        Example:
+            >>> import torch
+            >>> c = Census(); c.add("s", torch.eye(2).to_sparse(), "other", strict=False)
+            >>> c.skipped, c.skipped_kinds
+            (1, {'layout torch.sparse_coo': 1})
+        """
+        i = self._index.get(id(t))
+        if i is not None and self._keep[i] is t:
+            if name not in self._names[i]:
+                self._names[i].append(name)
+            return
+        try:
+            _check_tensor(t, name)
+            storage = t.untyped_storage()
+        except UnsupportedTensorError:
+            if strict:
+                raise
+            kind = "nested" if getattr(t, "is_nested", False) else f"layout {t.layout}"
+            self._skip(kind)
+            return
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            if strict:
+                raise UnsupportedTensorError(
+                    f"{name}: cannot read the storage of this {type(t).__name__} ({e}); "
+                    "torchmem measures tensors that have an untyped storage. Fix: pass its "
+                    "inner tensors instead."
+                ) from e
+            self._skip(f"no storage ({type(t).__name__})")
+            return
+        self._index[id(t)] = len(self._keep)
+        self._keep.append(t)
+        self._storages.append(storage)
+        self._names.append([name])
+        self._cats.append(category)
+
+    def _skip(self, kind: str) -> None:
+        self.skipped += 1
+        self.skipped_kinds[kind] = self.skipped_kinds.get(kind, 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._keep)
+
+    def report(self, source: str = "") -> MemoryReport:
+        """Group by storage, merge byte spans and return the report.
+
+        Example:
+            >>> Census().report().tensors
+            []
+        """
+        dev_cache: dict[torch.device, str] = {}
+        dtype_cache: dict[torch.dtype, tuple[str, int]] = {}
+        storage_row: dict[int, int] = {}  # storage _cdata -> index (storages held in _storages)
+        storages: list[StorageRecord] = []
+        spans: list[list[tuple[int, int]]] = []
+        tensors: list[TensorRecord] = []
+        for t, s, names, cat in zip(self._keep, self._storages, self._names, self._cats):
+            key = s._cdata
+            device = t.device
+            dev = dev_cache.get(device)
+            if dev is None:
+                dev = dev_cache[device] = device_str(device)
+            dt = dtype_cache.get(t.dtype)
+            if dt is None:
+                dt = dtype_cache[t.dtype] = (str(t.dtype)[6:], t.element_size())
+            si = storage_row.get(key)
+            if si is None:
+                si = storage_row[key] = len(storages)
+                storages.append(StorageRecord(si, dev, int(s.nbytes()), 0, [], [cat]))
+                spans.append([])
+            rec = storages[si]
+            rec.names.extend(names)
+            if cat not in rec.categories:
+                rec.categories.append(cat)
+            # byte span, as torchmem.storage.tensor_span (inlined: this loop is the hot path)
+            es = dt[1]
+            shape = tuple(t.shape)
+            stride = t.stride()
+            offset = int(t.storage_offset())
+            start = end = offset * es
+            if t.numel():
+                lo = hi = 0
+                for size, st in zip(shape, stride):
+                    reach = (size - 1) * st
+                    if reach < 0:
+                        lo += reach
+                    else:
+                        hi += reach
+                start, end = (offset + lo) * es, (offset + hi + 1) * es
+            spans[si].append((start, end))
+            tensors.append(TensorRecord(
+                names[0], cat, dev, dt[0], shape, stride, offset, es, start, end, si,
+                names[1:], t.requires_grad, type(t).__name__,
+            ))
+        for rec, sp in zip(storages, spans):
+            if len(sp) == 1:
+                rec.used_bytes = sp[0][1] - sp[0][0]
+            else:
+                rec.used_bytes = sum(m.nbytes for m in merge_spans(sp))
+        return MemoryReport(tensors=tensors, storages=storages, source=source,
+                            skipped=self.skipped, skipped_kinds=dict(self.skipped_kinds))
+
+
+def _add_module(c: Census, module: torch.nn.Module, prefix: str = "") -> None:
+    for name, p in module.named_parameters(remove_duplicate=False):
+        c.add(prefix + name, p, "parameter")
+    for name, b in module.named_buffers(remove_duplicate=False):
+        c.add(prefix + name, b, "buffer")
+    seen: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.grad is not None:
+            c.add(prefix + name + ".grad", p.grad, "gradient")
+
+
+def _iter_state_tensors(value: Any, name: str) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _iter_state_tensors(v, f"{name}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _iter_state_tensors(v, f"{name}.{k}")
+
+
+def _add_optimizer(c: Census, optimizer: torch.optim.Optimizer) -> None:
+    names: dict[int, str] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            known = c.name_of(p)
+            if known is None:
+                known = f"param_groups[{g}].params[{i}]"
+                c.add(known, p, "parameter")
+                if p.grad is not None:
+                    c.add(known + ".grad", p.grad, "gradient")
+            names.setdefault(id(p), known)
+    for j, (p, st) in enumerate(optimizer.state.items()):
+        pname = names.get(id(p)) if isinstance(p, torch.Tensor) else None
+        if pname is None:
+            pname = f"#{j}"
+        for key, value in st.items():
+            for name, t in _iter_state_tensors(value, f"state[{pname}].{key}"):
+                c.add(name, t, "optimizer_state")
+
+
+def _add_tensors(c: Census, tensors: Any) -> None:
+    if isinstance(tensors, torch.Tensor):
+        c.add("tensor", tensors, "other")
+        return
+    if isinstance(tensors, Mapping):
+        for k, v in tensors.items():
+            if not isinstance(v, torch.Tensor):
+                raise InvalidInputError(
+                    f"tensors[{k!r}] should be a torch.Tensor, got {type(v).__name__}; "
+                    "fix: pass a mapping of names to tensors"
+                )
+            c.add(str(k), v, "other")
+        return
+    if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+        raise InvalidInputError(
+            "tensors= expected a tensor, an iterable of tensors or a mapping name -> tensor, "
+            f"got {type(tensors).__name__}"
+        )
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(
+                f"tensors[{i}] should be a torch.Tensor, got {type(t).__name__}"
+            )
+        c.add(f"tensors[{i}]", t, "other")
+
+
+def _tensor_types() -> set[type]:
+    """torch.Tensor and every subclass currently defined (Parameter, FakeTensor, user classes)."""
+    out: set[type] = set()
+    stack: list[type] = [torch.Tensor]
+    while stack:
+        cls = stack.pop()
+        if cls not in out:
+            out.add(cls)
+            stack.extend(cls.__subclasses__())
+    return out
+
+
+def _add_live(c: Census) -> None:
+    # One set lookup per gc object on its exact type (a comprehension, no per-object Python
+    # call); type() rather than isinstance(), which consults __class__ and makes some lazy
+    # objects (deprecated torch.distributed aliases) emit warnings.
+    types = _tensor_types()
+    found = [obj for obj in gc.get_objects() if type(obj) in types]
+    for n, obj in enumerate(t for t in found if t not in c):
+        c.add(f"live[{n}]", obj, "other", strict=False)
+
+
+def inspect_memory(
+    module: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    tensors: torch.Tensor | Iterable[torch.Tensor] | Mapping[str, torch.Tensor] | None = None,
+    all_live: bool = False,
+    *,
+    collect_garbage: bool = True,
+) -> MemoryReport:
+    """Exact storage report of a module, an optimizer, given tensors and/or every live tensor.
+
+    - ``module``: parameters (category ``parameter``), buffers (``buffer``) and ``.grad`` of
+      parameters (``gradient``), named by their qualified names; a tied weight lists all its names.
+    - ``optimizer``: its state tensors (``optimizer_state``), named ``state[<param>].<key>``
+      where ``<param>`` is the qualified parameter name when ``module`` is given too, else
+      ``param_groups[g].params[i]``; parameters not in ``module`` are added as parameters.
+    - ``tensors``: a tensor, an iterable (named ``tensors[i]``) or a mapping ``name -> tensor``.
+    - ``all_live=True``: every tensor the garbage collector can see (after ``gc.collect()``
+      unless ``collect_garbage=False``), named ``live[i]`` unless already named above;
+      unmeasurable ones (sparse, nested) are counted in ``report.skipped``.
+
+    With no arguments, every live tensor is reported. Raises
+    :class:`~torchmem.errors.InvalidInputError` for arguments of the wrong type and
+    :class:`~torchmem.errors.UnsupportedTensorError` for sparse/nested tensors given explicitly.
+
+    Example:
+        >>> import torch, torchmem
+        >>> emb = torch.nn.Embedding(10, 4); head = torch.nn.Linear(4, 10, bias=False)
+        >>> head.weight = emb.weight                          # tied: 160 bytes once
+        >>> model = torch.nn.Sequential(emb, head)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model(torch.tensor([1, 2])).sum().backward(); opt.step()
+        >>> r = torchmem.inspect_memory(model, opt)
+        >>> r.by_category
+        {'cpu': {'parameter': 160, 'gradient': 160, 'optimizer_state': 160}}
+        >>> r.tensor("1.weight").name, [t.name for t in r.tensors][1:]
+        ('0.weight', ['0.weight.grad', 'state[0.weight].momentum_buffer'])
+    """
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise InvalidInputError(
+            f"module= expected a torch.nn.Module, got {type(module).__module__}."
+            f"{type(module).__name__}; fix: pass the model (or use tensors= for plain tensors)"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"optimizer= expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    nothing = module is None and optimizer is None and tensors is None
+    # The census allocates a few objects per tensor; with tens of thousands of tensors the
+    # cyclic GC would otherwise rescan the whole heap repeatedly (quadratic-looking time).
+    # Pause it for the duration and restore the caller's setting.
+    was_enabled = gc.isenabled()
+    if all_live or nothing:
+        _collect_first = collect_garbage
+    else:
+        _collect_first = False
+    if _collect_first:
+        gc.collect()
+    gc.disable()
+    try:
+        return _inspect(module, optimizer, tensors, all_live or nothing)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _inspect(
+    module: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    tensors: Any,
+    live: bool,
+) -> MemoryReport:
+    c = Census()
+    parts = []
+    if module is not None:
+        _add_module(c, module)
+        parts.append(f"module {type(module).__name__}")
+    if optimizer is not None:
+        _add_optimizer(c, optimizer)
+        parts.append(f"optimizer {type(optimizer).__name__}")
+    if tensors is not None:
+        _add_tensors(c, tensors)
+        parts.append("tensors")
+    if live:
+        _add_live(c)
+        parts.append("all live tensors")
+    return c.report(source=", ".join(parts))

@@ -1,0 +1,192 @@
+"""Plain-text renderers for snapshot analyses (no torch): stats, peak, diff, trace, OOM.
+
+Every function returns a ``str`` (or yields lines); bytes are formatted here, at the edge, with
+:func:`torchmem.units.format_bytes`.
+
+Example:
+    >>> from torchmem.analysis.snapshot import SnapshotStats, DeviceStats
+    >>> print(render_stats(SnapshotStats([DeviceStats(0, "cuda:0", reserved_bytes=2097152)])).splitlines()[0])
+    cuda:0  (device 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torchmem.units import format_bytes
+
+__all__ = ["render_stats", "render_peak", "render_diff", "render_trace", "render_oom"]
+
+
+def _b(n: int) -> str:
+    return format_bytes(n)
+
+
+def render_stats(stats: Any) -> str:
+    """Render :class:`~torchmem.analysis.snapshot.SnapshotStats`.
+
+    Example:
+        >>> from torchmem.analysis.snapshot import SnapshotStats
+        >>> render_stats(SnapshotStats([]))
+        'no devices in this snapshot (no segments and no trace entries)\\n'
+    """
+    out: list[str] = []
+    if not stats.devices:
+        out.append("no devices in this snapshot (no segments and no trace entries)")
+    for d in stats.devices:
+        out.append(f"{d.name}  (device {d.device})")
+        rows = [
+            ("reserved", _b(d.reserved_bytes), f"{d.segments} segments"),
+            ("allocated", _b(d.allocated_bytes), f"{d.blocks - d.inactive_blocks} active blocks"),
+            ("active", _b(d.active_bytes), f"pending free {_b(d.pending_free_bytes)}"),
+            ("requested", _b(d.requested_bytes), f"rounding slack {_b(d.rounding_slack_bytes)}"),
+            ("free in segments", _b(d.free_bytes), f"{d.inactive_blocks} inactive blocks"),
+            ("largest free block", _b(d.largest_free_block),
+             f"fragmentation {d.fragmentation * 100:.1f}%"),
+            ("expandable segments", "yes" if d.expandable_segments else "no", ""),
+        ]
+        for name, val, extra in rows:
+            out.append(f"  {name:<20} {val:>12}  {extra}".rstrip())
+        if d.pools:
+            out.append("  pools:")
+            for name, p in sorted(d.pools.items()):
+                out.append(
+                    f"    {name:<18} reserved {_b(p.reserved_bytes):>11}  allocated "
+                    f"{_b(p.allocated_bytes):>11}  free {_b(p.free_bytes):>11}  "
+                    f"{p.segments} segments, {p.blocks} blocks"
+                )
+        if len(d.streams) > 1 or (d.streams and 0 not in d.streams):
+            out.append("  streams:")
+            for s, p in sorted(d.streams.items()):
+                out.append(
+                    f"    stream {s:<11} reserved {_b(p.reserved_bytes):>11}  allocated "
+                    f"{_b(p.allocated_bytes):>11}  free {_b(p.free_bytes):>11}"
+                )
+        if d.trace_entries:
+            acts = ", ".join(f"{k} {v}" for k, v in d.trace_actions.items())
+            out.append(f"  trace: {d.trace_entries} entries ({acts})")
+    if stats.allocator_settings:
+        s = dict(stats.allocator_settings)
+        ms = s.get("max_split_size")
+        if ms == -1:
+            s["max_split_size"] = "unlimited (-1)"
+        r = s.pop("roundup_power2_divisions", None)
+        out.append("allocator settings:")
+        for k, v in s.items():
+            out.append(f"  {k} = {v!r}")
+        if isinstance(r, dict):
+            on = {k: v for k, v in r.items() if v}
+            out.append(f"  roundup_power2_divisions = {on if on else 'off'}")
+    for n in stats.notes:
+        out.append(f"note: {n}")
+    return "\n".join(out) + "\n"
+
+
+def _groups(title: str, groups: Iterable[Any], total: int) -> list[str]:
+    lines = [f"  {title}"]
+    any_ = False
+    for g in groups:
+        any_ = True
+        pct = 100.0 * g.bytes / total if total else 0.0
+        lines.append(f"    {_b(g.bytes):>11} {pct:5.1f}%  {g.count:>6} allocs  {g.stack[0]}")
+        for fr in g.stack[1:]:
+            lines.append(f"    {'':>11} {'':>6}  {'':>6}         {fr}")
+    if not any_:
+        lines.append("    (nothing live)")
+    return lines
+
+
+def render_peak(report: Any) -> str:
+    """Render :class:`~torchmem.analysis.snapshot.PeakReport`.
+
+    Example:
+        >>> from torchmem.analysis.snapshot import PeakReport, DevicePeak
+        >>> print(render_peak(PeakReport([DevicePeak(0, "cuda:0", 1024, 3, None, 0, 512, 4)])).splitlines()[0])
+        cuda:0: peak allocated 1.00 KiB after trace entry 3 of 4 (start 0 B, end 512 B)
+    """
+    out: list[str] = []
+    for d in report.devices:
+        out.append(
+            f"{d.name}: peak allocated {_b(d.peak_allocated_bytes)} after trace entry "
+            f"{d.peak_index} of {d.trace_entries} (start {_b(d.initial_allocated_bytes)}, "
+            f"end {_b(d.end_allocated_bytes)})"
+        )
+        if not d.consistent:
+            out.append(
+                "  warning: the trace does not agree with the end state (allocations at live "
+                "addresses or a negative start); figures are approximate"
+            )
+        out += _groups("live at the peak, by stack:", d.at_peak, d.peak_allocated_bytes)
+        out += _groups("live at the end, by stack:", d.at_end, d.end_allocated_bytes)
+    if not report.devices:
+        out.append("no devices in this snapshot")
+    return "\n".join(out) + "\n"
+
+
+def render_diff(diff: Any, top: int | None = 20) -> str:
+    """Render :class:`~torchmem.analysis.snapshot.SnapshotDiff`.
+
+    Example:
+        >>> from torchmem.analysis.snapshot import SnapshotDiff
+        >>> render_diff(SnapshotDiff([], {}))
+        'no differences in allocated blocks\\n'
+    """
+    out: list[str] = []
+    for dev, t in diff.totals.items():
+        out.append(
+            f"device {dev}: reserved {_b(t['reserved_bytes_before'])} -> "
+            f"{_b(t['reserved_bytes_after'])} ({_b(t['reserved_bytes_delta'])}), allocated "
+            f"{_b(t['allocated_bytes_before'])} -> {_b(t['allocated_bytes_after'])} "
+            f"({_b(t['allocated_bytes_delta'])}); segments only before {t['segments_only_before']}, "
+            f"only after {t['segments_only_after']}"
+        )
+    rows = diff.rows[:top] if top else diff.rows
+    if not rows:
+        out.append("no differences in allocated blocks")
+    for r in rows:
+        sign = "+" if r.delta_bytes > 0 else ""
+        out.append(
+            f"  {sign}{_b(r.delta_bytes):>12}  ({_b(r.before_bytes)} -> {_b(r.after_bytes)}, "
+            f"{r.before_count} -> {r.after_count} blocks)  dev {r.device}  {r.stack[0]}"
+        )
+        for fr in r.stack[1:]:
+            out.append(f"  {'':>13}  {fr}")
+    if top and len(diff.rows) > top:
+        out.append(f"  ... {len(diff.rows) - top} more stacks (use --top 0 for all)")
+    return "\n".join(out) + "\n"
+
+
+def render_trace(rows: Iterable[Any]) -> Iterator[str]:
+    """Yield one line per :class:`~torchmem.analysis.snapshot.TraceRow`.
+
+    Example:
+        >>> from torchmem.analysis.snapshot import TraceRow
+        >>> next(render_trace([TraceRow(0, 0, 5, "alloc", 4096, 512, 0, 512, 2097152, "m.py:1:f")]))
+        '      0  dev 0  t=5             alloc          addr=0x1000         512 B  alloc 512 B  reserved 2.00 MiB  m.py:1:f'
+    """
+    for r in rows:
+        t = f"t={r.time_us}" if r.time_us is not None else ""
+        addr = f"free={_b(r.addr)}" if r.action == "oom" else f"addr={r.addr:#x}"
+        yield (
+            f"{r.index:>7}  dev {r.device}  {t:<15} {r.action:<14} {addr:<16} {_b(r.size):>8}  "
+            f"alloc {_b(r.allocated_bytes)}  reserved {_b(r.reserved_bytes)}  {r.frame}"
+        ).rstrip()
+
+
+def render_oom(events: Iterable[Any]) -> str:
+    """Render :func:`~torchmem.analysis.snapshot.oom_report` results.
+
+    Example:
+        >>> render_oom([])
+        ''
+    """
+    out: list[str] = []
+    for e in events:
+        out.append(
+            f"OOM on {e.name} at trace entry {e.index}: requested {_b(e.requested_bytes)}, "
+            f"device free {_b(e.device_free_bytes)}, cached free {_b(e.cached_free_bytes)}, "
+            f"reserved {_b(e.reserved_bytes)}, allocated {_b(e.allocated_bytes)} -> {e.verdict}"
+        )
+        out.append(f"  {e.explanation}")
+    return "\n".join(out) + ("\n" if out else "")

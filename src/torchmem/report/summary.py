@@ -1,0 +1,146 @@
+"""Text and JSON renderings of a :class:`~torchmem.analysis.tracking.TraceSummary` (no torch).
+
+Example:
+    >>> import io
+    >>> from torchmem.model.trace import Trace
+    >>> from torchmem.model.events import EventKind as K, Category as C
+    >>> from torchmem.analysis.tracking import summarize_trace
+    >>> tr = Trace()
+    >>> _ = tr.append(K.ALLOC, 0, "cpu", 2048, 1, op="aten::mm", module="Net.fc",
+    ...               category=C.ACTIVATION)
+    >>> out = io.StringIO(); render_summary(summarize_trace(tr), out)
+    >>> "aten::mm" in out.getvalue() and "2.00 KiB" in out.getvalue()
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import IO, Any
+
+from torchmem.analysis.tracking import TraceSummary
+from torchmem.units import format_bytes
+
+__all__ = ["render_summary", "summary_json"]
+
+
+def _fmt_signed(n: int) -> str:
+    if n == 0:
+        return "0 B"
+    return ("+" if n > 0 else "-") + format_bytes(abs(n))
+
+
+def summary_json(summary: TraceSummary, indent: int | None = 2) -> str:
+    """The summary as JSON text (bytes as integers).
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.analysis.tracking import summarize_trace
+        >>> import json; json.loads(summary_json(summarize_trace(Trace())))["steps"]
+        0
+    """
+    return json.dumps(summary.to_dict(), indent=indent, sort_keys=False)
+
+
+def render_summary(
+    summary: TraceSummary,
+    file: IO[str] | None = None,
+    *,
+    max_iterations: int = 12,
+    color: bool | None = None,
+) -> None:
+    """Write a human-readable summary (rich tables; plain text when not a terminal).
+
+    Example:
+        >>> import io
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.analysis.tracking import summarize_trace
+        >>> buf = io.StringIO(); render_summary(summarize_trace(Trace()), buf)
+        >>> "no allocations" in buf.getvalue()
+        True
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    out = file if file is not None else sys.stdout
+    is_tty = bool(getattr(out, "isatty", lambda: False)())
+    console = Console(
+        file=out,
+        force_terminal=color if color is not None else None,
+        no_color=not (color if color is not None else is_tty),
+        width=None if is_tty else 100,
+        highlight=False,
+        soft_wrap=False,
+    )
+    s = summary
+    if not s.device or s.events == 0:
+        console.print("torchmem: no allocations were recorded.")
+        return
+    peak = s.peak.get(s.device, 0)
+    others = ", ".join(f"{d} {format_bytes(b)}" for d, b in s.peak.items() if d != s.device)
+    console.print(
+        f"[bold]Peak {format_bytes(peak)} on {s.device}[/bold] at event {s.peak_seq} "
+        f"({s.peak_time_ns / 1e6:.1f} ms); {s.events} events, {s.steps} step marker(s)"
+        + (f"; other devices: {others}" if others else "")
+    )
+
+    def table(title: str, rows: list[tuple[str, int, int]], first: str, total: int) -> None:
+        if not rows:
+            return
+        t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+        t.add_column(first, overflow="fold")
+        t.add_column("bytes", justify="right")
+        t.add_column("%", justify="right")
+        t.add_column("storages", justify="right")
+        for name, b, c in rows:
+            pct = f"{100.0 * b / total:.1f}" if total else "-"
+            t.add_row(name, format_bytes(b), pct, str(c))
+        console.print(t)
+
+    if s.categories_at_peak:
+        t = Table(title="Live at the peak, by category", title_justify="left", show_edge=False)
+        t.add_column("category")
+        t.add_column("bytes", justify="right")
+        t.add_column("%", justify="right")
+        for cat, b in s.categories_at_peak.items():
+            t.add_row(cat, format_bytes(b), f"{100.0 * b / peak:.1f}" if peak else "-")
+        console.print(t)
+    table("Live at the peak, by module", s.top_modules_at_peak, "module", peak)
+    table("Live at the peak, by operator", s.top_ops_at_peak, "operator", peak)
+    if s.top_stacks_at_peak:
+        table("Live at the peak, by call site", s.top_stacks_at_peak, "call site", peak)
+    total_alloc = sum(b for _, b, _ in s.top_ops_allocated)
+    table("Allocated over the run, by operator", s.top_ops_allocated, "operator", total_alloc)
+    table("Allocated over the run, by module", s.top_modules_allocated, "module", total_alloc)
+    if s.iterations:
+        t = Table(title="Iterations", title_justify="left", show_edge=False)
+        t.add_column("step", justify="right")
+        t.add_column("peak", justify="right")
+        t.add_column("live at end", justify="right")
+        t.add_column("retained growth", justify="right")
+        t.add_column("allocated", justify="right")
+        its = s.iterations
+        shown: list[Any] = list(its)
+        if len(its) > max_iterations:
+            half = max_iterations // 2
+            shown = [*its[:half], None, *its[-half:]]
+        for it in shown:
+            if it is None:
+                t.add_row("...", "", "", "", "")
+                continue
+            t.add_row(
+                str(it.step) if it.complete else f"{it.step} (after last step)",
+                format_bytes(it.peak_bytes),
+                format_bytes(it.end_bytes),
+                _fmt_signed(it.retained_growth),
+                format_bytes(it.allocated_bytes),
+            )
+        console.print(t)
+    if s.leak_suspect:
+        growth = [it.retained_growth for it in s.iterations[1:] if it.complete]
+        console.print(
+            f"[bold red]Possible leak:[/bold red] live memory grew in every iteration after the "
+            f"first (by {format_bytes(min(growth))} to {format_bytes(max(growth))} each). "
+            "Look for tensors kept across iterations (e.g. appending losses without .item())."
+        )

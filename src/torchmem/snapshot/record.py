@@ -1,0 +1,438 @@
+"""Record memory history and take snapshots on CUDA (PyTorch's allocator) and CPU (our tracker).
+
+- CUDA: :func:`record_history` drives ``torch.cuda.memory._record_memory_history`` with safe
+  defaults (Python-only stacks, alloc-time context, a bounded ``max_entries`` ring buffer) and
+  :func:`snapshot` reads ``torch.cuda.memory._snapshot()``.
+- CPU and other devices have no caching allocator and no allocator history; recording runs
+  torchmem's dispatch-mode tracker (:func:`torchmem.track`) and the snapshot is built from its
+  events by :func:`~torchmem.model.snapshot.snapshot_from_events` (one segment per live
+  storage, synthetic addresses; the snapshot's ``notes`` say so).
+
+Example:
+    >>> import torch, torchmem
+    >>> with torchmem.record_history(device="cpu") as rec:
+    ...     x = torch.zeros(1024)          # 4096 bytes
+    ...     y = torch.ones(256)            # 1024 bytes
+    ...     del y
+    >>> snap = rec.snapshot()
+    >>> [e.action for e in snap.trace(0) if e.action in ("alloc", "free_completed")]
+    ['alloc', 'alloc', 'free_completed']
+    >>> [b.size for s in snap.segments for b in s.blocks]
+    [4096]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.model.snapshot import CPU_NOTE, Snapshot, snapshot_from_events
+from torchmem.snapshot.writer import dump_snapshot, write_snapshot
+
+__all__ = [
+    "record_history",
+    "start_recording",
+    "stop_recording",
+    "snapshot",
+    "dump_snapshot",
+    "oom_guard",
+    "is_oom_error",
+    "DEFAULT_MAX_ENTRIES",
+]
+
+#: Default ring-buffer size for CUDA history: bounded so long jobs cannot exhaust host memory
+#: (PyTorch's own default is unbounded).
+DEFAULT_MAX_ENTRIES = 100_000
+
+# Active recordings, innermost last (per process; recordings are meant for the main thread).
+_ACTIVE: list[record_history] = []
+_LAST: list[Snapshot] = []
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DeviceError(
+            f"record_history: unknown device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            f"record_history: device {device!r} was requested but CUDA is not available on this "
+            "machine; use device='cpu' (recorded by torchmem's tracker) or run on a GPU"
+        )
+    return dev
+
+
+class record_history:
+    """Record memory history while the block runs (context manager; also start/stop).
+
+    Args:
+        device: ``"cuda"``/``"cuda:N"`` (PyTorch's allocator history) or ``"cpu"`` (and other
+            devices: torchmem's tracker). Default: CUDA when available, else CPU.
+        max_entries: CUDA ring-buffer size (default :data:`DEFAULT_MAX_ENTRIES`).
+        stacks: CUDA stacks, ``"python"`` (default, cheap) or ``"all"`` (adds C++ frames).
+        context: CUDA tracebacks, ``"alloc"`` (default), ``"all"``, ``"state"`` or ``None``.
+        track_args: modules/optimizers passed to :func:`torchmem.track` on CPU, so their
+            parameters and state are in the snapshot from the start.
+        track_stacks: record Python stacks on CPU (default True; frames of the snapshot).
+
+    Re-entrant: a nested ``record_history`` on the same device reuses the running recording.
+    On exit the recording stops (CUDA history is switched off only by the outermost one) and
+    :meth:`snapshot` keeps returning the final snapshot.
+
+    Example:
+        >>> import torch
+        >>> rec = record_history(device="cpu")
+        >>> rec.start()
+        >>> t = torch.empty(128)             # 512 bytes
+        >>> snap = rec.stop()
+        >>> sum(b.size for s in snap.segments for b in s.blocks)
+        512
+    """
+
+    def __init__(
+        self,
+        *track_args: Any,
+        device: Any = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        stacks: str = "python",
+        context: str | None = "alloc",
+        track_stacks: bool = True,
+    ) -> None:
+        if not isinstance(max_entries, int) or max_entries <= 0:
+            raise InvalidInputError(
+                f"record_history: max_entries should be a positive int, got {max_entries!r}"
+            )
+        if stacks not in ("python", "all"):
+            raise InvalidInputError(
+                f"record_history: stacks={stacks!r}; expected 'python' or 'all'"
+            )
+        self.device = _resolve_device(device)
+        self.max_entries = max_entries
+        self.stacks = stacks
+        self.context = context
+        self.track_args = track_args
+        self.track_stacks = track_stacks
+        self._tracker: Any = None
+        self._depth = 0
+        self._owner = False
+        self._final: Snapshot | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when this recording uses PyTorch's CUDA allocator history.
+
+        Example:
+            >>> record_history(device="cpu").is_cuda
+            False
+        """
+        return self.device.type == "cuda"
+
+    @property
+    def active(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`.
+
+        Example:
+            >>> record_history(device="cpu").active
+            False
+        """
+        return self._depth > 0
+
+    def start(self) -> None:
+        """Start recording (idempotent while running).
+
+        Example:
+            >>> r = record_history(device="cpu"); r.start(); r.active
+            True
+            >>> _ = r.stop()
+        """
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._final = None
+        if self.is_cuda:
+            # reuse an enclosing CUDA recording instead of restarting (which would change its settings)
+            self._owner = not any(r.is_cuda and r.active and r is not self for r in _ACTIVE)
+            if self._owner:
+                torch.cuda.memory._record_memory_history(
+                    enabled="all",
+                    context=self.context,
+                    stacks=self.stacks,
+                    max_entries=self.max_entries,
+                    device=self.device,
+                )
+        else:
+            from torchmem.tracking.tracker import track
+
+            self._tracker = track(*self.track_args, stacks=self.track_stacks)
+            self._tracker.__enter__()
+        _ACTIVE.append(self)
+
+    def stop(self) -> Snapshot:
+        """Stop recording and return the final snapshot.
+
+        Example:
+            >>> r = record_history(device="cpu"); r.start()
+            >>> r.stop().source.format
+            'torchmem-events'
+        """
+        if self._depth == 0:
+            if self._final is not None:
+                return self._final
+            raise InvalidInputError("record_history.stop() called but the recording never started")
+        self._depth -= 1
+        if self._depth > 0:
+            return self.snapshot()
+        try:
+            if self.is_cuda:
+                self._final = self._cuda_snapshot()
+                if self._owner:
+                    torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+            else:
+                tr = self._tracker
+                tr.__exit__(None, None, None)
+                self._final = _from_tracker(tr)
+                self._tracker = None
+        finally:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+        _LAST[:] = [self._final]
+        return self._final
+
+    def _cuda_snapshot(self) -> Snapshot:
+        raw = torch.cuda.memory._snapshot(self.device)
+        snap = Snapshot.from_pytorch(raw)
+        for i in range(torch.cuda.device_count()):
+            snap.device_names.setdefault(i, f"cuda:{i}")
+        return snap
+
+    def snapshot(self) -> Snapshot:
+        """The snapshot now (while recording) or the final one (after stopping).
+
+        Example:
+            >>> import torch
+            >>> with record_history(device="cpu") as r:
+            ...     a = torch.empty(256)
+            ...     live = r.snapshot()
+            >>> [b.size for s in live.segments for b in s.blocks]
+            [1024]
+        """
+        if self._depth == 0:
+            if self._final is None:
+                raise InvalidInputError(
+                    "record_history.snapshot(): nothing recorded yet; call it inside the "
+                    "'with record_history():' block or after it ends"
+                )
+            return self._final
+        if self.is_cuda:
+            return self._cuda_snapshot()
+        return _from_tracker(self._tracker)
+
+    def __enter__(self) -> record_history:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _from_tracker(tracker: Any) -> Snapshot:
+    snap = snapshot_from_events(tracker.events())
+    if CPU_NOTE not in snap.notes:
+        snap.notes.append(CPU_NOTE)
+    return snap
+
+
+def start_recording(*track_args: Any, **kwargs: Any) -> record_history:
+    """Start a recording (same arguments as :class:`record_history`) and return it.
+
+    Example:
+        >>> rec = start_recording(device="cpu")
+        >>> stop_recording(rec).source.format
+        'torchmem-events'
+    """
+    rec = record_history(*track_args, **kwargs)
+    rec.start()
+    return rec
+
+
+def stop_recording(rec: record_history | None = None) -> Snapshot:
+    """Stop ``rec`` (default: the innermost active recording) and return its final snapshot.
+
+    Example:
+        >>> _ = start_recording(device="cpu")
+        >>> isinstance(stop_recording(), Snapshot)
+        True
+    """
+    if rec is None:
+        if not _ACTIVE:
+            raise InvalidInputError(
+                "stop_recording(): no recording is active; start one with "
+                "torchmem.start_recording() or 'with torchmem.record_history():'"
+            )
+        rec = _ACTIVE[-1]
+    return rec.stop()
+
+
+def snapshot(device: Any = None) -> Snapshot:
+    """A snapshot now: of the innermost active recording, else the last finished one, else CUDA.
+
+    Without any recording on a CUDA machine it returns ``torch.cuda.memory._snapshot()`` (segments
+    and blocks; no history). On CPU without a recording it raises, because CPU has no allocator
+    state to read.
+
+    Example:
+        >>> import torch
+        >>> with record_history(device="cpu"):
+        ...     z = torch.empty(64)
+        ...     s = snapshot()
+        >>> s.segments[0].total_size
+        256
+    """
+    want = None if device is None else _resolve_device(device)
+    for rec in reversed(_ACTIVE):
+        if want is None or rec.device.type == want.type:
+            return rec.snapshot()
+    if _LAST and (want is None or want.type != "cuda"):
+        return _LAST[0]
+    dev = want or _resolve_device(None)
+    if dev.type == "cuda":
+        raw = torch.cuda.memory._snapshot(dev)
+        return Snapshot.from_pytorch(raw)
+    raise InvalidInputError(
+        "torchmem.snapshot(): nothing was recorded on CPU (it has no allocator state to read); "
+        "wrap your code in 'with torchmem.record_history():' first"
+    )
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True for out-of-memory errors: ``torch.OutOfMemoryError`` (and CUDA's), ``MemoryError``,
+    and ``RuntimeError`` whose message says "out of memory".
+
+    Example:
+        >>> is_oom_error(MemoryError()), is_oom_error(RuntimeError("CUDA out of memory")), is_oom_error(ValueError())
+        (True, True, False)
+    """
+    oom_types: tuple[type[BaseException], ...] = (MemoryError,)
+    for name in ("OutOfMemoryError",):
+        t = getattr(torch, name, None) or getattr(torch.cuda, name, None)
+        if isinstance(t, type):
+            oom_types += (t,)
+    if isinstance(exc, oom_types):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class oom_guard:
+    """Write a snapshot to ``path`` when an out-of-memory error escapes the block, then re-raise.
+
+    With ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
+    recording is already active, so the snapshot has the history leading to the error. For a
+    CPU ``MemoryError`` an ``oom`` trace entry is appended (size 0 when unknown; ``device_free``
+    from the OS's available memory). Other exceptions pass through untouched and no file is
+    written.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "oom.pickle")
+        >>> try:
+        ...     with oom_guard(p, device="cpu"):
+        ...         keep = torch.empty(1000)
+        ...         raise MemoryError("pretend the host ran out")
+        ... except MemoryError:
+        ...     pass
+        >>> from torchmem.snapshot.reader import load_snapshot
+        >>> s = load_snapshot(p)
+        >>> s.trace(0)[-1].action, s.segments[0].total_size
+        ('oom', 4000)
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        format: str = "pickle",
+        record: bool = True,
+        device: Any = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+    ) -> None:
+        if format not in ("pickle", "json"):
+            raise InvalidInputError(f"oom_guard: format={format!r}; expected 'pickle' or 'json'")
+        self.path = os.fspath(path)
+        self.format = format
+        self.record = record
+        self.device = device
+        self.max_entries = max_entries
+        self._recs: list[record_history | None] = []
+        self.written: str | None = None
+
+    def __enter__(self) -> oom_guard:
+        rec = None
+        if self.record and not _ACTIVE:
+            rec = record_history(device=self.device, max_entries=self.max_entries)
+            rec.start()
+        self._recs.append(rec)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        rec = self._recs.pop()
+        try:
+            if exc is not None and is_oom_error(exc):
+                if rec is not None:
+                    snap = rec.stop()
+                    rec = None
+                else:
+                    snap = snapshot(self.device)
+                if not any(t.count("oom") for t in snap.traces.values()) and isinstance(
+                    exc, MemoryError
+                ):
+                    _append_host_oom(snap, exc)
+                write_snapshot(self.path, snap, format=self.format)
+                self.written = self.path
+                print(f"torchmem: out of memory; snapshot written to {self.path}", file=sys.stderr)
+        finally:
+            if rec is not None:
+                rec.stop()
+
+
+def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
+    import psutil
+
+    dev = next((d for d, n in snap.device_names.items() if n == "cpu"), 0)
+    t = snap.new_trace(dev)
+    snap.device_names.setdefault(dev, "cpu")
+    n = len(t)
+    time_us = t.times[n - 1] if n and t.has_time else (None if n else 0)
+    size = getattr(exc, "nbytes", 0) or 0
+    t.append("oom", int(psutil.virtual_memory().available), int(size), 0, time_us, 0)
+    note = f"{type(exc).__name__}: {exc}"[:200]
+    if n == 0 and t.user_metadata is None:
+        t.user_metadata = array("I")
+    if t.user_metadata is not None:
+        t.user_metadata.append(_add_text(t, note))
+    if t.compile_contexts is not None:
+        t.compile_contexts.append(_add_text(t, "N/A"))
+
+
+def _add_text(t: Any, text: str) -> int:
+    t.texts.append(text)
+    return len(t.texts) - 1

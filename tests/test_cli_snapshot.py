@@ -1,0 +1,139 @@
+"""CLI subcommands over snapshots: stats, peak, diff, trace, flame (text and --json)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import snapshot_synth as synth
+from torchmem.cli import main
+
+DATA = Path(__file__).resolve().parent / "data"
+DECOMFL = str(DATA / "DeComFL__memory.pickle")
+MiB = 1024**2
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _raw(name: str):
+    with open(DATA / name, "rb") as f:
+        return pickle.load(f)
+
+
+def test_stats_json_has_required_keys_and_true_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "stats", DECOMFL, "--json")
+    assert code == 0
+    d = json.loads(out)
+    dev = d["devices"][0]
+    raw = _raw("DeComFL__memory.pickle")
+    blocks = [b for s in raw["segments"] for b in s["blocks"]]
+    assert dev["device"] == 0
+    assert dev["reserved_bytes"] == sum(s["total_size"] for s in raw["segments"])
+    assert dev["allocated_bytes"] == sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    assert dev["active_bytes"] == sum(b["size"] for b in blocks if b["state"] != "inactive")
+    assert dev["segments"] == 61 and dev["blocks"] == len(blocks)
+    assert dev["trace_actions"]["alloc"] == 7946 and dev["trace_actions"]["segment_alloc"] == 61
+    assert d["allocator_settings"]["max_split_size"] == -1
+    assert d["oom"] == []
+
+
+def test_stats_text_and_oom_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    p = tmp_path / "oom.pickle"
+    p.write_bytes(pickle.dumps(synth.oom(fragmented=True), protocol=4))
+    code, out, _ = _run(capsys, "stats", str(p))
+    assert code == 0
+    assert "reserved" in out and "40.00 MiB" in out
+    assert "OOM on cuda:0" in out and "fragmentation" in out
+    code, out, _ = _run(capsys, "stats", str(p), "--json")
+    o = json.loads(out)["oom"][0]
+    assert (o["requested_bytes"], o["device_free_bytes"], o["verdict"]) == (20 * MiB, 5 * MiB, "fragmentation")
+
+
+def test_peak_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "peak", DECOMFL, "--json", "--top", "3", "--depth", "2")
+    assert code == 0
+    d = json.loads(out)["devices"][0]
+    # complete trace from empty: the running maximum of a plain forward replay
+    cur = best = 0
+    for e in _raw("DeComFL__memory.pickle")["device_traces"][0]:
+        cur += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        best = max(best, cur)
+    assert d["peak_allocated_bytes"] == best
+    assert len(d["at_peak"]) == 3 and all(len(g["stack"]) <= 2 for g in d["at_peak"])
+    code, out, _ = _run(capsys, "peak", DECOMFL)
+    assert "peak allocated" in out and "live at the peak" in out
+
+
+def test_diff_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    a = str(DATA / "LLM-inference__1.3b_snapshot_6a8eab0.pickle")
+    b = str(DATA / "LLM-inference__oom_snapshot_41810ba.pickle")
+    code, out, _ = _run(capsys, "diff", a, b, "--json", "--top", "0")
+    assert code == 0
+    d = json.loads(out)
+    ra, rb = _raw(Path(a).name), _raw(Path(b).name)
+
+    def alloc(raw):
+        return sum(x["size"] for s in raw["segments"] for x in s["blocks"] if x["state"] == "active_allocated")
+
+    assert sum(r["delta_bytes"] for r in d["rows"]) == alloc(rb) - alloc(ra)
+    code, out, _ = _run(capsys, "diff", a, b)
+    assert out.startswith("device 0: reserved")
+
+
+def test_trace_head_tail_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--tail", "3")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[0].lstrip().startswith("23102")
+    assert lines[-1] == "device 0: after entry 23105: allocated 964.63 MiB, reserved 1.77 GiB"
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "2", "--json")
+    rows = [json.loads(ln) for ln in out.splitlines()]
+    raw = _raw("DeComFL__memory.pickle")["device_traces"][0]
+    assert [r["action"] for r in rows[:2]] == [raw[0]["action"], raw[1]["action"]]
+    assert rows[1]["allocated_bytes"] == raw[1]["size"]  # trace starts from empty
+    assert rows[1]["reserved_bytes"] == raw[0]["size"]
+
+
+def test_flame_file_and_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "m.folded"
+    code, _, err = _run(capsys, "flame", DECOMFL, "-o", str(out_file))
+    assert code == 0 and "folded stacks" in err
+    lines = out_file.read_text().splitlines()
+    raw = _raw("DeComFL__memory.pickle")
+    assert sum(int(ln.rsplit(" ", 1)[1]) for ln in lines) == sum(
+        b["size"] for s in raw["segments"] for b in s["blocks"] if b["state"] != "inactive")
+    code, out, _ = _run(capsys, "flame", DECOMFL, "--json", "--at", "peak")
+    d = json.loads(out)
+    assert d["at"] == "peak" and all(r["stack"][0] == "cuda:0" for r in d["stacks"])
+
+
+def test_errors_exit_2_without_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = _run(capsys, "stats", str(tmp_path / "nope.pickle"))
+    assert code == 2 and "no such file" in err and "Traceback" not in err
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(b"cos\nsystem\n(S'true'\ntR.")
+    code, out, err = _run(capsys, "peak", str(evil))
+    assert code == 2 and "refused to load" in err and "os.system" in err
+
+
+def test_snapshot_subcommands_do_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from torchmem.cli import main\n"
+        f"for cmd in (['stats', {DECOMFL!r}, '--json'], ['peak', {DECOMFL!r}, '--json'],\n"
+        f"            ['trace', {DECOMFL!r}, '--head', '1'], ['flame', {DECOMFL!r}],\n"
+        f"            ['diff', {DECOMFL!r}, {DECOMFL!r}]):\n"
+        "    assert main(cmd) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,220 @@
+"""inspect_memory / MemoryReport / table rendering, checked against independently computed bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+import torchmem
+from torchmem.errors import InvalidInputError, UnsupportedTensorError
+from torchmem.examples import build_example, train_step
+from torchmem.inspect import Census, inspect_memory
+from torchmem.model.report import MemoryReport
+from torchmem.report.table import render
+
+
+def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Ground truth by data pointer of each storage (CPU): each storage's nbytes once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def test_transformer_names_and_totals() -> None:
+    m = build_example("transformer")
+    r = inspect_memory(m)
+    names = {n for t in r.tensors for n in t.names}
+    assert "encoder.layers.0.linear1.weight" in names
+    assert "encoder.layers.1.self_attn.in_proj_weight" in names
+    assert names == {n for n, _ in m.named_parameters()} | {n for n, _ in m.named_buffers()}
+    truth = distinct_storage_bytes(list(m.parameters()))
+    assert r.unique_bytes == {"cpu": truth}
+    assert r.storage_bytes == {"cpu": truth}
+    assert r.naive_bytes == {"cpu": sum(p.numel() * p.element_size() for p in m.parameters())}
+    assert sum(r.by_category["cpu"].values()) == truth
+    w = r.tensor("encoder.layers.0.linear1.weight")
+    p = m.encoder.layers[0].linear1.weight
+    assert (w.shape, w.stride, w.dtype, w.nbytes) == (tuple(p.shape), p.stride(), "float32", p.numel() * 4)
+
+
+def test_tied_lm_sharing_is_counted_once_and_shown() -> None:
+    m = build_example("tied-lm")
+    r = inspect_memory(m)
+    groups = [sorted(g) for g in r.sharing_groups]
+    assert sorted(["embed.weight", "head.weight", "embed_t"]) in groups
+    assert sorted(["pos", "pos_slice"]) in groups
+    assert r.tensor("head.weight").name == "embed.weight"
+    assert r.tensor("head.weight").aliases == ["head.weight"]
+    # ground truth: parameters' storages + pos storage (views add nothing)
+    truth = distinct_storage_bytes(list(m.parameters()) + [m.pos])
+    assert r.unique_bytes == {"cpu": truth}
+    views = m.embed_t.numel() * 4 + m.pos_slice.numel() * 4
+    assert r.naive_bytes["cpu"] - r.unique_bytes["cpu"] == views
+    # embed_t's bytes are attributed to 'parameter' (priority), not counted again as buffer
+    assert r.by_category["cpu"]["buffer"] == m.pos.numel() * 4
+    assert r.by_category["cpu"]["parameter"] == distinct_storage_bytes(list(m.parameters()))
+
+
+def test_gradients_and_optimizer_state_named_by_parameter() -> None:
+    m = build_example("tied-lm")
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    train_step("tied-lm", m, opt)
+    r = inspect_memory(m, opt)
+    grads = [p.grad for p in m.parameters() if p.grad is not None]
+    assert r.by_category["cpu"]["gradient"] == distinct_storage_bytes(grads)
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    assert r.by_category["cpu"]["optimizer_state"] == distinct_storage_bytes(state)
+    names = {t.name for t in r.tensors}
+    assert "embed.weight.grad" in names
+    assert {"state[embed.weight].exp_avg", "state[embed.weight].exp_avg_sq",
+            "state[embed.weight].step", "state[body.0.bias].exp_avg"} <= names
+    assert r.tensor("state[embed.weight].exp_avg").category == "optimizer_state"
+    total = distinct_storage_bytes(list(m.parameters()) + [m.pos] + grads + state)
+    assert r.total_unique_bytes == total
+
+
+def test_optimizer_alone_names_params_by_group() -> None:
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1, momentum=0.9)
+    (a.sum() + b.sum()).backward()
+    opt.step()
+    r = inspect_memory(optimizer=opt)
+    names = {t.name: t for t in r.tensors}
+    assert set(names) == {
+        "param_groups[0].params[0]", "param_groups[0].params[0].grad",
+        "param_groups[1].params[0]", "param_groups[1].params[0].grad",
+        "state[param_groups[0].params[0]].momentum_buffer",
+        "state[param_groups[1].params[0]].momentum_buffer",
+    }
+    assert r.by_category == {"cpu": {"parameter": 12 + 40, "gradient": 52, "optimizer_state": 52}}
+
+
+def test_given_tensors_list_mapping_and_single() -> None:
+    x = torch.zeros(10, 10, dtype=torch.float64)
+    r = inspect_memory(tensors=[x, x[2:], x.t(), torch.ones(3, dtype=torch.int16)])
+    assert r.unique_bytes == {"cpu": 800 + 6}
+    assert [t.name for t in r.tensors] == ["tensors[0]", "tensors[1]", "tensors[2]", "tensors[3]"]
+    r = inspect_memory(tensors={"a": x[:5], "b": x[5:]})
+    assert r.unique_bytes == {"cpu": 800} and r.sharing_groups == [["a", "b"]]
+    r = inspect_memory(tensors=x[1])
+    assert r.unique_bytes == {"cpu": 80} and r.storage_bytes == {"cpu": 800}
+
+
+def test_meta_module_and_parameter_subclass() -> None:
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    with torch.device("meta"):
+        lin = torch.nn.Linear(100, 50)
+    lin.extra = MyParam(torch.empty(7, device="meta"))
+    r = inspect_memory(lin)
+    assert r.unique_bytes == {"meta": (5000 + 50 + 7) * 4}
+    assert r.tensor("extra").type_name == "MyParam"
+    assert r.tensor("weight").requires_grad is True
+
+
+def test_all_live_finds_new_tensors_and_skips_sparse() -> None:
+    keep = [torch.zeros(1237 + i, dtype=torch.uint8) for i in range(50)]
+    view = keep[0][5:]
+    sparse = torch.eye(4).to_sparse()
+    r = inspect_memory(all_live=True)
+    by_size = {t.nbytes for t in r.tensors}
+    assert all(1237 + i in by_size for i in range(50))
+    assert r.skipped >= 1 and any("sparse" in k for k in r.skipped_kinds)
+    row = next(t for t in r.tensors if t.shape == (1232,) and t.dtype == "uint8")
+    assert row.span_start == 5 and row.span_end == 1237
+    storage = next(s for s in r.storages if s.index == row.storage)
+    assert storage.nbytes == 1237 and len(storage.names) >= 2
+    del view, sparse, keep
+
+
+def test_all_live_with_module_keeps_module_names() -> None:
+    m = torch.nn.Linear(3, 3)
+    r = inspect_memory(m, all_live=True)
+    assert r.tensor("weight").category == "parameter"
+    assert not any(t.name.startswith("live") and t.shape == (3, 3) and t.requires_grad
+                   for t in r.tensors if t.storage == r.tensor("weight").storage)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(InvalidInputError, match="torch.nn.Module"):
+        inspect_memory(module="model")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="Optimizer"):
+        inspect_memory(optimizer=[1])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="tensors"):
+        inspect_memory(tensors=5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match=r"tensors\[1\]"):
+        inspect_memory(tensors=[torch.zeros(1), "x"])  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError, match="'b'"):
+        inspect_memory(tensors={"a": torch.zeros(1), "b": 3})  # type: ignore[dict-item]
+    with pytest.raises(UnsupportedTensorError, match="sparse"):
+        inspect_memory(tensors=[torch.eye(2).to_sparse()])
+
+
+def test_census_alias_and_strict() -> None:
+    c = Census()
+    x = torch.zeros(4)
+    c.add("x", x, "other")
+    c.add("y", x, "other")
+    assert len(c) == 1 and c.name_of(x) == "x"
+    r = c.report()
+    assert r.tensors[0].aliases == ["y"]
+
+
+def test_json_round_trip_and_select() -> None:
+    m = build_example("tied-lm")
+    r = inspect_memory(m)
+    data = json.loads(r.to_json())
+    assert data["unique_bytes"] == r.unique_bytes
+    assert data["tensors"][0]["nbytes"] == r.tensors[0].nbytes
+    assert MemoryReport.from_dict(data) == r
+    mixed = inspect_memory(tensors={"c": torch.zeros(4), "m": torch.zeros(2, device="meta")})
+    assert mixed.select(device="meta").unique_bytes == {"meta": 8}
+    assert [t.name for t in mixed.select(device="cpu").tensors] == ["c"]
+
+
+def test_render_plain_rich_json() -> None:
+    m = build_example("tied-lm")
+    r = inspect_memory(m)
+    out = io.StringIO()
+    render(r, out, fmt="plain", top=None)
+    text = out.getvalue()
+    assert "embed.weight (= head.weight)" in text
+    assert "embed.weight, head.weight, embed_t" in text
+    assert torchmem.format_bytes(r.unique_bytes["cpu"]) in text
+    out = io.StringIO()
+    render(r, out, fmt="rich")
+    assert "Shared storages" in out.getvalue() and "pos_slice" in out.getvalue()
+    out = io.StringIO()
+    render(r, out, fmt="json")
+    assert json.loads(out.getvalue())["storage_bytes"] == r.storage_bytes
+    with pytest.raises(InvalidInputError, match="fmt"):
+        render(r, out, fmt="html")
+    with pytest.raises(InvalidInputError, match="MemoryReport"):
+        render({}, out)  # type: ignore[arg-type]
+
+
+def test_fake_tensor_module() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        m = torch.nn.Linear(300, 200)
+        m.register_buffer("w_t", m.weight.detach().t())
+        r = inspect_memory(m)
+    assert r.unique_bytes == {"cpu": (300 * 200 + 200) * 4}
+    assert r.naive_bytes == {"cpu": (2 * 300 * 200 + 200) * 4}
+    assert r.tensor("weight").type_name == "FakeTensor"
+
+
+def test_no_arguments_means_all_live() -> None:
+    keep = torch.zeros(31337, dtype=torch.uint8)
+    r = inspect_memory()
+    assert "all live tensors" in r.source
+    assert any(t.nbytes == 31337 for t in r.tensors)
+    del keep
