@@ -16,12 +16,15 @@ counted); each figure is the minimum over rounds of the mean step time:
   torchmem    torchmem.track(model, opt): ops, modules (forward and backward), phases,
               categories, step markers
   torchmem-nomod  torchmem.track(model, opt, modules=False): no module hooks
+  torchmem-lite   torchmem.track_lite(): the profiler's allocator events converted to torchmem
+              events when the block ends (no modules/categories/stacks); the conversion time
+              is reported separately
 
 Also: bytes the tracker holds per recorded event over a long run (tracemalloc delta of the
 tracking session divided by its events; torch's tensor memory is not traced by tracemalloc),
 and the time to load a 1,000,000-event trace file.
 
-Run:  python benchmarks/bench_tracker.py            (about 2-4 minutes on 2 busy cores)
+Run:  python benchmarks/bench_tracker.py            (about 6 minutes on 2 busy cores)
       python benchmarks/bench_tracker.py --quick    (fewer rounds)
 """
 
@@ -107,6 +110,7 @@ def variants(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]
         "memtracker": (memtracker, lambda mt: mt.reset_mod_stats()),
         "torchmem": (lambda: torchmem.track(net, opt), None),
         "torchmem-nomod": (lambda: torchmem.track(net, opt, modules=False), None),
+        "torchmem-lite": (torchmem.track_lite, None),
     }
 
 
@@ -125,16 +129,31 @@ def time_variant(step: Callable[[], None], factory: Any, per_step: Any, n: int) 
 
 
 def bench_workload(name: str, build: Any, rounds: int, n: int) -> dict[str, float]:
-    torch.manual_seed(0)
-    step, net, opt = build()
-    vs = variants(net, opt)
-    best = {k: float("inf") for k in vs}
+    # Each variant gets its own model and optimizer (same seed, same shapes): MemTracker leaves
+    # state on the objects it tracked that slows later runs on them, and no variant should
+    # pay for another's leftovers.
+    instances: dict[str, tuple[Callable[[], None], Any, Any]] = {}
+    for k in variants(*build()[1:]):
+        torch.manual_seed(0)
+        step, net, opt = build()
+        instances[k] = (step, *variants(net, opt)[k])
+    best = {k: float("inf") for k in instances}
     for r in range(rounds):
-        for k, (factory, per_step) in vs.items():
+        for k, (step, factory, per_step) in instances.items():
             steps = max(3, n // 4) if k == "memtracker" else n
             best[k] = min(best[k], time_variant(step, factory, per_step, steps))
         print(f"  {name}: round {r + 1}/{rounds} done", file=sys.stderr)
     return best
+
+
+def lite_conversion(build: Any, n: int) -> float:
+    torch.manual_seed(0)
+    step, _, _ = build()
+    step()
+    with torchmem.track_lite() as tr:
+        for _ in range(n):
+            step()
+    return tr.convert_seconds / n
 
 
 def bytes_per_event(steps: int) -> tuple[float, int]:
@@ -193,7 +212,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rounds, n = (3, 10) if args.quick else (7, 20)
+    rounds, n = (3, 10) if args.quick else (12, 20)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores (shared), 1 torch thread")
     for name, build in (("mlp", mlp), ("transformer", transformer)):
         best = bench_workload(name, build, rounds, n)
@@ -205,6 +224,12 @@ def main() -> int:
         print(
             f"  torchmem vs MemTracker: {best['memtracker'] / best['torchmem']:.1f}x faster; "
             f"torchmem / floor = {best['torchmem'] / f:.2f} (target <= 1.25)"
+        )
+        conv = lite_conversion(build, n)
+        print(
+            f"  torchmem-lite / untracked = {best['torchmem-lite'] / u:.2f} (target <= 1.15); its "
+            f"conversion when the block ends costs {conv * 1e3:.2f} ms per recorded step "
+            f"({conv / u:.1f} untracked steps)"
         )
     per, nev = bytes_per_event(300 if args.quick else 1500)
     print(f"\ntracker memory: {per:.1f} bytes per held event over {nev} events "

@@ -12,6 +12,9 @@ memory (peak RSS growth, VmHWM from /proc, after the source tensor is allocated)
   of ``x.pin_memory().to(device)``, which stages the *whole* tensor before a device copy.
 * ``chunked_transfer(x, 'cpu', chunk_bytes=C)`` for a few chunk sizes, with fresh staging buffers
   and with a reused :class:`torchmem.StagingBuffers` pair.
+* offloaded inference (``offload_forward``) of a stack of Linear layers, with fetches done
+  one after the other and overlapped with compute on a worker thread, against the model run with
+  all weights resident: time, and the weights resident at the peak (measured).
 * the same for a transposed source ``x.t()`` (dense: copied in memory order, strides kept) and a
   stepped slice ``x[:, ::2]`` (gaps: read block by block), against ``.to(copy=True)`` and
   ``.contiguous()`` of the same view.
@@ -40,7 +43,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from torchmem import StagingBuffers, chunked_transfer, format_bytes  # noqa: E402
+from torchmem import (  # noqa: E402
+    StagingBuffers,
+    chunked_transfer,
+    format_bytes,
+    offload_forward,
+    storage_bytes,
+)
 
 MiB = 1 << 20
 
@@ -169,11 +178,54 @@ def run_table(title: str, table: dict, x: torch.Tensor, repeats: int, mb: int,
               f"{format_bytes(mem['growth']):>16s} {format_bytes(max(extra, 0)):>12s} {st:>19s}")
 
 
+def bench_offload(layers: int, width: int, batch: int, repeats: int, chunk: int) -> None:
+    """Layer-by-layer offloaded inference on CPU: sequential fetches vs fetches overlapped with
+    compute on a worker thread, vs the model run with every weight resident."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    x = torch.randn(batch, width)
+    total = storage_bytes(list(model.parameters()))["cpu"]
+    runs: dict[str, Callable[[], tuple[torch.Tensor, int]]] = {
+        "model(x), all weights resident": lambda: (model(x), total),
+        "offload_forward(..., overlap=False)": lambda: _off(model, x, chunk, False),
+        "offload_forward(..., overlap=True)": lambda: _off(model, x, chunk, True),
+    }
+    times = {k: float("inf") for k in runs}
+    resident: dict[str, int] = {}
+    with torch.no_grad():
+        ref = model(x)
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                gc.collect()
+                t0 = time.perf_counter()
+                y, res = fn()
+                times[name] = min(times[name], time.perf_counter() - t0)
+                resident[name] = res
+                assert torch.equal(y, ref), name
+    print(f"\noffloaded inference, CPU -> CPU: {layers} x Linear({width}, {width}), batch {batch}, "
+          f"{format_bytes(total)} of weights, chunks of {format_bytes(chunk)}")
+    head = f"{'method':40s} {'time':>9s} {'x base':>7s} {'weights resident (measured peak)':>34s}"
+    print(head)
+    print("-" * len(head))
+    base = next(iter(runs))
+    for name in runs:
+        print(f"{name:40s} {times[name] * 1e3:7.1f}ms {times[name] / times[base]:6.2f}x "
+              f"{format_bytes(resident[name]):>34s}")
+
+
+def _off(model: torch.nn.Module, x: torch.Tensor, chunk: int, overlap: bool) -> tuple[torch.Tensor, int]:
+    r = offload_forward(model, x, "cpu", chunk_bytes=chunk, overlap=overlap)
+    return r.output, r.peak_resident_bytes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=512, help="tensor size in MiB (default 512)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunks", default="16,64", help="chunk sizes in MiB, comma separated")
+    ap.add_argument("--offload-layers", type=int, default=8, help="layers of the offload model (0: skip)")
+    ap.add_argument("--offload-width", type=int, default=2048)
+    ap.add_argument("--offload-batch", type=int, default=256)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--view", default="plain", choices=sorted(VIEWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -195,6 +247,9 @@ def main() -> int:
         run_table(title, table_for(view, chunks), x, args.repeats, args.mb, view, chunks)
         del x
         gc.collect()
+    if args.offload_layers:
+        bench_offload(args.offload_layers, args.offload_width, args.offload_batch, args.repeats,
+                      chunks[0])
     return 0
 
 

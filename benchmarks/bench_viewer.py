@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -51,6 +52,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_viewer_"))
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
     print(f"generating a {args.events:,}-event snapshot ...", flush=True)
     snap = make_snapshot(args.events)
     n_events = len(snap["device_traces"][0])

@@ -137,3 +137,24 @@ def test_snapshot_subcommands_do_not_import_torch() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_stats_of_a_cpu_snapshot_names_the_device_and_says_what_it_is(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import torch
+
+    import torchmem
+
+    p = tmp_path / "cpu.pickle"
+    with torchmem.record_history(device="cpu"):
+        a = torch.empty(1000)
+        b = torch.empty(10, dtype=torch.int8)
+        torchmem.dump_snapshot(p)
+    code, out, _ = _run(capsys, "stats", str(p), "--json")
+    d = json.loads(out)
+    dev = d["devices"][0]
+    assert dev["name"] == "cpu"
+    assert dev["reserved_bytes"] == dev["allocated_bytes"] == a.untyped_storage().nbytes() + b.untyped_storage().nbytes()
+    assert dev["segments"] == 2 and dev["free_bytes"] == 0
+    assert any("no caching allocator" in n for n in d["notes"])

@@ -218,3 +218,23 @@ def test_no_arguments_means_all_live() -> None:
     assert "all live tensors" in r.source
     assert any(t.nbytes == 31337 for t in r.tensors)
     del keep
+
+
+def test_collect_garbage_drops_unreachable_cycles_only_when_asked() -> None:
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        a: dict = {"t": torch.zeros(77777, dtype=torch.uint8)}
+        b: dict = {"a": a}
+        a["b"] = b
+        del a, b  # an unreachable cycle: its tensor still holds memory until collected
+        default = inspect_memory(all_live=True)
+        assert any(t.nbytes == 77777 for t in default.tensors)
+        collected = inspect_memory(all_live=True, collect_garbage=True)
+        assert not any(t.nbytes == 77777 for t in collected.tensors)
+        assert gc.isenabled() is False  # the caller's setting is restored
+    finally:
+        if was:
+            gc.enable()

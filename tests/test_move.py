@@ -346,3 +346,26 @@ def test_gradients_viewing_one_flat_buffer_stay_views() -> None:
     cgrads = [p.grad for p in c.parameters()]
     assert len({torchmem.storage_id(g) for g in cgrads if g is not None}) == 1
     assert not torchmem.same_storage(cgrads[0], grads[0])  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_move_to_cuda_allocates_exactly_the_plan_and_keeps_aliasing() -> None:
+    m = build_example("tied-lm")
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    train_step("tied-lm", m, opt)
+    before = layout(m)
+    plan = plan_move(m, "cuda:0", optimizer=opt)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(0)
+    memory_aware_to(m, "cuda:0", optimizer=opt)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated(0) - base
+    # the caching allocator rounds each block up to a multiple of 512 bytes
+    expected = sum(-(-s.target_nbytes // 512) * 512 for s in plan.storages if s.action != "keep")
+    assert grown == expected
+    assert layout(m) == before
+    assert torchmem.same_storage(m.embed_t, m.embed.weight)
+    assert opt.state[m.embed.weight]["exp_avg"].device.type == "cuda"
+    train_step_input = torch.randint(0, 1000, (2, 16), device="cuda:0")
+    m(train_step_input).float().pow(2).mean().backward()
+    opt.step()

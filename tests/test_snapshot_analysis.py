@@ -25,7 +25,7 @@ from torchmem.analysis.snapshot import (
 )
 from torchmem.model.snapshot import Snapshot
 from torchmem.report.snapshot_text import render_diff, render_oom, render_peak, render_stats
-from torchmem.snapshot.reader import load_snapshot
+from torchmem.snapshots.reader import load_snapshot
 
 DATA = Path(__file__).resolve().parent / "data"
 REAL = sorted(p.name for p in DATA.glob("*.pickle"))

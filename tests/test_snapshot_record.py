@@ -16,8 +16,8 @@ import torchmem
 from torchmem.errors import InvalidInputError
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.snapshot import CPU_NOTE, snapshot_from_events
-from torchmem.snapshot.reader import load_snapshot
-from torchmem.snapshot.record import is_oom_error, oom_guard, record_history
+from torchmem.snapshots.reader import load_snapshot
+from torchmem.snapshots.record import is_oom_error, oom_guard, record_history
 
 
 def _storage_bytes(*ts: torch.Tensor) -> list[int]:
@@ -143,7 +143,7 @@ def test_record_history_is_reentrant_and_restores() -> None:
 
 
 def test_snapshot_without_recording_on_cpu_raises_clearly() -> None:
-    from torchmem.snapshot import record as rmod
+    from torchmem.snapshots import record as rmod
 
     saved = list(rmod._LAST)
     rmod._LAST.clear()

@@ -113,3 +113,14 @@ def test_reading_and_summarising_need_no_torch(tmp_path: Path) -> None:
     data = json.loads(res.stdout)
     assert data["peak"] == load_trace(path).peak()
     assert MAGIC == path.read_bytes()[:8]
+
+
+def test_plot_without_matplotlib_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchmem.report.plot import MissingPlotDependency, plot_timeline
+
+    _, path = _recorded(tmp_path)
+    trace = load_trace(path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingPlotDependency, match=r"pip install 'torchmem\[plot\]'"):
+        plot_timeline(trace, tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()

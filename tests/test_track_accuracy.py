@@ -200,3 +200,23 @@ def test_tracker_never_keeps_tensors_alive() -> None:
         assert tr.live_bytes("cpu") == 0
     kinds = [(e.kind.label, e.nbytes) for e in tr.events()]
     assert kinds == [("alloc", 1024), ("free", 1024)]
+
+
+def test_resized_storages_are_recorded_with_their_new_size() -> None:
+    a = torch.ones(10)
+    b = torch.ones(10)
+    with torchmem.track() as tr:
+        x = torch.empty(0)
+        x.resize_(100)                     # 400 bytes now
+        assert tr.live_bytes("cpu") == x.untyped_storage().nbytes() == 400
+        c = torch.empty(0)
+        torch.add(a, b, out=c)             # out= grows c's storage to 10 floats
+        assert tr.live_bytes("cpu") == 400 + 40
+        x.add_(1)                          # in-place: nothing new
+        assert tr.live_bytes("cpu") == 440
+        del x
+        assert tr.live_bytes("cpu") == 40
+    kinds = [(e.kind.label, e.op, e.nbytes) for e in tr.events()]
+    assert kinds[:3] == [("alloc", "aten::empty", 0), ("free", None, 0), ("alloc", "aten::resize_", 400)]
+    assert tr.peak() == {"cpu": 440}
+    del c

@@ -277,3 +277,39 @@ def test_frees_on_other_threads_are_recorded_on_the_tracking_thread() -> None:
     kinds = [(e.kind.label, e.nbytes) for e in tr.events()]
     assert kinds == [("alloc", 2000), ("free", 2000), ("alloc", 40)]
     del y
+
+
+def test_lite_tracker_matches_full_tracker_totals() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(16, 8)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = net(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step()  # momentum buffers and grads exist before both runs
+    with torchmem.track_lite() as lite:
+        step()
+        step()
+    with torchmem.track() as full:
+        step()
+        step()
+    assert [e.op for e in lite.events() if e.kind.label == "mark"] == ["step", "step"]
+    # both see the same storage sizes for the linear outputs and the gradients
+    def sizes(tr, phase):  # type: ignore[no-untyped-def]
+        return sorted(e.nbytes for e in tr.events() if e.kind.label == "alloc" and e.phase.label == phase)
+
+    # every storage the dispatch-level tracker saw in backward, the allocator saw too (the
+    # allocator also sees buffers that never surface as an operator output)
+    from collections import Counter
+
+    missing = Counter(sizes(full, "backward")) - Counter(sizes(lite, "backward"))
+    assert missing == Counter() and len(sizes(full, "backward")) >= 8
+    assert lite.peak()["cpu"] >= 16 * 16 * 4  # at least fc1's output
+    assert {e.category.label for e in lite.events()} <= {"temporary", "other"}
+    assert _global_state()[-1] == len(_get_current_dispatch_mode_stack())

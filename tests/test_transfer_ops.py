@@ -342,6 +342,19 @@ def test_repr_of_deep_and_long_chains_is_bounded():
 # ---------------------------------------------------------------- functional transfers
 
 
+def test_todevice_reports_results_to_the_real_ledger():
+    import gc
+
+    led = torchmem.Ledger()
+    T = ToDevice("cpu", "meta", ledger=led)
+    y = T(torch.ones(10, 10))
+    assert led.allocated("meta")[0] == 400 == y.untyped_storage().nbytes()
+    assert T.H.ledger is led and T.split_forward().ledger is led
+    del y
+    gc.collect()
+    assert led.allocated("meta")[0] == 0 and led.freed("meta")[0] == 400
+
+
 def test_transfer_functions_on_cpu_and_meta():
     x = torch.randn(3, 4)
     assert transfer(x, "cpu") is x

@@ -20,12 +20,11 @@ from typing import Any
 import pytest
 
 from torchmem.cli import main
-from torchmem.errors import InvalidInputError, UnsafePickleError
+from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
 from torchmem.report.viewer import (
     KIND_NAMES,
     build_payload,
     encode_payload,
-    raw_stats,
     render_html,
     write_viewer,
 )
@@ -47,7 +46,7 @@ def test_all_real_files_are_present() -> None:
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_stats_match_pytorchs_own_segment_counters(path: Path) -> None:
     raw = _raw(path)
-    st = raw_stats(raw)
+    st = [d["stats"] for d in build_payload(raw)["devices"]]  # torchmem.analysis's figures
     assert [s["device"] for s in st] == sorted({s["device"] for s in raw["segments"]})
     d = st[0]
     segs = [s for s in raw["segments"] if s["device"] == d["device"]]
@@ -129,6 +128,8 @@ def test_list_format_and_empty_inputs() -> None:
     assert build_payload({"segments": [], "device_traces": [[], []]})["devices"] == []
     with pytest.raises(InvalidInputError, match="expected a memory snapshot"):
         build_payload({"something": 1})
+    with pytest.raises(SnapshotFormatError):
+        build_payload({"segments": "not a list", "device_traces": []})
 
 
 def test_encoded_payload_round_trips() -> None:
@@ -201,7 +202,7 @@ def test_cli_writes_the_page(tmp_path: Path, capsys: Any) -> None:
 
 
 def test_render_html_accepts_snapshot_objects() -> None:
-    from torchmem.snapshot.reader import load_snapshot
+    from torchmem.snapshots.reader import load_snapshot
 
     snap = load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle")
     page = render_html(snap, title="magma")
@@ -252,14 +253,14 @@ def synthetic_snapshot() -> dict[str, Any]:
 
 def test_synthetic_streams_expandable_pending_and_oom() -> None:
     snap = synthetic_snapshot()
-    st = raw_stats(snap)[0]
+    st = build_payload(snap)["devices"][0]["stats"]
     assert st["reserved_bytes"] == 6 * MiB
     assert st["allocated_bytes"] == 512 + 2 * MiB
     assert st["active_bytes"] == 512 + 1024 + 2 * MiB
     assert st["requested_bytes"] == 500 + 1024 + 2 * MiB
-    assert st["streams"] == {"0": {"segments": 1, "reserved_bytes": 2 * MiB},
-                             "7": {"segments": 1, "reserved_bytes": 4 * MiB}}
-    assert st["expandable_segments"] == 1
+    assert (st["streams"]["0"]["segments"], st["streams"]["0"]["reserved_bytes"]) == (1, 2 * MiB)
+    assert (st["streams"]["7"]["segments"], st["streams"]["7"]["reserved_bytes"]) == (1, 4 * MiB)
+    assert st["expandable_segments"] is True and st["pending_free_bytes"] == 1024
     assert st["largest_free_block"] == 2 * MiB and st["free_bytes"] == 4 * MiB - 1536
     dev = build_payload(snap)["devices"][0]
     cols = dev["columns"]

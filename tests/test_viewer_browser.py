@@ -387,3 +387,38 @@ def test_synthetic_state_history_pending_expandable_oom(browser: Any, tmp_path: 
         p.check_offline_and_clean()
     finally:
         p.close()
+
+
+def test_two_devices_switch(browser: Any, tmp_path: Path) -> None:
+    from test_viewer import MiB, synthetic_snapshot
+
+    snap = synthetic_snapshot()
+    frames = [{"name": "on_gpu1", "filename": "/src/g1.py", "line": 7}]
+    snap["segments"].append({
+        "device": 1, "address": 0x9000000, "total_size": 20 * MiB, "stream": 0,
+        "segment_type": "large", "frames": [], "blocks": [
+            {"address": 0x9000000, "size": 20 * MiB, "requested_size": 20 * MiB,
+             "state": "active_allocated", "frames": frames}]})
+    snap["device_traces"].append([
+        {"action": "alloc", "addr": 0x9000000, "size": 20 * MiB, "stream": 0, "frames": frames,
+         "time_us": 5}])
+    src = tmp_path / "two.pickle"
+    src.write_bytes(pickle.dumps(snap, protocol=4))
+    p = Page(browser, write_viewer(src, tmp_path / "two.html"))
+    try:
+        assert p.page.locator("#device option").all_inner_texts() == [
+            "cuda:0 (11 events)", "cuda:1 (1 events)"]
+        p.page.select_option("#device", "1")
+        p.settle()
+        st = p.js("window.__torchmem.stats()")
+        assert (st["device"], st["events"], st["allocs"], st["bands"]) == (1, 1, 1, 1)
+        band = p.js("window.__torchmem.findBand(true)")
+        p.page.mouse.move(band["x"], band["y"])
+        p.page.locator("#tooltip").wait_for(state="visible", timeout=3000)
+        assert "on_gpu1" in p.page.locator("#tooltip").inner_text()
+        p.js("window.__torchmem.showTab('stats')")
+        got = p.page.locator("#stats-table td[data-key=allocated_bytes]").get_attribute("data-value")
+        assert int(got) == 20 * MiB
+        p.check_offline_and_clean()
+    finally:
+        p.close()

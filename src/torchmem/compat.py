@@ -143,8 +143,8 @@ class MemReporter:
 
     ``format_mode="GiB"`` (default) prints binary units (base 1024); ``"GB"`` prints decimal
     units (base 1000). ``report(module=None)`` reports ``module``'s parameters, buffers and
-    gradients, or every live tensor when ``module`` is None, prints it like torchlinops did and
-    returns the :class:`~torchmem.model.report.MemoryReport`.
+    gradients, or every live tensor when ``module`` is None (after ``gc.collect()``, as
+    torchlinops did), prints it like torchlinops did and returns the :class:`~torchmem.model.report.MemoryReport`.
 
     Example:
         >>> import io, torch
@@ -179,7 +179,10 @@ class MemReporter:
             >>> MemReporter().report(torch.nn.Sequential(emb, lin), file=out).unique_bytes
             {'cpu': 400}
         """
-        rep = inspect_memory(module) if module is not None else inspect_memory(all_live=True)
+        if module is not None:
+            rep = inspect_memory(module)
+        else:  # torchlinops collected garbage before scanning: keep that behaviour
+            rep = inspect_memory(all_live=True, collect_garbage=True)
         out = sys.stdout if file is None else file
         by_dev: dict[str, list[int]] = {}
         for i, t in enumerate(rep.tensors):

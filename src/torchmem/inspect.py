@@ -302,7 +302,7 @@ def inspect_memory(
     tensors: torch.Tensor | Iterable[torch.Tensor] | Mapping[str, torch.Tensor] | None = None,
     all_live: bool = False,
     *,
-    collect_garbage: bool = True,
+    collect_garbage: bool = False,
 ) -> MemoryReport:
     """Exact storage report of a module, an optimizer, given tensors and/or every live tensor.
 
@@ -312,8 +312,11 @@ def inspect_memory(
       where ``<param>`` is the qualified parameter name when ``module`` is given too, else
       ``param_groups[g].params[i]``; parameters not in ``module`` are added as parameters.
     - ``tensors``: a tensor, an iterable (named ``tensors[i]``) or a mapping ``name -> tensor``.
-    - ``all_live=True``: every tensor the garbage collector can see (after ``gc.collect()``
-      unless ``collect_garbage=False``), named ``live[i]`` unless already named above;
+    - ``all_live=True``: every tensor the garbage collector can see, named ``live[i]`` unless
+      already named above. Tensors in unreachable reference cycles still hold their memory
+      until the collector runs, so by default they are reported as they are, and the scan has
+      no side effects; ``collect_garbage=True`` runs ``gc.collect()`` first (as torchlinops'
+      MemReporter always did; it runs finalizers, so it changes the program's state);
       unmeasurable ones (sparse, nested) are counted in ``report.skipped``.
 
     With no arguments, every live tensor is reported. Raises

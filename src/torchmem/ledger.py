@@ -904,6 +904,39 @@ class Ledger:
             tls.depth = 0
             cm.__exit__(*sys.exc_info())
 
+    def attach(self, tracker: Any) -> None:
+        """Count the storages an already running tracker reports (``tracker.add_listener``).
+
+        Use it when you track a run anyway and also want a ledger of it; :meth:`detach` stops.
+
+        Example:
+            >>> import torch, torchmem
+            >>> led = Ledger()
+            >>> with torchmem.track() as tr:
+            ...     led.attach(tr)
+            ...     x = torch.zeros(100)
+            ...     led.detach(tr)
+            ...     y = torch.zeros(100)         # after detach: not counted
+            >>> led.allocated()
+            (400, '400 B')
+        """
+        add = getattr(tracker, "add_listener", None)
+        if not callable(add):
+            raise InvalidInputError(
+                f"attach expected a torchmem Tracker (from torchmem.track()), got "
+                f"{type(tracker).__name__}"
+            )
+        add(self._on_event)
+
+    def detach(self, tracker: Any) -> None:
+        """Stop counting what ``tracker`` reports (idempotent).
+
+        Example:
+            >>> import torchmem
+            >>> led = Ledger(); tr = torchmem.Tracker(); led.attach(tr); led.detach(tr); led.detach(tr)
+        """
+        tracker.remove_listener(self._on_event)
+
     # ----------------------------------------------------------------------------- call sites
 
     def set_callsite_tracking(self, enabled: bool) -> None:

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="only this device, e.g. cpu or cuda:0")
     parser.add_argument("--live", action="store_true",
                         help="also report every live tensor in the process after building")
+    parser.add_argument("--collect", action="store_true",
+                        help="with --live: run gc.collect() first (drops unreachable cycles)")
     parser.add_argument("--top", type=int, default=50,
                         help="tensor rows to show, largest first (0 = all; default 50)")
     parser.add_argument("--decimal", action="store_true",
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     report = inspect_memory(
         module=target.module, optimizer=target.optimizer, tensors=target.tensors,
         all_live=args.live,
+        collect_garbage=bool(getattr(args, "collect", False)),
     )
     if args.device:
         report = report.select(device=device_str(resolve_device(args.device)))

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default="timeline.png", help="PNG to write (default timeline.png)")
     parser.add_argument("--device", default=None, help="device to plot (default: highest peak)")
     parser.add_argument("--title", default=None, help="plot title")
+    parser.add_argument(
+        "--x", choices=("event", "time"), default="event",
+        help="x axis: event number (default) or wall time in ms",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     Example:
         >>> import argparse
-        >>> run(argparse.Namespace(trace="/no/such.tmtrace", output="x.png", device=None, title=None))  # doctest: +ELLIPSIS
+        >>> run(argparse.Namespace(trace="/no/such.tmtrace", output="x.png", device=None, title=None, x="event"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
@@ -48,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(
             f"device {args.device!r} is not in this trace; it has: {', '.join(trace.devices) or 'none'}"
         )
-    path = plot_timeline(trace, args.output, device=args.device, title=args.title)
+    path = plot_timeline(trace, args.output, device=args.device, title=args.title, x=args.x)
     print(f"timeline plot written to {os.path.abspath(path)}", file=sys.stderr)
     return 0

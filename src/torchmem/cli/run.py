@@ -156,15 +156,12 @@ def run(args: argparse.Namespace) -> int:
     plot_path = args.plot or (DEFAULT_PLOT if args.example else None)
     written_plot = None
     if plot_path and len(tracker.trace):
-        try:
-            from torchmem.report.plot import MissingPlotDependency, plot_timeline
-        except ImportError:  # pragma: no cover
-            MissingPlotDependency = None  # type: ignore[assignment,misc]
+        from torchmem.report.plot import plot_timeline
+
         try:
             written_plot = plot_timeline(tracker.trace, plot_path)
         except Exception as e:  # noqa: BLE001 - a missing plot must not lose the trace
-            if args.plot or MissingPlotDependency is None or not isinstance(e, MissingPlotDependency):
-                print(f"torchmem run: could not write the plot: {e}", file=sys.stderr)
+            print(f"torchmem run: could not write the plot: {e}", file=sys.stderr)
     stream = sys.stderr if args.json else sys.stdout
     print(f"\ntrace written to {os.path.abspath(args.output)} ({len(tracker.trace)} events)", file=stream)
     if written_plot:

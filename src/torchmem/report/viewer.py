@@ -49,9 +49,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+from torchmem.analysis.snapshot import oom_report, snapshot_peak, snapshot_stats
 from torchmem.errors import InvalidInputError
+from torchmem.model.snapshot import Snapshot
 
-__all__ = ["build_payload", "encode_payload", "render_html", "write_viewer", "raw_stats"]
+__all__ = ["build_payload", "encode_payload", "render_html", "write_viewer", "load_any"]
 
 PAYLOAD_VERSION = 1
 
@@ -90,14 +92,14 @@ ProgressFn = Callable[[str], None]
 # --------------------------------------------------------------------------- input normalisation
 
 
-def _as_snapshot_dict(source: Any) -> dict[str, Any]:
-    """Accept a dict, a bare list of segments, or an object with ``to_pytorch_dict()``."""
+def _as_model(source: Any) -> Snapshot:
+    """torchmem's normalised :class:`~torchmem.model.snapshot.Snapshot` for any accepted input."""
+    if isinstance(source, Snapshot):
+        return source
     if hasattr(source, "to_pytorch_dict"):
         source = source.to_pytorch_dict()
-    if isinstance(source, list):
-        return {"segments": source, "device_traces": []}
-    if isinstance(source, Mapping) and "segments" in source:
-        return dict(source)
+    if isinstance(source, list) or (isinstance(source, Mapping) and "segments" in source):
+        return Snapshot.from_pytorch(source)
     got = type(source).__name__
     if isinstance(source, Mapping):
         got = f"a dict with keys {sorted(map(str, source))[:8]}"
@@ -108,35 +110,43 @@ def _as_snapshot_dict(source: Any) -> dict[str, Any]:
     )
 
 
-def _legacy_block_info(seg_addr: int, offset: int, b: Mapping[str, Any]) -> tuple[int, list[Any]]:
-    """Address and frames of a block; 2.0-era blocks keep them in ``history`` instead."""
-    addr = b.get("address")
-    frames = b.get("frames")
-    hist = b.get("history")
-    if addr is None:
-        addr = seg_addr + offset
-    if frames is None:
-        frames = []
-        if hist:
-            entry = next((h for h in hist if h.get("addr") == addr), hist[-1])
-            frames = entry.get("frames") or []
-    return int(addr), list(frames)
-
-
 class _Interner:
-    """Frames and stacks interned in tables: a stack is stored once, as a list of frame ids."""
+    """Frames, stacks and annotation texts interned in tables; a stack is a list of frame ids."""
 
     def __init__(self) -> None:
         self.frames: list[list[Any]] = []
         self.stacks: list[list[int]] = [[]]
-        self._frame_ids: dict[tuple[str, str, int], int] = {}
+        self.texts: list[str] = []
+        self._frame_ids: dict[Any, int] = {}
         self._stack_ids: dict[tuple[int, ...], int] = {(): 0}
         self._by_obj: dict[int, tuple[Any, int]] = {}
-        self.texts: list[str] = []
         self._text_ids: dict[str, int] = {}
 
+    def stack(self, frames: Any) -> int:
+        """Id of a stack (a sequence of :class:`~torchmem.model.snapshot.Frame`)."""
+        if not frames:
+            return 0
+        # The model interns stacks, so most lookups hit by object (kept alive in the cache).
+        hit = self._by_obj.get(id(frames))
+        if hit is not None and hit[0] is frames:
+            return hit[1]
+        ids = []
+        for f in frames:
+            fid = self._frame_ids.get(f)
+            if fid is None:
+                fid = self._frame_ids[f] = len(self.frames)
+                self.frames.append([f.name, f.filename, f.line])
+            ids.append(fid)
+        key = tuple(ids)
+        sid = self._stack_ids.get(key)
+        if sid is None:
+            sid = self._stack_ids[key] = len(self.stacks)
+            self.stacks.append(ids)
+        self._by_obj[id(frames)] = (frames, sid)
+        return sid
+
     def text(self, value: Any) -> int:
-        """Index of a non-empty annotation string (user_metadata), -1 for none."""
+        """Index of a non-empty annotation string (``user_metadata``), -1 for none."""
         if not value or not isinstance(value, str) or value == "N/A":
             return -1
         i = self._text_ids.get(value)
@@ -145,122 +155,16 @@ class _Interner:
             self.texts.append(value)
         return i
 
-    def stack(self, frames: Any) -> int:
-        if not frames:
-            return 0
-        # Snapshots built by PyTorch often share one frames list between a block and its trace
-        # entry; remember by object (keeping the object alive) to skip re-hashing.
-        hit = self._by_obj.get(id(frames))
-        if hit is not None and hit[0] is frames:
-            return hit[1]
-        ids = []
-        for f in frames:
-            if isinstance(f, Mapping):
-                key = (str(f.get("name", "?")), str(f.get("filename", "?")), int(f.get("line") or 0))
-            else:  # a "file:line:function" string (torchmem tracker style)
-                key = (str(f), "", 0)
-            fid = self._frame_ids.get(key)
-            if fid is None:
-                fid = len(self.frames)
-                self._frame_ids[key] = fid
-                self.frames.append([key[0], key[1], key[2]])
-            ids.append(fid)
-        t = tuple(ids)
-        sid = self._stack_ids.get(t)
-        if sid is None:
-            sid = len(self.stacks)
-            self._stack_ids[t] = sid
-            self.stacks.append(ids)
-        self._by_obj[id(frames)] = (frames, sid)
-        return sid
-
 
 # --------------------------------------------------------------------------- stats
 
 
-def raw_stats(snapshot: Any) -> list[dict[str, Any]]:
-    """Per-device allocator statistics of a snapshot's end state (all bytes are ints).
-
-    A small stand-alone version of :func:`torchmem.analysis.snapshot.snapshot_stats` that works
-    on PyTorch's raw dict; the viewer uses it only when the analysis cannot run. Figures, from
-    the segments and blocks: ``reserved_bytes`` (sum of segment sizes),
-    ``allocated_bytes`` (blocks in state ``active_allocated``), ``active_bytes`` (allocated plus
-    ``active_pending_free``), ``requested_bytes`` (requested sizes of active blocks),
-    ``segments``, ``blocks``, ``free_bytes`` (inactive bytes inside segments),
-    ``largest_free_block`` and ``fragmentation`` (1 - largest free block / free bytes).
-
-    Example:
-        >>> s = {"segments": [{"device": 0, "address": 0, "total_size": 4096, "stream": 0,
-        ...       "segment_type": "small", "blocks": [
-        ...         {"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated"},
-        ...         {"address": 1024, "size": 3072, "requested_size": 0, "state": "inactive"}]}],
-        ...      "device_traces": []}
-        >>> st = raw_stats(s)[0]
-        >>> st["reserved_bytes"], st["allocated_bytes"], st["free_bytes"], st["fragmentation"]
-        (4096, 1024, 3072, 0.0)
-    """
-    snap = _as_snapshot_dict(snapshot)
-    per: dict[int, dict[str, Any]] = {}
-    for seg in snap.get("segments") or []:
-        dev = int(seg.get("device", 0) or 0)
-        d = per.setdefault(dev, {
-            "device": dev, "reserved_bytes": 0, "allocated_bytes": 0, "active_bytes": 0,
-            "requested_bytes": 0, "segments": 0, "blocks": 0, "active_blocks": 0,
-            "inactive_blocks": 0, "free_bytes": 0, "largest_free_block": 0,
-            "pools": {}, "streams": {}, "expandable_segments": 0,
-        })
-        size = int(seg.get("total_size", 0) or 0)
-        d["reserved_bytes"] += size
-        d["segments"] += 1
-        if seg.get("is_expandable"):
-            d["expandable_segments"] += 1
-        pool = str(seg.get("segment_type", "large"))
-        p = d["pools"].setdefault(pool, {"segments": 0, "reserved_bytes": 0, "allocated_bytes": 0})
-        p["segments"] += 1
-        p["reserved_bytes"] += size
-        st = d["streams"].setdefault(str(seg.get("stream", 0)), {"segments": 0, "reserved_bytes": 0})
-        st["segments"] += 1
-        st["reserved_bytes"] += size
-        for b in seg.get("blocks") or []:
-            bsize = int(b.get("size", 0) or 0)
-            state = b.get("state", "inactive")
-            d["blocks"] += 1
-            if state == "active_allocated":
-                d["allocated_bytes"] += bsize
-                p["allocated_bytes"] += bsize
-            if state in ("active_allocated", "active_pending_free"):
-                d["active_bytes"] += bsize
-                d["active_blocks"] += 1
-                d["requested_bytes"] += int(b.get("requested_size", 0) or 0)
-            else:
-                d["inactive_blocks"] += 1
-                d["free_bytes"] += bsize
-                d["largest_free_block"] = max(d["largest_free_block"], bsize)
-    out = []
-    for dev in sorted(per):
-        d = per[dev]
-        d["fragmentation"] = (
-            round(1.0 - d["largest_free_block"] / d["free_bytes"], 4) if d["free_bytes"] else 0.0
-        )
-        d["rounding_slack_bytes"] = d["active_bytes"] - d["requested_bytes"]
-        out.append(d)
-    return out
-
-
-def _analysis(source: Any, snap: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
-    """Per-device figures from torchmem's snapshot analysis (stats, peak, OOM verdicts), or
-    None when the source cannot be normalised (then :func:`raw_stats` is used)."""
-    try:
-        from torchmem.analysis.snapshot import oom_report, snapshot_peak  # noqa: PLC0415
-        from torchmem.analysis.snapshot import snapshot_stats as analysis_stats  # noqa: PLC0415
-        from torchmem.model.snapshot import Snapshot  # noqa: PLC0415
-
-        model = source if isinstance(source, Snapshot) else Snapshot.from_pytorch(snap)
-        stats = analysis_stats(model).to_dict()["devices"]
-        peaks = {p.device: p.to_dict() for p in snapshot_peak(model, top=8).devices}
-        ooms = [o.to_dict() for o in oom_report(model)]
-    except Exception:  # noqa: BLE001 - the viewer still works with its own figures
-        return None
+def _device_figures(model: Snapshot) -> dict[int, dict[str, Any]]:
+    """Per-device figures from torchmem's snapshot analysis: end-state stats, the peak (and
+    what was live there, by stack) and OOM verdicts."""
+    stats = snapshot_stats(model).to_dict()["devices"]
+    peaks = {p.device: p.to_dict() for p in snapshot_peak(model, top=8).devices}
+    ooms = [o.to_dict() for o in oom_report(model)]
     out: dict[int, dict[str, Any]] = {}
     for d in stats:
         dev = int(d["device"])
@@ -279,7 +183,7 @@ def _analysis(source: Any, snap: dict[str, Any]) -> dict[int, dict[str, Any]] | 
 # --------------------------------------------------------------------------- payload
 
 
-def _b64(arr: array) -> bytes:
+def _le_bytes(arr: array) -> bytes:
     if sys.byteorder != "little":  # pragma: no cover - typed arrays in JS are little-endian here
         arr = array(arr.typecode, arr)
         arr.byteswap()
@@ -287,153 +191,118 @@ def _b64(arr: array) -> bytes:
 
 
 def _device_payload(
-    dev: int,
-    trace: list[Any],
-    segments: list[Mapping[str, Any]],
-    interner: _Interner,
-    stats: dict[str, Any],
+    model: Snapshot, dev: int, interner: _Interner, stats: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, array]]:
     """Columns for one device. Allocation ids are in stacking order: first every allocation that
-    was live before the trace began (found as end-state blocks or frees with no alloc), then the
-    trace's allocations in order."""
-    n = len(trace)
-    stack = interner.stack
+    was live before the trace began (end-state blocks the trace does not allocate, then frees
+    with no alloc), then the trace's allocations in order."""
+    t = model.trace(dev)
+    n = len(t)
+    kmap = [_KINDS.get(name, K_OTHER) for name in t.action_names]
+    kinds = [kmap[a] for a in t.actions]
+    addrs = t.addrs
+    sizes = t.sizes
+    stack_of = [interner.stack(s) for s in model.stacks]  # model stack id -> payload stack id
+    stack_ids = t.stack_ids
+    metas = t.user_metadata
+    meta_of = [interner.text(x) for x in t.texts]
+    streams: dict[int, int] = {}
 
-    # Pass 1: match frees to allocations by address to find allocations that predate the trace
-    # (the first free of an address with no live alloc introduces one).
-    live: dict[Any, int] = {}  # addr -> event index of its alloc (or of its first free)
-    pre_from_free: list[int] = []  # event indices of frees whose alloc is not in the trace
-    for i, e in enumerate(trace):
-        a = e.get("action")
-        if a == "alloc":
-            live[e.get("addr", 0)] = i
-        elif a == "free_completed" or a == "free_requested" or a == "free":
-            addr = e.get("addr", 0)
-            if addr not in live:
-                pre_from_free.append(i)
-                live[addr] = i
-            if a != "free_requested":
-                del live[addr]
-    end_live_addrs = set(live)
-
-    # End-state blocks (address order) and the allocations they stand for.
-    seg_rows: list[tuple[int, int, int, int, int]] = []  # addr, size, stream, pool, first block
-    blk_addr = array("d")
-    blk_size = array("d")
-    blk_req: list[int] = []
-    blk_stream: list[int] = []
-    blk_state = array("B")
-    blk_alloc = array("i")
-    blk_stack = array("i")
-    pre_blocks: list[int] = []  # block indices of active blocks not allocated in the trace
-    streams: dict[Any, int] = {}
-
-    def stream_id(s: Any) -> int:
+    def stream_id(s: int) -> int:
         k = streams.get(s)
         if k is None:
             k = streams[s] = len(streams)
         return k
 
-    for seg in sorted(segments, key=lambda s: int(s.get("address", 0) or 0)):
-        saddr = int(seg.get("address", 0) or 0)
-        sstream = stream_id(seg.get("stream", 0))
-        first = len(blk_addr)
-        offset = 0
-        for b in seg.get("blocks") or []:
-            addr, frames = _legacy_block_info(saddr, offset, b)
-            size = int(b.get("size", 0) or 0)
-            offset += size
-            state = _STATES.get(b.get("state", "inactive"), 0)
-            blk_addr.append(addr)
-            blk_size.append(size)
-            blk_req.append(int(b.get("requested_size", 0) or 0))
-            blk_stream.append(sstream)
+    # Pass 1: which addresses are live at the end, and which frees have no alloc in the trace
+    # (the first free of an address with no live alloc introduces an allocation from before).
+    live: set[int] = set()
+    pre_from_free: list[int] = []
+    for i in range(n):
+        k = kinds[i]
+        if k == K_ALLOC:
+            live.add(addrs[i])
+        elif k == K_FREE_REQUESTED or k == K_FREE_COMPLETED:
+            addr = addrs[i]
+            if addr not in live:
+                pre_from_free.append(i)
+                live.add(addr)
+            if k == K_FREE_COMPLETED:
+                live.discard(addr)
+
+    # End-state segments and blocks, in address order.
+    segs = sorted(model.segments_of(dev), key=lambda s: s.address)
+    seg_addr, seg_size, seg_stream = array("d"), array("d"), array("i")
+    seg_pool, seg_first = array("B"), array("i")
+    blk_addr, blk_size, blk_state = array("d"), array("d"), array("B")
+    blk_alloc, blk_stack = array("i"), array("i")
+    pre_blocks: list[tuple[int, int, int, int]] = []  # block index, requested size, stack, stream
+    for seg in segs:
+        sstream = stream_id(seg.stream)
+        seg_addr.append(seg.address)
+        seg_size.append(seg.total_size)
+        seg_stream.append(sstream)
+        seg_pool.append(1 if seg.segment_type == "small" else 0)
+        seg_first.append(len(blk_addr))
+        for b in seg.blocks:
+            state = _STATES.get(b.state, 0)
+            sid = interner.stack(b.frames)
+            blk_addr.append(b.address)
+            blk_size.append(b.size)
             blk_state.append(state)
             blk_alloc.append(-1)
-            blk_stack.append(stack(frames))
-            if state and addr not in end_live_addrs:
-                pre_blocks.append(len(blk_addr) - 1)
-        seg_rows.append((
-            saddr,
-            int(seg.get("total_size", 0) or 0),
-            sstream,
-            1 if seg.get("segment_type") == "small" else 0,
-            first,
-        ))
+            blk_stack.append(sid)
+            if state and b.address not in live:
+                pre_blocks.append((len(blk_addr) - 1, b.requested_size or b.size, sid, sstream))
 
-    # Allocation table.
-    al_addr = array("d")
-    al_size = array("d")
-    al_stack = array("i")
-    al_stream = array("i")
+    al_addr, al_size = array("d"), array("d")
+    al_stack, al_stream, al_meta = array("i"), array("i"), array("i")
     al_start = array("i")  # event index of the alloc, -1 if before the trace
     al_end = array("i")  # event index of free_completed, n if still live at the end
     al_req = array("i")  # event index of free_requested, -1 if none
+    tstreams = t.streams
 
-    al_meta = array("i")  # index into the payload's text table (user_metadata), -1 if none
-
-    def new_alloc(
-        addr: int, size: int, st: int, stream: int, start: int, meta: Any = None
-    ) -> int:
-        al_meta.append(interner.text(meta))
+    def new_alloc(addr: float, size: float, sid: int, stream: int, start: int, i: int) -> int:
+        """Append an allocation; ``i`` is its trace entry (for user_metadata), -1 if none."""
         al_addr.append(addr)
         al_size.append(size)
-        al_stack.append(st)
+        al_stack.append(sid)
         al_stream.append(stream)
+        al_meta.append(meta_of[metas[i]] if metas is not None and i >= 0 else -1)
         al_start.append(start)
         al_end.append(n)
         al_req.append(-1)
         return len(al_addr) - 1
 
-    blk_index_by_addr = {int(blk_addr[i]): i for i in range(len(blk_addr)) if blk_state[i]}
-    for bi in pre_blocks:  # live the whole trace: the bottom of the stack
-        # Trace entries carry the requested size; use the block's requested size to match.
-        aid = new_alloc(int(blk_addr[bi]), int(blk_req[bi] or blk_size[bi]), blk_stack[bi],
-                        blk_stream[bi], -1)
-        blk_alloc[bi] = aid
-    pre_free_alloc: dict[int, int] = {}
-    for i in pre_from_free:
-        e = trace[i]
-        aid = new_alloc(int(e.get("addr", 0)), int(e.get("size", 0)), stack(e.get("frames")),
-                        stream_id(e.get("stream", 0)), -1)
-        pre_free_alloc[i] = aid
+    by_addr: dict[int, int] = {}  # address -> live allocation id
+    for bi, req, sid, sstream in pre_blocks:  # live the whole trace: the bottom of the stack
+        by_addr[int(blk_addr[bi])] = new_alloc(blk_addr[bi], req, sid, sstream, -1, -1)
+    pre_free = {
+        i: new_alloc(addrs[i], sizes[i], stack_of[stack_ids[i]], stream_id(tstreams[i]), -1, i)
+        for i in pre_from_free
+    }
 
-    ev_kind = array("B", bytes(n))
+    # Pass 2: events.
+    ev_kind = array("B", kinds)
     ev_ref = array("i", [-1]) * n
-    has_time = any("time_us" in e for e in trace[:1000]) if trace else False
-    ev_time = array("d", bytes(8 * n)) if has_time else array("d")
-    t0 = 0
-    if has_time:
-        t0 = min((int(e["time_us"]) for e in trace if e.get("time_us") is not None), default=0)
-    se_addr = array("d")
-    se_size = array("d")
-    se_stream = array("i")
+    se_addr, se_size, se_stream = array("d"), array("d"), array("i")
     ooms: list[dict[str, Any]] = []
-    by_addr: dict[Any, int] = {}  # addr -> live alloc id
-    for aid in range(len(pre_blocks)):  # the end-state blocks that predate the trace
-        by_addr[int(al_addr[aid])] = aid
-    kinds = _KINDS
-    for i, e in enumerate(trace):
-        a = e.get("action")
-        k = kinds.get(a, K_OTHER)
-        ev_kind[i] = k
-        if has_time:
-            tu = e.get("time_us")
-            ev_time[i] = (int(tu) - t0) if tu is not None else (ev_time[i - 1] if i else 0)
+    for i in range(n):
+        k = kinds[i]
         if k == K_ALLOC:
-            addr = e.get("addr", 0)
+            addr = addrs[i]
             old = by_addr.get(addr)
-            if old is not None and al_end[old] == n:  # missing free_completed: close it here
+            if old is not None and al_end[old] == n:  # a missing free_completed: close it here
                 al_end[old] = i
-            aid = new_alloc(int(addr), int(e.get("size", 0)), stack(e.get("frames")),
-                            stream_id(e.get("stream", 0)), i, e.get("user_metadata"))
+            aid = new_alloc(addr, sizes[i], stack_of[stack_ids[i]], stream_id(tstreams[i]), i, i)
             by_addr[addr] = aid
             ev_ref[i] = aid
         elif k == K_FREE_REQUESTED or k == K_FREE_COMPLETED:
-            pre = pre_free_alloc.get(i)
+            addr = addrs[i]
+            pre = pre_free.get(i)
             if pre is not None:
-                by_addr[e.get("addr", 0)] = pre
-            aid = by_addr.get(e.get("addr", 0), -1)
+                by_addr[addr] = pre
+            aid = by_addr.get(addr, -1)
             ev_ref[i] = aid
             if aid >= 0:
                 if k == K_FREE_REQUESTED:
@@ -441,39 +310,43 @@ def _device_payload(
                         al_req[aid] = i
                 else:
                     al_end[aid] = i
-                    del by_addr[e.get("addr", 0)]
-        elif k in (K_SEGMENT_ALLOC, K_SEGMENT_FREE, K_SEGMENT_MAP, K_SEGMENT_UNMAP):
+                    del by_addr[addr]
+        elif K_SEGMENT_ALLOC <= k <= K_SEGMENT_UNMAP:
             ev_ref[i] = len(se_addr)
-            se_addr.append(int(e.get("addr", 0)))
-            se_size.append(int(e.get("size", 0)))
-            se_stream.append(stream_id(e.get("stream", 0)))
+            se_addr.append(addrs[i])
+            se_size.append(sizes[i])
+            se_stream.append(stream_id(tstreams[i]))
         elif k == K_OOM:
             ev_ref[i] = len(ooms)
-            ooms.append({
-                "event": i, "size": int(e.get("size", 0) or 0),
-                "device_free": int(e.get("device_free", 0) or 0),
-                "stack": stack(e.get("frames")),
-            })
+            ooms.append({"event": i, "size": sizes[i], "device_free": addrs[i],
+                         "stack": stack_of[stack_ids[i]]})
 
-    # Link end-state active blocks to the allocations still live at the end.
+    # Link the end state's active blocks to the allocations still live at the end.
+    blk_of = {int(blk_addr[b]): b for b in range(len(blk_addr)) if blk_state[b]}
     for addr, aid in by_addr.items():
-        bj = blk_index_by_addr.get(int(addr))
+        bj = blk_of.get(addr)
         if bj is not None and blk_alloc[bj] == -1:
             blk_alloc[bj] = aid
             if not al_stack[aid] and blk_stack[bj]:
                 al_stack[aid] = blk_stack[bj]
 
-    seg_addr = array("d", (r[0] for r in seg_rows))
-    seg_size = array("d", (r[1] for r in seg_rows))
-    seg_stream = array("i", (r[2] for r in seg_rows))
-    seg_pool = array("B", (r[3] for r in seg_rows))
-    seg_first = array("i", (r[4] for r in seg_rows))
+    ev_time = array("d")
+    has_time = bool(n) and t.has_time
+    t0 = 0
+    if has_time:
+        times = t.times
+        t0 = min((x for x in times if x >= 0), default=0)
+        last = 0.0
+        for x in times:
+            if x >= 0:
+                last = float(x - t0)
+            ev_time.append(last)
     meta: dict[str, Any] = {
         "device": dev,
         "n_events": n,
         "n_allocs": len(al_addr),
         "n_pre": len(pre_blocks) + len(pre_from_free),
-        "n_segments": len(seg_rows),
+        "n_segments": len(seg_addr),
         "n_blocks": len(blk_addr),
         "n_seg_events": len(se_addr),
         "has_time": has_time,
@@ -500,9 +373,12 @@ def build_payload(
 ) -> dict[str, Any]:
     """Build the viewer's payload (plain data; typed columns as :class:`array.array`).
 
+    ``source`` is a :class:`~torchmem.model.snapshot.Snapshot`, PyTorch's snapshot dict (any
+    version) or the bare list of segments; dicts are normalised by torchmem's snapshot reader.
     The result has ``frames`` (``[name, filename, line]`` rows), ``stacks`` (lists of frame ids,
-    innermost first; stack 0 is empty), ``devices`` (one entry per device with a trace or a
-    segment: counts, ``stats`` and typed columns under ``columns``) and ``allocator_settings``.
+    innermost first; stack 0 is empty), ``texts`` (annotations), ``devices`` (per device:
+    counts, ``stats`` from :mod:`torchmem.analysis.snapshot` and typed ``columns``),
+    ``allocator_settings`` and ``notes``.
 
     Example:
         >>> p = build_payload([])          # a bare list of segments, here empty
@@ -510,35 +386,27 @@ def build_payload(
         ([], [[]])
     """
     say = progress or (lambda _msg: None)
-    snap = _as_snapshot_dict(source)
-    interner = _Interner()
-    traces = snap.get("device_traces") or []
-    segments = snap.get("segments") or []
-    by_dev: dict[int, list[Mapping[str, Any]]] = {}
-    for seg in segments:
-        by_dev.setdefault(int(seg.get("device", 0) or 0), []).append(seg)
-    devs = sorted(set(by_dev) | {i for i, t in enumerate(traces) if t})
+    model = _as_model(source)
     say("analysing")
-    stats = _analysis(source, snap) or {s["device"]: s for s in raw_stats(snap)}
-    names = (snap.get("torchmem") or {}).get("device_names") or {}
+    figures = _device_figures(model)
+    interner = _Interner()
     devices = []
-    for dev in devs:
-        trace = list(traces[dev]) if dev < len(traces) and traces[dev] else []
-        say(f"device {dev}: {len(trace)} events, {len(by_dev.get(dev, []))} segments")
-        base = stats.get(dev) or {"device": dev}
-        meta, cols = _device_payload(dev, trace, by_dev.get(dev, []), interner, dict(base))
-        meta["stats"]["timeline_peak_bytes"] = _timeline_peak(cols, meta["n_events"])
-        meta["name"] = str(names.get(str(dev)) or base.get("name") or f"device {dev}")
+    for dev in model.devices:
+        say(f"device {dev}: {len(model.trace(dev))} events, {len(model.segments_of(dev))} segments")
+        stats = dict(figures.get(dev) or {"device": dev})
+        meta, cols = _device_payload(model, dev, interner, stats)
+        stats["timeline_peak_bytes"] = _timeline_peak(cols, meta["n_events"])
+        meta["name"] = model.device_name(dev)
         meta["columns"] = cols
         devices.append(meta)
-    settings = snap.get("allocator_settings")
+    settings = model.allocator_settings
     return {
         "version": PAYLOAD_VERSION,
         "title": title or "memory snapshot",
         "frames": interner.frames,
         "stacks": interner.stacks,
         "texts": interner.texts,
-        "notes": [str(x) for x in (snap.get("torchmem") or {}).get("notes") or []],
+        "notes": [str(x) for x in model.notes],
         "devices": devices,
         "allocator_settings": _jsonable(settings) if settings else None,
         "kind_names": KIND_NAMES,
@@ -595,7 +463,7 @@ def encode_payload(payload: Mapping[str, Any]) -> str:
         d = {k: v for k, v in dev.items() if k != "columns"}
         index = {}
         for name, arr in dev["columns"].items():
-            data = _b64(arr)
+            data = _le_bytes(arr)
             index[name] = [arr.typecode, pos, len(arr)]
             blobs.append(data)
             pos += len(data)
@@ -697,7 +565,7 @@ def load_any(path: str | os.PathLike[str]) -> Any:
             f"{path}: no such file; fix: pass the path of a snapshot (.pickle/.json) or a "
             "torchmem trace"
         )
-    from torchmem.snapshot.reader import load_snapshot  # noqa: PLC0415
+    from torchmem.snapshots.reader import load_snapshot  # noqa: PLC0415
 
     return load_snapshot(p)
 

@@ -1,4 +1,5 @@
-"""Producers of the event stream: the dispatch-mode tracker and the torch-compatible wrapper.
+"""Producers of the event stream: the dispatch-mode tracker, the profiler-based lite tracker and
+the torch-compatible ``MemoryTracker`` wrapper.
 
 Example:
     >>> import torch
@@ -12,6 +13,7 @@ Example:
 from __future__ import annotations
 
 from torchmem.tracking.compat import MemoryTracker
+from torchmem.tracking.lite import LiteTracker, track_lite
 from torchmem.tracking.tracker import Listener, Tracker, track
 
-__all__ = ["track", "Tracker", "Listener", "MemoryTracker"]
+__all__ = ["track", "Tracker", "Listener", "MemoryTracker", "track_lite", "LiteTracker"]

@@ -41,9 +41,15 @@ Categories (heuristics):
   ``optimizer.state``. input: allocated outside any phase and passed to an outermost module
   call. other: the rest.
 
-Limits: storages resized in place (``resize_``) keep the size they were created with;
-allocations inside one aten kernel that never surface as an output are invisible; frees of
-storages in reference cycles are recorded when the garbage collector runs.
+Storage ids: ``Event.storage`` is the ALLOC's sequence number + 1. A storage resized in place
+(``resize_``, an ``out=`` into a too-small tensor) is recorded as a FREE of the old size and an
+ALLOC of the new size (a new id). Frees that happen on another thread are recorded on the
+tracking thread at its next event.
+
+Limits: allocations inside one aten kernel that never surface as an output (workspaces) are
+invisible (:func:`torchmem.track_lite` sees them); storages a kernel resizes without returning
+them are missed; frees of storages in reference cycles are recorded when the garbage collector
+runs; tensors created from Python data (``torch.tensor``) are seen through ``lift_fresh``.
 
 Example:
     >>> import torch, torchmem
@@ -67,8 +73,8 @@ import time
 import warnings
 import weakref
 from array import array
-from collections import deque
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
@@ -228,10 +234,8 @@ class Tracker:
         self._pending: deque[tuple[_SRef, int]] = deque()
         self._on_outputs: Callable[[Any, Any, Any], None] = _ignore
         self.listener_errors: list[BaseException] = []
-
-    @property
-    def _slow(self) -> bool:
-        return self.stacks or bool(self._listeners)
+        self._slow = self.stacks or bool(self._listeners)
+        self._params: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> parameter, for .grad
 
     # ------------------------------------------------------------------ public API
     def add_listener(self, fn: Listener) -> None:
@@ -247,6 +251,7 @@ class Tracker:
         if not callable(fn):
             raise InvalidInputError(f"a listener must be callable, got {type(fn).__name__}")
         self._listeners.append(fn)
+        self._slow = True
 
     def remove_listener(self, fn: Listener) -> None:
         """Stop calling ``fn`` (no error if it was not registered).
@@ -260,6 +265,7 @@ class Tracker:
             self._listeners.remove(fn)
         except ValueError:
             pass
+        self._slow = self.stacks or bool(self._listeners)
 
     def mark(self, name: str) -> int:
         """Record a MARK event named ``name``; returns its sequence number.
@@ -362,6 +368,7 @@ class Tracker:
                 "this Tracker was already used; call torchmem.track(...) again for a new run"
             )
         self._used = True
+        self._thread = threading.get_ident()
         self._t0 = time.perf_counter_ns()
         self._make_hot_paths()
         self.trace.metadata["start_unix_ns"] = time.time_ns()
@@ -393,6 +400,10 @@ class Tracker:
                     self._names[m] = self.trace.intern(f"{base}.{name}" if name else base)
         for o in self._optims_in:
             self._optims.add(o)
+            for group in o.param_groups:
+                self._note_params(group["params"])
+        for root in self._modules_in:
+            self._note_params(root.parameters())
         self._capture_initial()
         if self.module_attribution:
             h1 = nn_module.register_module_forward_pre_hook(self._fw_pre)
@@ -672,10 +683,19 @@ class Tracker:
                 tensors = _flatten(out)
             else:
                 return
-            if task() != -1:
+            if info < 0:  # in-place / out=: only a resized storage is news
+                for t in tensors:
+                    if t.layout is strided:
+                        s = t.untyped_storage()
+                        ref = live_get(s._cdata)
+                        if ref is not None and s.nbytes() != ref.nbytes:
+                            me._resized(ref, s, t.device, -info)
+                return
+            tid = task()
+            if tid != -1:
                 phase = _P_BWD
-                if task() != me._bw_task:
-                    me._begin_backward(task())
+                if tid != me._bw_task:
+                    me._begin_backward(tid)
                 module = me._bw_module()
             else:
                 phase = me._phase
@@ -736,8 +756,27 @@ class Tracker:
         fresh = schema.name.startswith("aten::lift_fresh") or (
             not func.is_view and all(r.alias_info is None for r in schema.returns)
         )
-        info = self._ops[func] = self.trace.intern(schema.name) if fresh else 0
+        if fresh:
+            info = self.trace.intern(schema.name)
+        elif not func.is_view and any(
+            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
+        ):
+            # in-place / out= operators allocate nothing, unless they resize their output's
+            # storage (resize_, out= into a too-small tensor): negative = "check the size"
+            info = -self.trace.intern(schema.name)
+        else:
+            info = 0
+        self._ops[func] = info
         return info
+
+    def _resized(self, ref: _SRef, s: torch.UntypedStorage, device: torch.device, op: int) -> None:
+        """A live storage changed size in place: record a free of the old size and an
+        allocation of the new one (a new storage id for the same storage)."""
+        self._on_free_cb(ref)
+        tid = _graph_task_id()
+        phase = _P_BWD if tid != -1 else self._phase
+        module = self._bw_module() if tid != -1 else (self._fw_names[-1] if self._fw_names else 0)
+        self._add_storage(s, device, op, module, phase, self.trace.category[ref.seq])
 
     # ------------------------------------------------------------------ phases / categories
     def _end_region(self, new_phase: int) -> None:
@@ -745,31 +784,38 @@ class Tracker:
         old = self._cur
         region = self._region_id
         if old == _P_BWD or old == _P_OPT:
-            if old == _P_BWD:
-                keys, hit = self._grad_keys(), int(_C.GRADIENT)
-            else:
-                keys, hit = self._opt_state_keys(), int(_C.OPTIMIZER_STATE)
-            cat = self.trace.category
-            other = int(_C.OTHER)
-            for ref in list(self._live.values()):
-                if ref.region == region:
+            survivors = [ref for ref in self._live.values() if ref.region == region]
+            if survivors:
+                if old == _P_BWD:
+                    keys, hit = self._grad_keys(), int(_C.GRADIENT)
+                else:
+                    keys, hit = self._opt_state_keys(), int(_C.OPTIMIZER_STATE)
+                cat = self.trace.category
+                other = int(_C.OTHER)
+                for ref in survivors:
                     cat[ref.seq] = hit if ref.key in keys else other
         self._region_id = region + 1
         self._cur = new_phase
 
+    def _note_params(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            r = self._params.get(id(p))
+            if r is None or r() is not p:
+                self._params[id(p)] = weakref.ref(p)
+
     def _grad_keys(self) -> set[int]:
         keys = set()
-        for m in list(self._names.keys()):
-            for p in m.parameters(recurse=False):
-                g = p.grad
-                if g is not None and g.layout is torch.strided:
-                    keys.add(g.untyped_storage()._cdata)
-        for o in list(self._optims):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    g = p.grad
-                    if g is not None and g.layout is torch.strided:
-                        keys.add(g.untyped_storage()._cdata)
+        dead = []
+        for k, r in self._params.items():
+            p = r()
+            if p is None:
+                dead.append(k)
+                continue
+            g = p.grad
+            if g is not None and g.layout is torch.strided:
+                keys.add(g.untyped_storage()._cdata)
+        for k in dead:
+            del self._params[k]
         return keys
 
     def _opt_state_keys(self) -> set[int]:
@@ -862,6 +908,7 @@ class Tracker:
         else:
             name = type(m).__name__
         idx = self._names[m] = self.trace.intern(name)
+        self._note_params(m.parameters(recurse=False))
         # a module seen for the first time: its parameters/buffers made while tracking get
         # their categories now
         self._reclassify(m.parameters(recurse=False), _C.PARAMETER, int(_C.OTHER), idx)
@@ -896,7 +943,10 @@ class Tracker:
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active or threading.get_ident() != self._thread:
             return
-        self._optims.add(opt)
+        if opt not in self._optims:
+            self._optims.add(opt)
+            for group in opt.param_groups:
+                self._note_params(group["params"])
         if self._clock_opt is None:
             self._clock_opt = weakref.ref(opt)
         self._end_region(_P_OPT)

@@ -643,7 +643,10 @@ def _transfer(
     if src == dst:
         return x, None
     if dst.type == "meta":
-        return x.to("meta"), None
+        out = x.to("meta")
+        if ledger is not None:
+            ledger.allocate(out)
+        return out, None
     if src.type == "meta":
         raise _no_data(src, dst)
     _require_available(src)

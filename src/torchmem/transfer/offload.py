@@ -9,14 +9,18 @@ transfer stream and the compute on the compute stream, joined by events, with th
 weights are resident on the device, and host-to-device copies of pageable weights go through one
 reusable pair of (pinned) staging buffers: at most two chunks of staging memory.
 
-On a CPU-only machine the same loop runs with synchronous copies (``device="cpu"`` copies the
-weights; ``device="meta"`` is a shape-only dry run that measures what the device would hold).
+On a CPU-only machine the same loop runs with synchronous copies, the fetch of layer ``i + 1``
+on a worker thread while layer ``i`` computes (``device="cpu"`` copies the weights;
+``device="meta"`` is a shape-only dry run that measures what the device would hold). With
+``overlap=False`` the order is fixed (fetch ``i + 1`` after layer ``i`` ran, before it is
+dropped), so the resident peak is exactly the largest pair of neighbouring layers; with overlap it
+is at most that (a fast layer may be dropped before the next fetch allocates).
 
 Example:
     >>> import torch
     >>> layers = [torch.nn.Linear(8, 8) for _ in range(3)]       # 288 bytes of weights each
     >>> x = torch.randn(2, 8)
-    >>> r = offload_forward(layers, x, "cpu", chunk_bytes=128)
+    >>> r = offload_forward(layers, x, "cpu", chunk_bytes=128, overlap=False)
     >>> ref = layers[2](layers[1](layers[0](x)))
     >>> torch.equal(r.output, ref), r.layer_bytes, r.peak_resident_bytes, r.peak_staging_bytes
     (True, (288, 288, 288), 576, 256)
@@ -26,8 +30,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -104,6 +109,23 @@ def _layer_tensors(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     return names, tensors
 
 
+def _run_threaded(
+    mods: list[nn.Module], y: Any, fetch: Callable[[int], dict[str, torch.Tensor]], ledger: Any
+) -> Any:
+    """CPU and meta: fetch layer ``i + 1`` on a worker thread while layer ``i`` computes."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchmem-prefetch") as pool:
+        pending: Optional[Future[dict[str, torch.Tensor]]] = pool.submit(fetch, 0)
+        for i, layer in enumerate(mods):
+            assert pending is not None
+            current = pending.result()
+            # layer i is resident; fetching i + 1 now keeps at most two layers on the device
+            pending = pool.submit(fetch, i + 1) if i + 1 < len(mods) else None
+            y = torch.func.functional_call(layer, current, (y,))
+            _retire(current, None, ledger)
+            current = {}  # drop this layer before the next fetch is submitted
+    return y
+
+
 def _retire(weights: dict[str, torch.Tensor], compute: Any, ledger: Any) -> None:
     """Hand a layer's fetched weights back (a function, so no loop variable keeps one alive)."""
     for t in weights.values():
@@ -121,6 +143,7 @@ def offload_forward(
     chunk_bytes: Union[int, str] = DEFAULT_CHUNK_BYTES,
     staging: Optional[StagingBuffers] = None,
     ledger: Any = None,
+    overlap: bool = True,
 ) -> OffloadResult:
     """Run ``layers`` in sequence on ``device`` with weights fetched layer by layer (inference).
 
@@ -128,7 +151,10 @@ def offload_forward(
     with the previous output. ``x`` is moved to ``device`` first. Weights are copied in chunks of
     ``chunk_bytes`` through ``staging`` (one reusable pair of buffers for the whole run, created
     if not given); the weights of layer ``i + 1`` are fetched while layer ``i`` runs, so at most
-    two layers are resident. Runs under ``torch.no_grad()``. ``ledger`` (anything with
+    two layers are resident. ``overlap`` (default) overlaps each fetch with the previous layer's
+    compute: on accelerators through the transfer and compute streams, on ``cpu`` / ``meta``
+    through one worker thread (copies and most kernels release the GIL); ``overlap=False`` runs
+    them one after the other on CPU. Runs under ``torch.no_grad()``. ``ledger`` (anything with
     ``allocate(tensor)`` / ``free(tensor)``) sees every fetched weight and staging buffer come
     and go. The output stays on ``device``.
 
@@ -188,15 +214,19 @@ def offload_forward(
     compute = spec.compute()
     with torch.no_grad():
         y = transfer(x, spec) if isinstance(x, torch.Tensor) else x
-        current = fetch(0) if mods else {}
-        for i, layer in enumerate(mods):
-            with use_stream(compute):
-                y = torch.func.functional_call(layer, current, (y,))
-            # Fetch the next layer while this one computes (queued on the transfer stream).
-            following = fetch(i + 1) if i + 1 < len(mods) else {}
-            _retire(current, compute, ledger)
-            current = following
-    del current
+        if overlap and compute is None and mods:
+            y = _run_threaded(mods, y, fetch, ledger)
+        else:
+            current = fetch(0) if mods else {}
+            for i, layer in enumerate(mods):
+                with use_stream(compute):
+                    y = torch.func.functional_call(layer, current, (y,))
+                # Fetch the next layer while this one computes: on an accelerator the layer's
+                # kernels are queued on the compute stream and the copies on the transfer stream.
+                following = fetch(i + 1) if i + 1 < len(mods) else {}
+                _retire(current, compute, ledger)
+                current = following
+            del current
     result = OffloadResult(
         y, str(spec.device), len(mods), tuple(moved), chunks, resident.peak, pool.peak_bytes,
         pool.buffers_created - created0, shape_only, time.perf_counter() - t0,

@@ -403,7 +403,9 @@ class ToDevice(Operator):
     :class:`DeviceSpec` s (to choose compute and transfer streams). ``ioshape`` optionally names
     the dimensions (the same for input and output); when given without ``"..."``, inputs must have
     that many dimensions. Non-pinned CPU inputs bound for an accelerator are staged through a
-    reusable pair of pinned buffers of ``chunk_bytes`` that this operator keeps.
+    reusable pair of pinned buffers of ``chunk_bytes`` that this operator keeps. ``ledger``
+    (a :class:`torchmem.Ledger` or anything with ``allocate``/``free``) is told about every
+    tensor the operator creates.
 
     A tensor on the wrong device raises :class:`~torchmem.errors.TransferError` naming both
     devices.
@@ -428,8 +430,10 @@ class ToDevice(Operator):
         *,
         chunk_bytes: Union[int, str] = DEFAULT_CHUNK_BYTES,
         staging: Optional[StagingBuffers] = None,
+        ledger: Any = None,
     ) -> None:
         super().__init__()
+        self.ledger = ledger  # anything with allocate(tensor) / free(tensor), or None
         self.ispec = idevice if isinstance(idevice, DeviceSpec) else DeviceSpec(idevice or "cpu")
         self.ospec = odevice if isinstance(odevice, DeviceSpec) else DeviceSpec(odevice or "cpu")
         self.ioshape = tuple(ioshape) if ioshape is not None else None
@@ -498,7 +502,7 @@ class ToDevice(Operator):
             )
         out, _ = _transfer(
             x, self.ispec, self.ospec, staging=self._pool(), chunk_bytes=self.chunk_bytes,
-            label=self._repr(0),
+            ledger=self.ledger, label=self._repr(0),
         )
         return out
 
@@ -510,7 +514,7 @@ class ToDevice(Operator):
             ToDevice(meta -> cpu)
         """
         return ToDevice(
-            self.ospec, self.ispec, self.ioshape, chunk_bytes=self.chunk_bytes,
+            self.ospec, self.ispec, self.ioshape, chunk_bytes=self.chunk_bytes, ledger=self.ledger
         )
 
     def normal(self) -> Operator:
@@ -557,7 +561,8 @@ class ToDevice(Operator):
                 f"{list(ibatch)} and obatch={list(obatch)}. Fix: split both sides the same way."
             )
         return ToDevice(
-            self.ispec.copy(), self.ospec.copy(), self.ioshape, chunk_bytes=self.chunk_bytes
+            self.ispec.copy(), self.ospec.copy(), self.ioshape, chunk_bytes=self.chunk_bytes,
+            ledger=self.ledger,
         )
 
     @staticmethod

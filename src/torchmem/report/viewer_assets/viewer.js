@@ -114,7 +114,7 @@
   function prepareDevice(d) {
     if (d.prepared) return d;
     const c = d.col, n = d.n_events, nA = d.n_allocs;
-    const N = Math.max(n, 1);
+    const N = n + 1;  // the state after p events is drawn over [p, p + 1)
     // Positions 0..n: state after the first p events. Allocation id lives on [s, e).
     const s = new Int32Array(nA), e = new Int32Array(nA);
     const delta = new Float64Array(n + 2);
@@ -143,7 +143,8 @@
       tcum = new Float64Array(n);
       let m = -Infinity;
       for (let i = 0; i < n; i++) { m = Math.max(m, c.ev_time[i]); tcum[i] = m; }
-      tmin = tcum[0]; tmax = Math.max(tcum[n - 1], tmin + 1);
+      // A margin after the last event so that the final state has some width.
+      tmin = tcum[0]; tmax = tcum[n - 1] + Math.max(1, (tcum[n - 1] - tmin) * 0.01);
     }
     Object.assign(d, { prepared: true, N, s, e, total, endStart, byEnd, colorOf, tcum, tmin, tmax,
       alive: new Uint8Array(nA), live: new Int32Array(Math.max(nA, 1)), seen: new Uint32Array(nA), frame: 0 });
@@ -372,7 +373,7 @@
         if (Math.abs(ev.clientX - d.x) > 3) setView(posAt(d.x), posAt(ev.clientX)); else scheduleTimeline();
       } else if (!d.moved && ev.target === cv) {
         const v = posAt(ev.clientX);
-        selectStateEvent(Math.max(0, Math.min(D.n_events, tl.mode === 'time' ? posOfTime(v) : Math.round(v))));
+        selectStateEvent(Math.max(0, Math.min(D.n_events, tl.mode === 'time' ? posOfTime(v) : Math.floor(v))));
       }
     });
     window.addEventListener('mousemove', (ev) => {

@@ -7,7 +7,7 @@ viewer and ``torch.cuda._memory_viz`` open it. The JSON is
 Example:
     >>> import os, tempfile
     >>> from torchmem.model.snapshot import Snapshot
-    >>> from torchmem.snapshot.reader import load_snapshot
+    >>> from torchmem.snapshots.reader import load_snapshot
     >>> d = tempfile.mkdtemp()
     >>> write_snapshot(os.path.join(d, "s.pickle"), Snapshot())
     >>> load_snapshot(os.path.join(d, "s.pickle")).segments
@@ -88,7 +88,7 @@ def dump_snapshot(
 
     ``format="pickle"`` writes PyTorch's format with protocol 4 (PyTorch's viewer and
     ``torch.cuda._memory_viz`` open it); ``format="json"`` writes torchmem's JSON. Taking the
-    default snapshot imports torch (see :mod:`torchmem.snapshot.record`).
+    default snapshot imports torch (see :mod:`torchmem.snapshots.record`).
 
     Example:
         >>> import os, tempfile, torch, torchmem
@@ -100,7 +100,7 @@ def dump_snapshot(
         40
     """
     if snapshot is None:
-        from torchmem.snapshot.record import snapshot as take
+        from torchmem.snapshots.record import snapshot as take
 
         snapshot = take()
     write_snapshot(path, snapshot, format=format)

@@ -33,7 +33,7 @@ import torch
 
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.model.snapshot import CPU_NOTE, Snapshot, snapshot_from_events
-from torchmem.snapshot.writer import dump_snapshot, write_snapshot
+from torchmem.snapshots.writer import dump_snapshot, write_snapshot
 
 __all__ = [
     "record_history",
@@ -355,7 +355,7 @@ class oom_guard:
         ...         raise MemoryError("pretend the host ran out")
         ... except MemoryError:
         ...     pass
-        >>> from torchmem.snapshot.reader import load_snapshot
+        >>> from torchmem.snapshots.reader import load_snapshot
         >>> s = load_snapshot(p)
         >>> s.trace(0)[-1].action, s.segments[0].total_size
         ('oom', 4000)
