@@ -120,7 +120,7 @@ def bench_pairs(n: int, repeat: int) -> dict[str, float]:
     cpu = {name: float("inf") for name in fns}
     # Interleaved short runs, min per accountant: fair under the load of a shared machine.
     # Wall time, and this thread's CPU time (time.thread_time: excludes time spent descheduled
-    # while the other helpers' jobs run on the 2 shared cores).
+    # while other jobs run on the 2 shared cores).
     for _ in range(repeat):
         for name, fn in fns.items():
             best[name] = min(best[name], timeit.timeit(fn, number=n) / n * 1e6)

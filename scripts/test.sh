@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 
 echo "== installing torchmem with its test extras (torch 2.13.0 CPU build)"
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+# torchlinops' own functions are the ground truth of the compatibility tests (pure Python, tiny).
+python -m pip install --quiet --disable-pip-version-check --no-deps "torch-named-linops==0.8.3"
 
 # The HTML viewer is tested in a real headless Chromium (Debian's package).
 if ! command -v chromium >/dev/null 2>&1; then

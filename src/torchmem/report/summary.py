@@ -109,7 +109,8 @@ def render_summary(
     table("Live at the peak, by module", s.top_modules_at_peak, "module", peak)
     table("Live at the peak, by operator", s.top_ops_at_peak, "operator", peak)
     if s.top_stacks_at_peak:
-        table("Live at the peak, by call site", s.top_stacks_at_peak, "call site", peak)
+        sites = [(short_site(name), b, c) for name, b, c in s.top_stacks_at_peak]
+        table("Live at the peak, by call site", sites, "call site", peak)
     total_alloc = sum(b for _, b, _ in s.top_ops_allocated)
     table("Allocated over the run, by operator", s.top_ops_allocated, "operator", total_alloc)
     table("Allocated over the run, by module", s.top_modules_allocated, "module", total_alloc)
@@ -144,3 +145,28 @@ def render_summary(
             f"first (by {format_bytes(min(growth))} to {format_bytes(max(growth))} each). "
             "Look for tensors kept across iterations (e.g. appending losses without .item())."
         )
+
+
+def short_site(site: str, cwd: str | None = None) -> str:
+    """Shorten a ``"file:line:function"`` call site for a table (JSON keeps the full path).
+
+    Paths under the working directory become relative; paths inside an installed package keep
+    only what follows ``site-packages/``.
+
+    Example:
+        >>> short_site("/venv/lib/python3.11/site-packages/pkg/train.py:56:main")
+        'pkg/train.py:56:main'
+        >>> short_site("/home/me/proj/train.py:9:step", cwd="/home/me/proj")
+        'train.py:9:step'
+    """
+    import os
+
+    marker = "site-packages" + os.sep
+    i = site.rfind(marker)
+    if i >= 0:
+        return site[i + len(marker):]
+    base = (cwd if cwd is not None else os.getcwd()).rstrip(os.sep) + os.sep
+    if site.startswith(base):
+        return site[len(base):]
+    return site
+
