@@ -87,3 +87,15 @@ def test_example_and_bad_input(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
     missing = _run("run", "nope.py", cwd=tmp_path)
     assert missing.returncode == 2 and "'nope.py' not found" in missing.stderr
+
+
+def test_unwritable_output_is_refused_before_the_script_runs(tmp_path: Path) -> None:
+    from torchmem.cli import main
+
+    script = tmp_path / "touch.py"
+    marker = tmp_path / "ran.txt"
+    script.write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    missing = tmp_path / "no" / "such" / "dir" / "t.tmtrace"
+    assert main(["run", "-o", str(missing), str(script)]) == 2
+    assert main(["run", "-o", str(tmp_path), str(script)]) == 2  # a folder, not a file
+    assert not marker.exists() and not missing.parent.exists()

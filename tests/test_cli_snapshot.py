@@ -125,6 +125,50 @@ def test_errors_exit_2_without_traceback(capsys: pytest.CaptureFixture[str], tmp
     assert code == 2 and "refused to load" in err and "os.system" in err
 
 
+def test_device_without_data_is_an_error_not_zeros(capsys: pytest.CaptureFixture[str]) -> None:
+    # Regression: --device 5 on a one-device snapshot printed "peak allocated 0 B" (and an empty
+    # flame graph / trace) as if the device had been idle.
+    for cmd in ("peak", "flame", "trace"):
+        code, out, err = _run(capsys, cmd, DECOMFL, "--device", "5")
+        assert code == 2 and out == "" and "Traceback" not in err, cmd
+        assert "device 5 has no segments or trace entries" in err and "expected one of: 0" in err
+    # the device that exists still gives the brute-force peak of a forward replay
+    cur = best = 0
+    for e in _raw("DeComFL__memory.pickle")["device_traces"][0]:
+        cur += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        best = max(best, cur)
+    code, out, _ = _run(capsys, "peak", DECOMFL, "--device", "0", "--json")
+    assert code == 0 and json.loads(out)["devices"][0]["peak_allocated_bytes"] == best
+    code, out, _ = _run(capsys, "flame", DECOMFL, "--device", "0", "--at", "peak")
+    assert code == 0 and sum(int(ln.rsplit(" ", 1)[1]) for ln in out.splitlines()) == best
+
+
+def test_flame_unwritable_output_is_a_user_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Regression: an unwritable -o ended as "internal error ... a bug in torchmem" (exit 1).
+    target = tmp_path / "no_such_dir" / "m.folded"
+    code, out, err = _run(capsys, "flame", DECOMFL, "-o", str(target))
+    assert code == 2 and "could not write the folded stacks" in err and "internal error" not in err
+    assert not target.exists()
+
+
+def test_negative_counts_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    # Regression: "peak --top -1" silently dropped the last stack group (a [:-1] slice) and
+    # "trace --head -2" / "--tail -1" ended as "internal error ... a bug in torchmem".
+    for argv in (("peak", DECOMFL, "--top", "-1"), ("trace", DECOMFL, "--head", "-2"),
+                 ("trace", DECOMFL, "--tail", "-1"), ("diff", DECOMFL, DECOMFL, "--depth", "-1")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 2 and out == "" and "expected a count >= 0" in err, argv
+        assert "internal error" not in err and "Traceback" not in err
+    # --top 0 still means all groups: as many as distinct stacks live at the end
+    code, out, _ = _run(capsys, "peak", DECOMFL, "--json", "--top", "0", "--depth", "0")
+    groups = json.loads(out)["devices"][0]["at_end"]
+    code1, out1, _ = _run(capsys, "peak", DECOMFL, "--json", "--top", "1", "--depth", "0")
+    assert code == code1 == 0 and len(json.loads(out1)["devices"][0]["at_end"]) == 1
+    raw = _raw("DeComFL__memory.pickle")
+    assert sum(g["bytes"] for g in groups) == sum(
+        b["requested_size"] for s in raw["segments"] for b in s["blocks"] if b["state"] != "inactive")
+
+
 def test_snapshot_subcommands_do_not_import_torch() -> None:
     code = (
         "import sys\n"

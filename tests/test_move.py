@@ -111,6 +111,30 @@ def test_move_to_meta_replaces_objects_everywhere_incl_optimizer() -> None:
     assert m.a.grad is not None and m.a.grad.device.type == "meta"
 
 
+def test_nested_optimizer_state_moves_at_every_depth_and_matches_plan() -> None:
+    # Regression: state nested two lists deep was planned (and counted) but left on the CPU by
+    # the swap, and tensors inside a dict were neither planned nor moved (inspect_memory counted
+    # them). Every state tensor, at any depth, must end on the target and be in the plan.
+    lin = nn.Linear(2, 2, bias=False)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    deep, shallow, in_dict = torch.zeros(2), torch.ones(2, dtype=torch.float64), torch.zeros(3)
+    opt.state[lin.weight]["nested"] = [[deep], shallow]
+    opt.state[lin.weight]["d"] = {"m": in_dict, "n": 7}
+    original_nested = opt.state[lin.weight]["nested"]
+    expected = sum(t.untyped_storage().nbytes() for t in (lin.weight, deep, shallow, in_dict))
+    plan = plan_move(lin, "meta", optimizer=opt)
+    assert plan.gains == {"meta": expected} and expected == 4 * 4 + 2 * 4 + 2 * 8 + 3 * 4
+    assert sorted(n for s in plan.storages for n in s.names) == [
+        "state[weight].d.m", "state[weight].nested[0][0]", "state[weight].nested[1]", "weight"]
+    memory_aware_to(lin, "meta", optimizer=opt)
+    st = opt.state[lin.weight]
+    assert st["nested"][0][0].device.type == "meta" and st["nested"][0][0].shape == (2,)
+    assert st["nested"][1].device.type == "meta" and st["nested"][1].dtype == torch.float64
+    assert st["d"]["m"].device.type == "meta" and st["d"]["n"] == 7
+    assert original_nested[0][0] is deep and deep.device.type == "cpu"  # containers not mutated
+    assert inspect_memory(lin, opt).unique_bytes == {"meta": expected}  # nothing left behind
+
+
 def test_optimizer_state_follows_dtype_and_still_steps() -> None:
     m = nn.Linear(4, 3)
     opt = torch.optim.Adam(m.parameters(), lr=0.1)

@@ -23,6 +23,7 @@ from torchmem.analysis.snapshot import (
     snapshot_trace,
     stack_key,
 )
+from torchmem.errors import InvalidInputError
 from torchmem.model.snapshot import Snapshot
 from torchmem.report.snapshot_text import render_diff, render_oom, render_peak, render_stats
 from torchmem.snapshots.reader import load_snapshot
@@ -287,3 +288,23 @@ def test_oom_fragmentation_vs_full_device() -> None:
 def test_real_files_have_no_oom_entries() -> None:
     for name in REAL:
         assert oom_report(load_snapshot(DATA / name)) == []
+
+
+def test_device_selection_checks_the_index() -> None:
+    # Regression: an index with no data gave an all-zero peak / empty trace and flame graph.
+    raw = {
+        "segments": [
+            synth._seg(0, 0, 2 * MiB, [synth._b(0, 2 * MiB, 2 * MiB - 10, "active_allocated")]),
+            synth._seg(2, 0, 4 * MiB, [synth._b(0, 4 * MiB, 3 * MiB, "active_allocated")]),
+        ],
+        "device_traces": [[], [], []],
+    }
+    snap = Snapshot.from_pytorch(raw)
+    assert snap.devices == [0, 2]
+    # a device that exists: its own numbers (requested bytes of its one active block)
+    assert snapshot_peak(snap, device=2).devices[0].end_allocated_bytes == 3 * MiB
+    assert [ln.rsplit(" ", 1)[1] for ln in folded_stacks(snap, device=2)] == [str(4 * MiB)]
+    for call in (lambda: snapshot_peak(snap, device=1), lambda: list(snapshot_trace(snap, device=1)),
+                 lambda: folded_stacks(snap, device=7)):
+        with pytest.raises(InvalidInputError, match="expected one of: 0, 2"):
+            call()

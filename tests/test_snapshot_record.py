@@ -142,6 +142,22 @@ def test_record_history_is_reentrant_and_restores() -> None:
         torchmem.stop_recording()
 
 
+def test_failed_start_leaves_the_recorder_stopped_and_usable() -> None:
+    # Regression: a start() that failed (bad track() argument) still counted as running, so
+    # .active was True and stop() crashed with AttributeError on the missing tracker.
+    rec = record_history("not a module", device="cpu")
+    with pytest.raises(InvalidInputError, match="must be a torch.nn.Module"):
+        rec.start()
+    assert not rec.active
+    with pytest.raises(InvalidInputError, match="never started"):
+        rec.stop()
+    # the same recorder starts fine once its arguments are right
+    rec.track_args = ()
+    with rec:
+        z = torch.empty(25)
+    assert [b.size for s in rec.snapshot().segments for b in s.blocks] == _storage_bytes(z)
+
+
 def test_snapshot_without_recording_on_cpu_raises_clearly() -> None:
     from torchmem.snapshots import record as rmod
 
@@ -173,3 +189,39 @@ def test_cuda_record_history_real_gpu(tmp_path: Path) -> None:
     assert "alloc" in acts and "free_completed" in acts
     torchmem.dump_snapshot(tmp_path / "cuda.pickle", snap)
     assert pickle.loads((tmp_path / "cuda.pickle").read_bytes())["segments"] is not None
+
+
+def test_oom_guard_never_hides_the_oom_when_writing_fails(tmp_path) -> None:
+    import torch
+
+    target = tmp_path / "no-such-dir" / "oom.pickle"  # parent missing: the write must fail
+    with pytest.warns(RuntimeWarning, match="could not write the snapshot"):
+        with pytest.raises(MemoryError, match="host ran out") as info:
+            with oom_guard(target, device="cpu"):
+                keep = torch.empty(10)
+                raise MemoryError("host ran out")
+    assert keep.numel() == 10
+    assert not target.exists()
+    assert any("could not write the snapshot" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_cuda_keeps_its_index_when_a_cpu_tensor_comes_first(tmp_path) -> None:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import torchmem
+    from torchmem.model.snapshot import Snapshot
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with torchmem.track() as tr:
+        host = torch.zeros(8)  # a CPU storage first: 32 bytes
+        with fake:
+            dev = torch.empty(16, device="cuda:0")  # a fake CUDA storage: 64 bytes
+    snap = Snapshot.from_trace(tr)
+    assert snap.device_names[0] == "cuda:0" and snap.device_names[1] == "cpu"
+    assert sum(s.total_size for s in snap.segments if s.device == 0) == dev.numel() * 4
+    assert sum(s.total_size for s in snap.segments if s.device == 1) == host.numel() * 4
+    p = tmp_path / "mixed.tmtrace"
+    tr.save(p)
+    loaded = torchmem.load_snapshot(p)
+    assert loaded.device_names[0] == "cuda:0" and loaded.device_names[1] == "cpu"

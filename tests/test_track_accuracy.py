@@ -220,3 +220,112 @@ def test_resized_storages_are_recorded_with_their_new_size() -> None:
     assert kinds[:3] == [("alloc", "aten::empty", 0), ("free", None, 0), ("alloc", "aten::resize_", 400)]
     assert tr.peak() == {"cpu": 440}
     del c
+
+
+class _Cycle:
+    """A reference cycle holding a tensor: only the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.t = torch.ones(256)  # 1024 bytes
+
+
+def test_garbage_collection_during_an_allocation_keeps_storage_ids_aligned() -> None:
+    # A collection can run while the tracker records an allocation (creating its weak
+    # reference); the frees it triggers append events, and the allocation must still get its
+    # own sequence number as storage id (it once took the number of the interleaved free).
+    import gc
+
+    old = gc.get_threshold()
+    n_cycles = 150
+    keep = []
+    try:
+        gc.collect()
+        gc.set_threshold(1)  # collect on (almost) every container allocation
+        with torchmem.track() as tr:
+            for _ in range(n_cycles):
+                _Cycle()
+                keep.append(torch.zeros(64) + 1)  # 256 bytes each, alive at the end
+            gc.collect()
+            live_end = tr.live_bytes("cpu")
+    finally:
+        gc.set_threshold(*old)
+    trace = tr.trace
+    allocs = {}
+    freed_sizes = []
+    for i in range(len(trace)):
+        if trace.kind[i] == 0:
+            assert trace.storage[i] == i + 1, f"ALLOC {i} has storage id {trace.storage[i]}"
+            allocs[trace.storage[i]] = trace.nbytes[i]
+        elif trace.kind[i] == 1:
+            assert allocs[trace.storage[i]] == trace.nbytes[i]  # a free matches its alloc
+            freed_sizes.append(trace.nbytes[i])
+    # ground truth from the loop: every cycle's 1024-byte storage was freed once
+    assert freed_sizes.count(1024) == n_cycles
+    assert live_end == sum(t.untyped_storage().nbytes() for t in keep) == n_cycles * 256
+
+
+def test_iteration_start_includes_initial_state_when_it_ends_on_another_device() -> None:
+    # the initial state's last ALLOC is on "meta" (a buffer): iteration 0 on cpu once started
+    # from 0 bytes, reporting the parameters as growth of the first iteration
+    lin = torch.nn.Linear(4, 3)
+    lin.register_buffer("scale", torch.ones(5, device="meta"))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with torchmem.track(lin, opt) as tr:
+        for _ in range(2):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            opt.step()
+    initial = [e for e in tr.events() if e.time_ns == 0 and e.op is None and e.kind.label == "alloc"]
+    assert initial[-1].device == "meta"
+    params = sum(p.untyped_storage().nbytes() for p in lin.parameters())  # 48 + 12
+    grads = sum(p.grad.untyped_storage().nbytes() for p in lin.parameters())
+    s = summarize_trace(tr.trace, device="cpu")
+    first = s.iterations[0]
+    assert first.start_bytes == params == 60
+    # what the first iteration keeps is its gradients (no momentum: SGD keeps no state)
+    assert first.retained_growth == grads == 60
+    assert s.iterations[1].start_bytes == params + grads
+
+
+def test_reentrant_checkpointing_does_not_end_the_outer_backward_phase() -> None:
+    # checkpoint(use_reentrant=True) runs a backward inside the backward; its end once closed
+    # the outer backward's region, so the outer's later-freed buffers became "other" instead of
+    # "temporary". Ground truth: the same model with non-reentrant checkpointing.
+    import warnings as _w
+    from collections import Counter
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(3)]
+    )
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def run(reentrant: bool):  # type: ignore[no-untyped-def]
+        with torchmem.track(layers) as tr, _w.catch_warnings():
+            _w.simplefilter("ignore")
+            h = x
+            for layer in layers:
+                h = checkpoint(layer, h, use_reentrant=reentrant)
+            h.sum().backward()
+            grads = sum(p.grad.untyped_storage().nbytes() for p in layers.parameters())
+            grad_live = sum(
+                e.nbytes for e in tr.events()
+                if e.kind.label == "alloc" and e.category.label == "gradient"
+            )
+            for p in layers.parameters():
+                p.grad = None
+            x.grad = None
+        bw_frees = Counter(
+            e.category.label for e in tr.events() if e.kind.label == "free" and e.phase.label == "backward"
+        )
+        return bw_frees, grads, grad_live
+
+    frees_re, grads_re, live_re = run(True)
+    frees_nr, grads_nr, live_nr = run(False)
+    assert "other" not in frees_re
+    assert frees_re["temporary"] == frees_nr["temporary"] > 0
+    assert live_re == grads_re == live_nr == grads_nr == 3 * (32 * 32 + 32) * 4

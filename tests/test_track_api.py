@@ -313,3 +313,52 @@ def test_lite_tracker_matches_full_tracker_totals() -> None:
     assert lite.peak()["cpu"] >= 16 * 16 * 4  # at least fc1's output
     assert {e.category.label for e in lite.events()} <= {"temporary", "other"}
     assert _global_state()[-1] == len(_get_current_dispatch_mode_stack())
+
+
+def test_lite_tracker_refuses_to_nest_instead_of_losing_the_outer_events() -> None:
+    # a second profiler session takes over the first: the outer track_lite once returned an
+    # empty trace without a word
+    with torchmem.track_lite() as outer:
+        with pytest.raises(InvalidInputError, match="another PyTorch profiler"):
+            with torchmem.track_lite():
+                pass
+        x = torch.ones(100)
+    allocs = [e.nbytes for e in outer.events() if e.kind.label == "alloc"]
+    assert allocs == [x.untyped_storage().nbytes()] == [400]
+    assert not torch.autograd._profiler_enabled()
+    with torch.profiler.profile(profile_memory=True):
+        with pytest.raises(InvalidInputError, match="torch.profiler.profile"):
+            torchmem.track_lite().__enter__()
+
+
+class _Blocker(torch.nn.Module):
+    def forward(self, x: torch.Tensor, wait=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if wait is not None:
+            wait()  # the same module instance runs on another thread meanwhile
+        return x * 2
+
+
+class _SharedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = _Blocker()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        def run_worker() -> None:
+            t = threading.Thread(target=lambda: self.b(torch.ones(3)))
+            t.start()
+            t.join()
+
+        return self.b(x, wait=run_worker)
+
+
+def test_module_running_on_another_thread_does_not_end_this_threads_call() -> None:
+    # the worker's forward post-hook once popped the tracking thread's entry for the same
+    # module, so the tracking thread's x * 2 inside "_SharedNet.b" was attributed to the parent
+    net = _SharedNet()
+    with torchmem.track(net) as tr:
+        y = net(torch.ones(5))
+    muls = [(e.module, e.nbytes) for e in tr.events() if e.op == "aten::mul"]
+    assert muls == [("_SharedNet.b", y.untyped_storage().nbytes())] == [("_SharedNet.b", 20)]

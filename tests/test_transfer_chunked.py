@@ -409,6 +409,32 @@ def test_offload_forward_meta_dry_run_and_real_ledger():
     assert led.record("meta").peak == r.peak_staging_bytes + r.peak_resident_bytes
 
 
+def test_offload_forward_frees_shared_storages_once():
+    # Regression: a layer whose names share a storage (a buffer viewing the weight, a tied
+    # weight) was allocated once per storage but freed once per name, so a real Ledger counted
+    # a spurious "untracked" free for every alias.
+    from torchmem import Ledger
+
+    lin = nn.Linear(4, 4)
+    lin.register_buffer("w_t", lin.weight.detach().t())
+    other = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    ref = other(lin(x))
+    led, rec = Ledger(), RecordingLedger()
+    for ledger in (led, rec):
+        r = offload_forward([lin, other], x, "cpu", chunk_bytes=64, ledger=ledger, overlap=False)
+        assert torch.allclose(r.output, ref)
+    per_layer = [sum(storage_bytes([t for t in m.state_dict().values()]).values())
+                 for m in (lin, other)]
+    assert per_layer == [4 * 4 * 4 + 4 * 4, 4 * 4 * 4 + 4 * 4]
+    assert led.untracked_frees == 0
+    # every storage (2 weights of each layer's copy + 2 staging buffers) freed exactly once
+    frees = [n for kind, n in rec.calls if kind == "free"]
+    allocs = [n for kind, n in rec.calls if kind == "allocate"]
+    assert sorted(frees) == sorted(allocs) and sum(frees) == sum(per_layer) + 2 * 64
+    assert led.freed()[0] == sum(per_layer) + 2 * 64
+
+
 def test_offload_forward_errors_and_empty():
     with pytest.raises(InvalidInputError, match=r"layers\[1\]"):
         offload_forward([nn.ReLU(), abs], torch.ones(2), "cpu")

@@ -54,7 +54,7 @@ import torch
 from torchmem.errors import InvalidInputError
 from torchmem.inspect import inspect_memory
 from torchmem.model.report import MemoryReport
-from torchmem.storage import _check_tensor, resolve_device, same_storage, storage_id
+from torchmem.storage import resolve_device, same_storage, storage_id, tensor_span
 from torchmem.units import format_bytes
 
 __all__ = [
@@ -124,18 +124,9 @@ def tensor_memory_span(t: torch.Tensor) -> tuple[int, int]:
         >>> tensor_memory_span(x.t()), tensor_memory_span(x[1, 1:3]), tensor_memory_span(x[:0])
         ((0, 11), (5, 6), (0, -1))
     """
-    _check_tensor(t)
-    off = int(t.storage_offset())
-    if t.numel() == 0:
-        return off, off - 1
-    lo = hi = off
-    for size, stride in zip(t.shape, t.stride()):
-        reach = (int(size) - 1) * int(stride)
-        if reach < 0:
-            lo += reach
-        else:
-            hi += reach
-    return lo, hi
+    span = tensor_span(t)  # byte span [start, end); element offsets are its bounds / element size
+    es = int(t.element_size())
+    return span.start // es, span.end // es - 1
 
 
 class MemReporter:

@@ -40,13 +40,13 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchmem.errors import InvalidInputError, MoveError, TorchmemError, UnsupportedTensorError
+from torchmem.inspect import _iter_state_tensors
 from torchmem.model.report import MovePlan, PlannedStorage
 from torchmem.storage import _check_tensor, device_str, resolve_device
 
@@ -172,19 +172,11 @@ def _collect(
                 if pname is None or p not in optimizer.state:
                     continue  # not this module's parameter: its state stays where it is
                 for key, value in optimizer.state[p].items():
-                    for sname, t in _state_tensors(value, f"state[{pname}].{key}"):
+                    for sname, t in _iter_state_tensors(value, f"state[{pname}].{key}"):
                         step = key == "step"
                         add(sname, t, "optimizer_state", keep_device=step and not special,
                             keep_dtype=step)
     return entries
-
-
-def _state_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        yield name, value
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _state_tensors(v, f"{name}[{i}]")
 
 
 def _group(entries: list[_Entry]) -> list[_Group]:
@@ -232,7 +224,7 @@ def _decide(g: _Group) -> None:
     g.action = "convert"
     g.source_dtype = next(iter(src))
     g.target_dtype = next(iter(dst))
-    es = torch.empty((), dtype=g.source_dtype).element_size()
+    es = g.source_dtype.itemsize
     if g.storage.nbytes() % es:
         raise MoveError(
             f"storage of {g.entries[0].names[0]} has {g.storage.nbytes()} bytes, not a multiple of "
@@ -260,7 +252,7 @@ def _build_storage(g: _Group, device: torch.device, non_blocking: bool) -> torch
         )
     if g.action == "convert":
         assert g.source_dtype is not None and g.target_dtype is not None
-        numel = old.nbytes() // torch.empty((), dtype=g.source_dtype).element_size()
+        numel = old.nbytes() // g.source_dtype.itemsize
         new = _allocate(numel, g.target_dtype, device)
         if device.type != "meta":
             new.copy_(_flat(old, g.source_dtype, numel), non_blocking=non_blocking)
@@ -317,8 +309,8 @@ def plan_move(
         nbytes = int(g.storage.nbytes())
         if g.action == "convert":
             assert g.source_dtype is not None and g.target_dtype is not None
-            es_old = torch.empty((), dtype=g.source_dtype).element_size()
-            es_new = torch.empty((), dtype=g.target_dtype).element_size()
+            es_old = g.source_dtype.itemsize
+            es_new = g.target_dtype.itemsize
             tgt_bytes = nbytes // es_old * es_new
         else:
             tgt_bytes = nbytes
@@ -439,6 +431,25 @@ def _swap(
         hit = replace.get(id(v))
         return hit[1] if hit is not None and hit[0] is v else None
 
+    def substitute(v: Any) -> Any:
+        """``v`` with replaced tensors, at any depth of lists, tuples and dicts (the containers
+        ``_iter_state_tensors`` walks); changed containers are new objects, so the only undo
+        needed is restoring the top-level value."""
+        if isinstance(v, torch.Tensor):
+            n = repl(v)
+            return v if n is None else n
+        if isinstance(v, (list, tuple)):
+            items = [substitute(x) for x in v]
+            return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+        if isinstance(v, dict):
+            changed = {k: n for k, x in v.items() if (n := substitute(x)) is not x}
+            if not changed:
+                return v
+            new = copy.copy(v)
+            new.update(changed)
+            return new
+        return v
+
     def set_item(d: Any, k: Any, v: Any) -> None:
         old = d[k]
         d[k] = v
@@ -472,15 +483,9 @@ def _swap(
         for p in list(state):
             st = state[p]
             for k, v in list(st.items()):
-                if isinstance(v, torch.Tensor):
-                    n = repl(v)
-                    if n is not None:
-                        set_item(st, k, n)
-                elif isinstance(v, (list, tuple)):
-                    nv = [repl(x) if isinstance(x, torch.Tensor) and repl(x) is not None else x
-                          for x in v]
-                    if any(a is not b for a, b in zip(nv, v)):
-                        set_item(st, k, type(v)(nv))
+                nv = substitute(v)
+                if nv is not v:
+                    set_item(st, k, nv)
             n = repl(p)
             if n is not None:
                 state[n] = state.pop(p)

@@ -341,6 +341,29 @@ def snapshot_stats(snap: Snapshot) -> SnapshotStats:
 
 
 # ---------------------------------------------------------------------------------- replay
+def _select_devices(snap: Snapshot, device: int | None) -> list[int]:
+    """All devices with data (``device=None``) or ``[device]``; an index without data is an error
+    (it would otherwise report zeros as if the device had been idle)."""
+    devices = snap.devices
+    if device is None:
+        return devices
+    if device not in devices:
+        have = ", ".join(map(str, devices)) or "none (the snapshot is empty)"
+        raise InvalidInputError(
+            f"device {device!r} has no segments or trace entries in this snapshot; expected one "
+            f"of: {have}. Fix: pass one of those indexes, or no device for all of them"
+        )
+    return [device]
+
+
+def _running_allocated(snap: Snapshot, device: int, end: dict[int, tuple[int, int]]) -> list[int]:
+    """Allocated bytes before the first entry and after each entry (``len(trace) + 1`` values),
+    starting from the total derived backwards from the end state ``end``."""
+    deltas = _deltas(snap, device)
+    initial = sum(v[0] for v in end.values()) - sum(deltas)
+    return list(accumulate(deltas, initial=initial))
+
+
 def _end_live(snap: Snapshot, device: int) -> dict[int, tuple[int, int]]:
     """addr -> (requested size, stack id) of the active blocks at the end."""
     live: dict[int, tuple[int, int]] = {}
@@ -567,7 +590,8 @@ def snapshot_peak(
     The running total starts from the live set derived backwards from the end state (see the
     module docs), so traces that start mid-run are right. ``depth`` innermost frames (after
     filtering PyTorch internals unless ``filter_internal=False``) form the group key; ``top``
-    limits the groups listed (``None``: all).
+    limits the groups listed (``None``: all). ``device`` selects one device index; an index
+    with no segments or trace entries raises :class:`~torchmem.errors.InvalidInputError`.
 
     Example:
         >>> from torchmem.model.snapshot import Snapshot
@@ -582,16 +606,14 @@ def snapshot_peak(
         >>> p.initial_allocated_bytes, p.peak_allocated_bytes, p.peak_index, p.end_allocated_bytes
         (300, 300, 0, 100)
     """
-    devices = snap.devices if device is None else [device]
+    devices = _select_devices(snap, device)
     out: list[DevicePeak] = []
     for dev in devices:
         end = _end_live(snap, dev)
-        end_total = sum(v[0] for v in end.values())
         t = snap.trace(dev)
         n = len(t)
-        deltas = _deltas(snap, dev)
-        initial = end_total - sum(deltas)
-        running = list(accumulate(deltas, initial=initial))
+        running = _running_allocated(snap, dev, end)
+        initial, end_total = running[0], running[-1]
         peak = max(running)
         k = running.index(peak)
         live = _live_at(snap, dev, end, k)
@@ -779,7 +801,14 @@ def _reserved_deltas(snap: Snapshot, device: int) -> list[int]:
 
 
 def _start_totals(snap: Snapshot, device: int) -> tuple[int, int]:
-    end_alloc = sum(v[0] for v in _end_live(snap, device).values())
+    # only the total is needed here: sum the active blocks without interning their stacks
+    end_alloc = sum(
+        b.requested_size
+        for s in snap.segments
+        if s.device == device
+        for b in s.blocks
+        if b.state != "inactive"
+    )
     end_res = sum(s.total_size for s in snap.segments if s.device == device)
     return end_alloc - sum(_deltas(snap, device)), end_res - sum(_reserved_deltas(snap, device))
 
@@ -791,7 +820,8 @@ def snapshot_trace(
 
     Totals start from the state before the first entry (derived backwards from the end state),
     and end equal to the snapshot's active (requested) bytes and reserved bytes.
-    ``frame`` is the ``depth`` innermost user frames joined by `` <- ``.
+    ``frame`` is the ``depth`` innermost user frames joined by `` <- ``. ``device`` selects one
+    device index (one with no data raises :class:`~torchmem.errors.InvalidInputError`).
 
     Example:
         >>> from torchmem.model.snapshot import Snapshot
@@ -805,7 +835,7 @@ def snapshot_trace(
         [('segment_alloc', 0, 2097152), ('alloc', 100, 2097152), ('free_requested', 100, 2097152),
          ('free_completed', 0, 2097152), ('segment_free', 0, 0)]
     """
-    devices = snap.devices if device is None else [device]
+    devices = _select_devices(snap, device)
     for dev in devices:
         t = snap.trace(dev)
         if not len(t):
@@ -852,6 +882,8 @@ def folded_stacks(
     ``at="end"``: active blocks at the snapshot's end (their rounded block sizes);
     ``at="peak"``: allocations live at each device's peak (requested sizes). Each line starts
     with the device name (and the block state if ``include_state``); identical stacks are summed.
+    ``device`` selects one device index (one with no data raises
+    :class:`~torchmem.errors.InvalidInputError`).
 
     Example:
         >>> from torchmem.model.snapshot import Snapshot, Segment, Block, Frame
@@ -877,7 +909,7 @@ def folded_stacks(
             p = cache[(dev, sid)] = ";".join(parts)
         return p
 
-    devices = snap.devices if device is None else [device]
+    devices = _select_devices(snap, device)
     for dev in devices:
         if at == "end":
             for seg in snap.segments:
@@ -893,9 +925,7 @@ def folded_stacks(
                     acc[line] = acc.get(line, 0) + b.size
         else:
             end = _end_live(snap, dev)
-            deltas = _deltas(snap, dev)
-            initial = sum(v[0] for v in end.values()) - sum(deltas)
-            running = list(accumulate(deltas, initial=initial))
+            running = _running_allocated(snap, dev, end)
             k = running.index(max(running))
             for size, sid in _live_at(snap, dev, end, k).values():
                 line = path(dev, sid)

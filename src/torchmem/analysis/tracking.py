@@ -135,7 +135,8 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         >>> [it.retained_growth for it in summarize_trace(tr).iterations], summarize_trace(tr).leak_suspect
         ([8, 8, 8], True)
     """
-    peaks = trace.peak()
+    end_live, peak_list, _ = trace._scan()  # one pass for the peaks and the final live bytes
+    peaks = dict(zip(trace.devices, peak_list))
     if device is None:
         device = _main_device(trace, peaks)
     n = len(trace)
@@ -172,6 +173,9 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         and op_col[initial_end + 1] == 0
     ):
         initial_end += 1
+    # the loop below only visits this device's events: end the initial state at its last one
+    while initial_end >= 0 and dev[initial_end] != want:
+        initial_end -= 1
     for i in range(n):
         k = kind[i]
         if k == _MARK:
@@ -264,7 +268,7 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         peak=peaks,
         peak_seq=peak_seq,
         peak_time_ns=trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
-        final_live=trace.live_bytes(),
+        final_live=dict(zip(trace.devices, end_live)),
         top_ops_allocated=_top({strings[k]: v for k, v in ops.items()}, top),
         top_modules_allocated=_top({(strings[k] or "(no module)"): v for k, v in mods.items()}, top),
         top_ops_at_peak=_top(at_ops, top),

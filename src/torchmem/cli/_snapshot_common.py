@@ -16,7 +16,7 @@ from typing import Any
 
 from torchmem.model.snapshot import Snapshot
 
-__all__ = ["add_file_argument", "load", "emit_json", "add_stack_arguments"]
+__all__ = ["add_file_argument", "load", "emit_json", "add_stack_arguments", "non_negative_int"]
 
 
 def add_file_argument(parser: argparse.ArgumentParser, name: str = "file") -> None:
@@ -35,6 +35,29 @@ def add_file_argument(parser: argparse.ArgumentParser, name: str = "file") -> No
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def non_negative_int(text: str) -> int:
+    """argparse ``type=`` for counts (``--top``, ``--depth``, ``--head``, ``--tail``): an int >= 0.
+
+    A negative count would otherwise slice from the end (``--top -1`` silently dropping the
+    last group) or fail deep inside the command.
+
+    Example:
+        >>> non_negative_int("3")
+        3
+        >>> non_negative_int("-1")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: expected a count >= 0, got -1
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {n}")
+    return n
+
+
 def add_stack_arguments(parser: argparse.ArgumentParser, depth: int = 5) -> None:
     """Add ``--depth``, ``--top`` and ``--all-frames``.
 
@@ -44,9 +67,10 @@ def add_stack_arguments(parser: argparse.ArgumentParser, depth: int = 5) -> None
         >>> p.parse_args(["--depth", "2"]).depth
         2
     """
-    parser.add_argument("--depth", type=int, default=depth,
+    parser.add_argument("--depth", type=non_negative_int, default=depth,
                         help=f"frames per stack group, innermost first (default {depth}; 0 = all)")
-    parser.add_argument("--top", type=int, default=20, help="stack groups to list (0 = all)")
+    parser.add_argument("--top", type=non_negative_int, default=20,
+                        help="stack groups to list (0 = all)")
     parser.add_argument("--all-frames", action="store_true",
                         help="keep PyTorch-internal and C++ frames (filtered by default)")
 

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
     """
     from torchmem.analysis.snapshot import folded_stacks
+    from torchmem.errors import InvalidInputError
 
     snap = load(args.file)
     lines = folded_stacks(snap, at=args.at, device=args.device,
@@ -59,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     text = "".join(ln + "\n" for ln in lines)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise InvalidInputError(
+                f"could not write the folded stacks to {args.output!r}: {e.strerror or e}; fix: "
+                "pass -o with a writable path (or omit it to print to stdout)"
+            ) from None
         print(f"wrote {len(lines)} folded stacks to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

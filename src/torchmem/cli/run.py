@@ -74,9 +74,10 @@ def _user_traceback(exc: BaseException, script: str) -> str:
 
 
 def _run_script(script: str, argv: list[str]) -> tuple[int, BaseException | None]:
-    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    old_argv = sys.argv[:]
+    folder = os.path.dirname(os.path.abspath(script))
     sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.path.insert(0, folder)
     try:
         runpy.run_path(script, run_name="__main__")
         return 0, None
@@ -94,10 +95,8 @@ def _run_script(script: str, argv: list[str]) -> tuple[int, BaseException | None
         return 1, e
     finally:
         sys.argv = old_argv
-        if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(script)):
+        if sys.path and sys.path[0] == folder:
             del sys.path[0]
-        elif old_path0 is not None and old_path0 in sys.path:
-            pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
+    # checked before the script runs, so a long run is not lost to an unwritable output path
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output) or not os.path.isdir(out_dir):
+        raise InvalidInputError(
+            f"-o/--output {args.output!r} cannot be written: expected a file path in an existing "
+            "folder; create the folder or pass another path"
+        )
 
     from torchmem.tracking.tracker import track
 

@@ -13,7 +13,7 @@ import json
 import sys
 from collections import deque
 
-from torchmem.cli._snapshot_common import add_file_argument, load
+from torchmem.cli._snapshot_common import add_file_argument, load, non_negative_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add_file_argument(parser)
     parser.add_argument("--device", type=int, default=None, help="only this device index")
-    parser.add_argument("--head", type=int, default=None, help="only the first N entries")
-    parser.add_argument("--tail", type=int, default=None, help="only the last N entries")
-    parser.add_argument("--depth", type=int, default=1, help="frames shown per entry (default 1)")
+    parser.add_argument("--head", type=non_negative_int, default=None, help="only the first N entries")
+    parser.add_argument("--tail", type=non_negative_int, default=None, help="only the last N entries")
+    parser.add_argument("--depth", type=non_negative_int, default=1, help="frames shown per entry (default 1)")
     parser.add_argument("--all-frames", action="store_true", help="keep PyTorch-internal frames")
 
 

@@ -669,6 +669,9 @@ class Snapshot:
             4096
         """
         events = trace.events() if hasattr(trace, "events") else trace
+        devices = getattr(trace, "devices", None) or getattr(getattr(trace, "trace", None), "devices", None)
+        if devices and kwargs.get("device_index") is None:
+            kwargs["device_index"] = default_device_index(devices)
         return snapshot_from_events(events, **kwargs)
 
     def to_pytorch_dict(self) -> dict[str, Any]:
@@ -790,6 +793,28 @@ def _parse_stack_entry(text: str) -> tuple[str, int, str]:
     return text, 0, "?"
 
 
+
+def default_device_index(names: Iterable[str]) -> dict[str, int]:
+    """Device indexes for a snapshot: ``cuda:N`` keeps ``N``; other devices follow the CUDA ones.
+
+    Knowing every device up front keeps ``cuda:0`` at index 0 even when a CPU event comes first.
+
+    Example:
+        >>> default_device_index(["cpu", "cuda:1", "cuda:0", "meta"])
+        {'cuda:1': 1, 'cuda:0': 0, 'cpu': 2, 'meta': 3}
+    """
+    names = list(dict.fromkeys(names))
+    index: dict[str, int] = {}
+    for name in names:
+        if name.startswith("cuda:") and name[5:].isdigit():
+            index[name] = int(name[5:])
+    nxt = max(index.values(), default=-1) + 1
+    for name in names:
+        if name not in index:
+            index[name] = nxt
+            nxt += 1
+    return index
+
 def snapshot_from_events(
     events: Iterable[Event],
     *,
@@ -831,6 +856,7 @@ def snapshot_from_events(
     def dev_of(name: str) -> int:
         d = index.get(name)
         if d is not None:
+            snap.device_names.setdefault(d, name)
             return d
         if name.startswith("cuda:") and name[5:].isdigit() and int(name[5:]) not in used:
             d = int(name[5:])

@@ -36,7 +36,7 @@ from typing import IO, Any, Union
 
 from torchmem.errors import SnapshotFormatError, UnsafePickleError
 from torchmem.model._normalise import JSON_FORMAT_NAME, normalise
-from torchmem.model.snapshot import Snapshot, snapshot_from_events
+from torchmem.model.snapshot import Snapshot
 
 __all__ = ["load_snapshot", "load_raw", "SafeUnpickler", "PathLike"]
 
@@ -193,7 +193,7 @@ def load_snapshot(source: PathLike | IO[bytes]) -> Snapshot:
     if isinstance(source, (str, os.PathLike)) and _is_tmtrace(source):
         from torchmem.model.trace import load_trace
 
-        snap = snapshot_from_events(load_trace(source).events())
+        snap = Snapshot.from_trace(load_trace(source))
         snap.source.path = os.fspath(source)
         return snap
     # Building millions of small containers triggers the cyclic GC over and over for nothing

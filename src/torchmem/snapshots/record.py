@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from array import array
 from types import TracebackType
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from torchmem.errors import DeviceError, InvalidInputError
-from torchmem.model.snapshot import CPU_NOTE, Snapshot, snapshot_from_events
+from torchmem.model.snapshot import CPU_NOTE, Snapshot
 from torchmem.snapshots.writer import dump_snapshot, write_snapshot
 
 __all__ = [
@@ -155,8 +156,8 @@ class record_history:
             True
             >>> _ = r.stop()
         """
-        self._depth += 1
-        if self._depth > 1:
+        if self._depth > 0:
+            self._depth += 1
             return
         self._final = None
         if self.is_cuda:
@@ -173,8 +174,11 @@ class record_history:
         else:
             from torchmem.tracking.tracker import track
 
-            self._tracker = track(*self.track_args, stacks=self.track_stacks)
-            self._tracker.__enter__()
+            tracker = track(*self.track_args, stacks=self.track_stacks)
+            tracker.__enter__()
+            self._tracker = tracker
+        # counted as running only once everything started: a failed start leaves it stopped
+        self._depth = 1
         _ACTIVE.append(self)
 
     def stop(self) -> Snapshot:
@@ -251,7 +255,7 @@ class record_history:
 
 
 def _from_tracker(tracker: Any) -> Snapshot:
-    snap = snapshot_from_events(tracker.events())
+    snap = Snapshot.from_trace(tracker)
     if CPU_NOTE not in snap.notes:
         snap.notes.append(CPU_NOTE)
     return snap
@@ -397,16 +401,26 @@ class oom_guard:
         rec = self._recs.pop()
         try:
             if exc is not None and is_oom_error(exc):
-                if rec is not None:
-                    snap = rec.stop()
-                    rec = None
-                else:
-                    snap = snapshot(self.device)
-                if not any(t.count("oom") for t in snap.traces.values()) and isinstance(
-                    exc, MemoryError
-                ):
-                    _append_host_oom(snap, exc)
-                write_snapshot(self.path, snap, format=self.format)
+                try:
+                    if rec is not None:
+                        snap = rec.stop()
+                        rec = None
+                    else:
+                        snap = snapshot(self.device)
+                    if not any(t.count("oom") for t in snap.traces.values()) and isinstance(
+                        exc, MemoryError
+                    ):
+                        _append_host_oom(snap, exc)
+                    write_snapshot(self.path, snap, format=self.format)
+                except Exception as err:  # never hide the out-of-memory error behind our own
+                    msg = (
+                        f"torchmem.oom_guard could not write the snapshot to {self.path}: "
+                        f"{type(err).__name__}: {err}"
+                    )
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(msg)
+                    return
                 self.written = self.path
                 print(f"torchmem: out of memory; snapshot written to {self.path}", file=sys.stderr)
         finally:

@@ -68,6 +68,14 @@ class LiteTracker:
         if self._used:
             raise InvalidInputError("this tracker was already used; call track_lite() again")
         self._used = True
+        if torch.autograd._profiler_enabled():
+            # a second profiler session takes over the running one: the outer session (an
+            # enclosing track_lite or the user's own torch.profiler) would silently lose events
+            raise InvalidInputError(
+                "track_lite() cannot start while another PyTorch profiler is running (an "
+                "enclosing track_lite() or torch.profiler.profile()); end that one first, or use "
+                "torchmem.track(), which nests"
+            )
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)

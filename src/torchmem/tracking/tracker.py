@@ -66,6 +66,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -213,6 +214,9 @@ class Tracker:
         self._phase = _P_OTHER  # the non-backward phase (forward/optimizer/other)
         self._cur = _P_OTHER  # phase of the current region
         self._bw_task = -1
+        # graph tasks whose end callback is queued: a reentrant backward (checkpointing with
+        # use_reentrant=True) runs inside the outer one, whose phase must not end with it
+        self._bw_tasks: set[int] = set()
         self._fw_names: list[int] = []  # interned module names (trace string indexes)
         self._fw_mods: list[torch.nn.Module] = []
         # backward attribution: the autograd sequence number where the innermost running
@@ -434,9 +438,6 @@ class Tracker:
             raise errors[0]
 
     # ------------------------------------------------------------------ recording
-    def _now(self) -> int:
-        return time.perf_counter_ns() - self._t0
-
     def _dev_index(self, device: torch.device) -> int:
         i = self._dev_cache.get(device)
         if i is None:
@@ -720,8 +721,10 @@ class Tracker:
                 dev = dev_cache.get(device)
                 if dev is None:
                     dev = me._dev_index(device)
-                seq = len(kind_col)
+                # make the weak reference first: creating it can run the garbage collector,
+                # whose frees append FREE events, so the sequence number is read after it
                 ref = SRef(s, on_free)
+                seq = len(kind_col)
                 ref.key = key
                 ref.seq = seq
                 ref.dev = dev
@@ -773,9 +776,7 @@ class Tracker:
         """A live storage changed size in place: record a free of the old size and an
         allocation of the new one (a new storage id for the same storage)."""
         self._on_free_cb(ref)
-        tid = _graph_task_id()
-        phase = _P_BWD if tid != -1 else self._phase
-        module = self._bw_module() if tid != -1 else (self._fw_names[-1] if self._fw_names else 0)
+        phase, module = self._phase_now(), self._cur_module()
         self._add_storage(s, device, op, module, phase, self.trace.category[ref.seq])
 
     # ------------------------------------------------------------------ phases / categories
@@ -843,49 +844,54 @@ class Tracker:
     def _begin_backward(self, tid: int) -> None:
         self._bw_task = tid
         if self._cur != _P_BWD:
+            self._bw_tasks.clear()  # not inside a backward: tasks left here ended by raising
             self._end_region(_P_BWD)
         self._phase = _P_OTHER  # forward is over
+        if tid in self._bw_tasks:  # back in an outer task after a reentrant one ended
+            return
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._end_backward, tid)
+            )
         except RuntimeError:  # not inside the engine (should not happen); phase ends later
-            pass
+            return
+        self._bw_tasks.add(tid)
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, tid: int) -> None:
+        self._bw_tasks.discard(tid)
         if not self._active:
             return
         self._bw_task = -1
-        if self._cur == _P_BWD:
+        if not self._bw_tasks and self._cur == _P_BWD:
             self._end_region(_P_OTHER)
 
     def _capture_initial(self) -> None:
         """ALLOC events at time 0 for the state of the modules and optimizers passed in."""
-        items: list[tuple[torch.Tensor, Category, str | None]] = []
+        items: list[tuple[torch.Tensor, Category, int]] = []
         for root in self._modules_in:
-            base = type(root).__name__
-            for name, m in root.named_modules():
-                mname = f"{base}.{name}" if name else base
+            for m in root.modules():
+                mname = self._names[m]  # interned by _install
                 for p in m.parameters(recurse=False):
                     items.append((p, _C.PARAMETER, mname))
                 for b in m.buffers(recurse=False):
                     items.append((b, _C.BUFFER, mname))
             for p in root.parameters():
                 if p.grad is not None:
-                    items.append((p.grad, _C.GRADIENT, None))
+                    items.append((p.grad, _C.GRADIENT, 0))
         for o in self._optims_in:
             for group in o.param_groups:
                 for p in group["params"]:
-                    items.append((p, _C.PARAMETER, None))
+                    items.append((p, _C.PARAMETER, 0))
                     if p.grad is not None:
-                        items.append((p.grad, _C.GRADIENT, None))
+                        items.append((p.grad, _C.GRADIENT, 0))
             for st in o.state.values():
                 for v in st.values():
                     if isinstance(v, torch.Tensor):
-                        items.append((v, _C.OPTIMIZER_STATE, None))
+                        items.append((v, _C.OPTIMIZER_STATE, 0))
         self._active = False
-        for t, cat, name in items:
+        for t, cat, mod in items:
             if t.layout is not torch.strided or getattr(t, "is_nested", False):
                 continue
-            mod = self.trace.intern(name)
             self._add_storage(t.untyped_storage(), t.device, 0, mod, _P_OTHER, int(cat))
         self._active = True  # frees of initial storages are recorded from now on
 
@@ -934,7 +940,9 @@ class Tracker:
 
     def _fw_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         mods = self._fw_mods
-        if not mods or mods[-1] is not module:
+        # the same module object may also run on another thread: only this thread's calls
+        # were pushed by _fw_pre
+        if not mods or mods[-1] is not module or threading.get_ident() != self._thread:
             return
         mods.pop()
         self._fw_names.pop()

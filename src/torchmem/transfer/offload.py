@@ -127,12 +127,19 @@ def _run_threaded(
 
 
 def _retire(weights: dict[str, torch.Tensor], compute: Any, ledger: Any) -> None:
-    """Hand a layer's fetched weights back (a function, so no loop variable keeps one alive)."""
+    """Hand a layer's fetched weights back (a function, so no loop variable keeps one alive).
+
+    Several names can view one storage (tied weights, a buffer viewing a parameter): the ledger
+    is told once per storage, as ``fetch`` told it once per storage about the allocation."""
+    freed: set[int] = set()
     for t in weights.values():
         if compute is not None:
             t.record_stream(compute)  # the allocator reuses it only after this layer's kernels ran
         if ledger is not None:
-            ledger.free(t)
+            key = int(t.untyped_storage()._cdata)  # weights holds the tensors: keys stay unique
+            if key not in freed:
+                freed.add(key)
+                ledger.free(t)
 
 
 def offload_forward(
