@@ -4,8 +4,8 @@ Each subcommand module in this package defines ``add_arguments(parser)`` and ``r
 Only the chosen subcommand's module is imported, so ``torchmem stats`` does not pay for torch.
 
 Exit codes: 0 success; 1 an unexpected internal error; 2 bad usage or bad input (a
-:class:`~torchmem.errors.TorchmemError`); 130 interrupted. ``torchmem run`` passes on the exit
-code of the user's script.
+:class:`~torchmem.errors.TorchmemError`, or a file that cannot be read or written); 130
+interrupted. ``torchmem run`` passes on the exit code of the user's script.
 
 Example:
     >>> from torchmem.cli import main
@@ -107,6 +107,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a file the user named cannot be read or written: not a torchmem bug
+        if _debug():
+            traceback.print_exc()
+        where = f": {e.filename}" if e.filename else ""
+        print(
+            f"torchmem {name}: error: {e.strerror or e}{where}. "
+            "Check that the path exists and is readable/writable.",
+            file=sys.stderr,
+        )
+        return 2
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
         if _debug():
             traceback.print_exc()
