@@ -116,7 +116,7 @@ def generate(path: str, n_events: int, seed: int = 0, segments: int = 1000) -> N
 
 def _ours(path: str) -> tuple[float, float, int]:
     from torchmem.analysis.snapshot import snapshot_peak, snapshot_stats
-    from torchmem.snapshots.reader import load_snapshot
+    from torchmem.io.snapshot_file import load_snapshot
 
     t0, c0 = time.perf_counter(), time.process_time()
     snap = load_snapshot(path)
@@ -147,7 +147,7 @@ import sys, resource, tracemalloc, pickle, gc
 sys.path.insert(0, {src!r})
 mode, path = sys.argv[1], sys.argv[2]
 if mode.startswith("ours"):
-    from torchmem.snapshots.reader import load_snapshot
+    from torchmem.io.snapshot_file import load_snapshot
 gc.collect()
 def status_kib(key):
     with open("/proc/self/status") as f:

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _viewer_gen import make_snapshot
-from torchmem.report.viewer import write_viewer
+from torchmem.render.viewer.payload import write_viewer
 from torchmem.units import format_bytes
 
 CHROMIUM = "/usr/bin/chromium"

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchmem.capture.census import inspect_memory
 from torchmem.cli import main
 from torchmem.cli._objects import classify, load_object
 from torchmem.errors import ObjectLoadError
 from torchmem.examples import build_example
-from torchmem.inspect import inspect_memory
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:

@@ -15,7 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchmem
-from torchmem.compat import MemReporter, cdata, device_ordinal, get_device, tensor_memory_span
+from torchmem.compat.torchlinops import (
+    MemReporter,
+    cdata,
+    device_ordinal,
+    get_device,
+    tensor_memory_span,
+)
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.units import GB, GiB
 

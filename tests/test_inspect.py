@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import torchmem
+from torchmem.capture.census import Census, inspect_memory
 from torchmem.errors import InvalidInputError, UnsupportedTensorError
 from torchmem.examples import build_example, train_step
-from torchmem.inspect import Census, inspect_memory
-from torchmem.model.report import MemoryReport
-from torchmem.report.table import render
+from torchmem.model.census import MemoryReport
+from torchmem.render.table import render
 
 
 def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -10,9 +10,9 @@ from torch import nn
 
 import torchmem
 from torchmem import move as move_mod
+from torchmem.capture.census import inspect_memory
 from torchmem.errors import DeviceError, InvalidInputError, MoveError, UnsupportedTensorError
 from torchmem.examples import build_example, train_step
-from torchmem.inspect import inspect_memory
 from torchmem.move import memory_aware_deepcopy, memory_aware_to, plan_move
 
 

@@ -24,9 +24,9 @@ from torchmem.analysis.snapshot import (
     stack_key,
 )
 from torchmem.errors import InvalidInputError
+from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.snapshot import Snapshot
-from torchmem.report.snapshot_text import render_diff, render_oom, render_peak, render_stats
-from torchmem.snapshots.reader import load_snapshot
+from torchmem.render.snapshot_text import render_diff, render_oom, render_peak, render_stats
 
 DATA = Path(__file__).resolve().parent / "data"
 REAL = sorted(p.name for p in DATA.glob("*.pickle"))

@@ -14,9 +14,8 @@ import pytest
 
 import snapshot_synth as synth
 from torchmem.errors import SnapshotFormatError, UnsafePickleError
+from torchmem.io.snapshot_file import load_snapshot, write_snapshot
 from torchmem.model.snapshot import Snapshot
-from torchmem.snapshots.reader import load_snapshot
-from torchmem.snapshots.writer import write_snapshot
 
 DATA = Path(__file__).resolve().parent / "data"
 REAL = sorted(p.name for p in DATA.glob("*.pickle"))
@@ -143,7 +142,7 @@ def test_written_pickle_is_protocol_4_and_plain(tmp_path: Path) -> None:
     write_snapshot(tmp_path / "d.pickle", snap)
     data = (tmp_path / "d.pickle").read_bytes()
     assert data[:2] == b"\x80\x04"
-    from torchmem.snapshots.reader import _scan_opcodes
+    from torchmem.io.snapshot_file import _scan_opcodes
 
     ops = _scan_opcodes(tmp_path / "d.pickle")
     assert not ops & {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ"}

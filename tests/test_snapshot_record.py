@@ -13,11 +13,11 @@ import torch
 from torch.cuda import _memory_viz
 
 import torchmem
+from torchmem.capture.recording import is_oom_error, oom_guard, record_history
 from torchmem.errors import InvalidInputError
+from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.snapshot import CPU_NOTE, snapshot_from_events
-from torchmem.snapshots.reader import load_snapshot
-from torchmem.snapshots.record import is_oom_error, oom_guard, record_history
 
 
 def _storage_bytes(*ts: torch.Tensor) -> list[int]:
@@ -159,7 +159,7 @@ def test_failed_start_leaves_the_recorder_stopped_and_usable() -> None:
 
 
 def test_snapshot_without_recording_on_cpu_raises_clearly() -> None:
-    from torchmem.snapshots import record as rmod
+    from torchmem.capture import recording as rmod
 
     saved = list(rmod._LAST)
     rmod._LAST.clear()

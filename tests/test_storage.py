@@ -19,8 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchmem.errors import DeviceError, InvalidInputError, UnsupportedTensorError
-from torchmem.storage import (
+from torchmem.capture.storage import (
     Span,
     device_str,
     merge_spans,
@@ -35,6 +34,7 @@ from torchmem.storage import (
     tensor_span,
     unique_bytes,
 )
+from torchmem.errors import DeviceError, InvalidInputError, UnsupportedTensorError
 
 DTYPES = [
     (torch.bool, 1), (torch.uint8, 1), (torch.int8, 1),

@@ -116,7 +116,7 @@ def test_reading_and_summarising_need_no_torch(tmp_path: Path) -> None:
 
 
 def test_plot_without_matplotlib_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchmem.report.plot import MissingPlotDependency, plot_timeline
+    from torchmem.render.plot import MissingPlotDependency, plot_timeline
 
     _, path = _recorded(tmp_path)
     trace = load_trace(path)

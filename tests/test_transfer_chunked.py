@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchmem.capture.storage import storage_bytes
 from torchmem.errors import InvalidInputError, TransferError
-from torchmem.storage import storage_bytes
 from torchmem.transfer import (
     StagingBuffers,
     chunked_transfer,

@@ -21,7 +21,7 @@ import pytest
 
 from torchmem.cli import main
 from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
-from torchmem.report.viewer import (
+from torchmem.render.viewer.payload import (
     KIND_NAMES,
     build_payload,
     encode_payload,
@@ -202,7 +202,7 @@ def test_cli_writes_the_page(tmp_path: Path, capsys: Any) -> None:
 
 
 def test_render_html_accepts_snapshot_objects() -> None:
-    from torchmem.snapshots.reader import load_snapshot
+    from torchmem.io.snapshot_file import load_snapshot
 
     snap = load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle")
     page = render_html(snap, title="magma")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from torchmem.report.viewer import write_viewer
+from torchmem.render.viewer.payload import write_viewer
 
 pytestmark = pytest.mark.browser
 

@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
+from torchmem.capture.census import _iter_state_tensors
+from torchmem.capture.storage import _check_tensor, device_str, resolve_device
 from torchmem.errors import InvalidInputError, MoveError, TorchmemError, UnsupportedTensorError
-from torchmem.inspect import _iter_state_tensors
-from torchmem.model.report import MovePlan, PlannedStorage
-from torchmem.storage import _check_tensor, device_str, resolve_device
+from torchmem.model.census import MovePlan, PlannedStorage
 
 __all__ = ["memory_aware_to", "memory_aware_deepcopy", "plan_move", "MovePlan"]
 

@@ -75,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from torchmem.capture.census import inspect_memory
+    from torchmem.capture.storage import device_str, resolve_device
     from torchmem.cli._objects import classify, load_object
     from torchmem.errors import InvalidInputError
     from torchmem.examples import build_example, train_step
-    from torchmem.inspect import inspect_memory
-    from torchmem.report.table import render
-    from torchmem.storage import device_str, resolve_device
+    from torchmem.render.table import render
 
     fmt = "json" if args.json else args.format
     if fmt is None:

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from torchmem.errors import InvalidInputError
     from torchmem.model.trace import load_trace
-    from torchmem.report.plot import plot_timeline
+    from torchmem.render.plot import plot_timeline
 
     trace = load_trace(args.trace)
     if args.device is not None and args.device not in trace.devices:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             "folder; create the folder or pass another path"
         )
 
-    from torchmem.tracking.tracker import track
+    from torchmem.capture.tracker import track
 
     label = "torchmem example (MLP + Adam, 4 steps)" if args.example else args.script
     print(f"torchmem: tracking {label} ...", file=sys.stderr)
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     tracker.save(args.output)
 
     from torchmem.analysis.tracking import summarize_trace
-    from torchmem.report.summary import render_summary, summary_json
+    from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)
     if args.json:
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     plot_path = args.plot or (DEFAULT_PLOT if args.example else None)
     written_plot = None
     if plot_path and len(tracker.trace):
-        from torchmem.report.plot import plot_timeline
+        from torchmem.render.plot import plot_timeline
 
         try:
             written_plot = plot_timeline(tracker.trace, plot_path)

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
     """
     from torchmem.analysis.snapshot import oom_report, snapshot_stats
-    from torchmem.report.snapshot_text import render_oom, render_stats
+    from torchmem.render.snapshot_text import render_oom, render_stats
 
     snap = load(args.file)
     stats = snapshot_stats(snap)

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.analysis.tracking import summarize_trace
     from torchmem.errors import InvalidInputError
     from torchmem.model.trace import load_trace
-    from torchmem.report.summary import render_summary, summary_json
+    from torchmem.render.summary import render_summary, summary_json
 
     trace = load_trace(args.trace)
     if args.device is not None and args.device not in trace.devices:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         wrote .../r.html ...
         0
     """
-    from torchmem.report.viewer import write_viewer  # noqa: PLC0415
+    from torchmem.render.viewer.payload import write_viewer  # noqa: PLC0415
     from torchmem.units import format_bytes  # noqa: PLC0415
 
     src = Path(args.file)

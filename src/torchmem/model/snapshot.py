@@ -653,7 +653,7 @@ class Snapshot:
             >>> Snapshot.from_pytorch([]).source.format
             'list'
         """
-        from torchmem.model._normalise import normalise
+        from torchmem.io.pytorch_snapshot import normalise
 
         return normalise(obj, path)
 

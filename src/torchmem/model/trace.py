@@ -5,7 +5,7 @@ module), one entry per event, plus string tables for devices, operator/module na
 Holding an event costs 45 bytes (see :data:`BYTES_PER_EVENT`), and reading a file is a handful of
 ``array.frombytes`` calls, so a million events load in well under a second.
 
-The tracker (:mod:`torchmem.tracking`) appends to a Trace while it records; consumers (summaries,
+The tracker (:mod:`torchmem.capture`) appends to a Trace while it records; consumers (summaries,
 plots, snapshot conversion, the viewer) read one with :meth:`Trace.events` or the columns.
 
 File format, version 1 (all integers little-endian)::

@@ -21,8 +21,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from torchmem.capture.storage import device_str
 from torchmem.errors import DeviceError, InvalidInputError
-from torchmem.storage import device_str
 
 __all__ = [
     "DeviceSpec",

@@ -4,7 +4,7 @@
 ``torch.cuda.memory._snapshot()`` returns: ``segments`` with ``blocks`` and ``device_traces``)
 into a compact columnar payload: every allocation and event becomes a row of typed arrays, frames
 and stacks are interned in tables, and the whole payload is deflated and base64-encoded. The
-page's own JavaScript (``viewer_assets/``, inlined into the HTML) decodes it with the browser's
+page's own JavaScript (``assets/``, inlined into the HTML) decodes it with the browser's
 built-in ``DecompressionStream`` and draws on canvas with level of detail: each pixel column of
 the timeline shows the stack of live allocations at the busiest instant of that column, so a
 million events draw as fast as a thousand.
@@ -485,7 +485,7 @@ def encode_payload(payload: Mapping[str, Any]) -> str:
 
 
 def _asset(name: str) -> str:
-    return (importlib.resources.files("torchmem.report") / "viewer_assets" / name).read_text("utf-8")
+    return (importlib.resources.files("torchmem.render.viewer") / "assets" / name).read_text("utf-8")
 
 
 def render_html(
@@ -565,7 +565,7 @@ def load_any(path: str | os.PathLike[str]) -> Any:
             f"{path}: no such file; fix: pass the path of a snapshot (.pickle/.json) or a "
             "torchmem trace"
         )
-    from torchmem.snapshots.reader import load_snapshot  # noqa: PLC0415
+    from torchmem.io.snapshot_file import load_snapshot  # noqa: PLC0415
 
     return load_snapshot(p)
 

@@ -2,7 +2,7 @@
 
 :func:`inspect_memory` walks what you give it, names every tensor (``encoder.layers.0.linear1.
 weight``, ``encoder.layers.0.linear1.weight.grad``, ``state[encoder.0.weight].exp_avg``), groups
-tensors by storage and returns a :class:`~torchmem.model.report.MemoryReport` with per-device,
+tensors by storage and returns a :class:`~torchmem.model.census.MemoryReport` with per-device,
 per-category and per-tensor numbers in which shared storage (tied weights, views, buffers that
 view parameters, ``expand``) is counted once and the sharing is listed.
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from torchmem.capture.storage import _check_tensor, device_str, merge_spans
 from torchmem.errors import InvalidInputError, UnsupportedTensorError
-from torchmem.model.report import MemoryReport, StorageRecord, TensorRecord
-from torchmem.storage import _check_tensor, device_str, merge_spans
+from torchmem.model.census import MemoryReport, StorageRecord, TensorRecord
 
 __all__ = ["inspect_memory", "Census", "param_names"]
 
@@ -174,7 +174,7 @@ class Census:
             rec.names.extend(names)
             if cat not in rec.categories:
                 rec.categories.append(cat)
-            # byte span, as torchmem.storage.tensor_span (inlined: this loop is the hot path)
+            # byte span, as torchmem.capture.storage.tensor_span (inlined: this loop is the hot path)
             es = dt[1]
             shape = tuple(t.shape)
             stride = t.stride()

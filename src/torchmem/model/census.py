@@ -68,7 +68,7 @@ class TensorRecord:
 
     ``storage`` is the :attr:`StorageRecord.index` of the storage it views.
     ``storage_offset`` is in elements (as in PyTorch); ``span_start``/``span_end`` are the byte
-    range ``[start, end)`` inside the storage (see :func:`torchmem.storage.tensor_span`).
+    range ``[start, end)`` inside the storage (see :func:`torchmem.capture.storage.tensor_span`).
     ``aliases`` lists further names of the *same* tensor object (tied weights).
 
     Example:

@@ -14,7 +14,7 @@ to follow a storage over time.
 
 Example:
     >>> import torch
-    >>> from torchmem.storage import same_storage, overlaps, unique_bytes, tensor_span
+    >>> from torchmem.capture.storage import same_storage, overlaps, unique_bytes, tensor_span
     >>> w = torch.zeros(4, 4)               # 64 bytes
     >>> same_storage(w, w.t()), overlaps(w[:2], w[2:])
     (True, False)
@@ -257,7 +257,7 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     torchlinops' ``same_storage`` instead asked whether one tensor's element addresses are a
     subset of the other's: the answers agree for a tensor and its views and for unrelated
     tensors, but two disjoint slices of one storage are the same storage here (use
-    :func:`overlaps` to ask whether their bytes intersect). See :mod:`torchmem.compat`.
+    :func:`overlaps` to ask whether their bytes intersect). See :mod:`torchmem.compat.torchlinops`.
 
     Example:
         >>> import torch

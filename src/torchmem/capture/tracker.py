@@ -82,10 +82,10 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchmem.capture.storage import device_str
 from torchmem.errors import InvalidInputError
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.trace import PathLike, Trace
-from torchmem.storage import device_str
 
 __all__ = ["track", "Tracker", "Listener"]
 

@@ -7,7 +7,7 @@ torchlinops                 torchmem
 ==========================  ===================================================================
 ``MemReporter``             :class:`MemReporter` -- same ``format_mode`` and ``report(module)``;
                             prints per-device rows and totals, and now *returns* the
-                            :class:`~torchmem.model.report.MemoryReport`. Totals count each byte
+                            :class:`~torchmem.model.census.MemoryReport`. Totals count each byte
                             once for any strides (torchlinops only deduplicated contiguous,
                             nested tensors, and needed quadratic time). With a module, buffers
                             and gradients are included too (torchlinops listed parameters only).
@@ -19,7 +19,7 @@ torchlinops                 torchmem
 ``tensor_memory_span(t)``   :func:`tensor_memory_span` -- same ``(min, max)`` inclusive element
                             offsets, in O(ndim) instead of enumerating 2**ndim corners; an empty
                             tensor gives the empty range ``(offset, offset - 1)``.
-``same_storage(x, y)``      :func:`torchmem.storage.same_storage` -- see below.
+``same_storage(x, y)``      :func:`torchmem.capture.storage.same_storage` -- see below.
 ``memory_aware_to``         :func:`torchmem.memory_aware_to` (also keeps grads, optimizer state)
 ``memory_aware_deepcopy``   :func:`torchmem.memory_aware_deepcopy` (truly independent)
 ==========================  ===================================================================
@@ -51,10 +51,10 @@ from typing import IO
 
 import torch
 
+from torchmem.capture.census import inspect_memory
+from torchmem.capture.storage import resolve_device, same_storage, storage_id, tensor_span
 from torchmem.errors import InvalidInputError
-from torchmem.inspect import inspect_memory
-from torchmem.model.report import MemoryReport
-from torchmem.storage import resolve_device, same_storage, storage_id, tensor_span
+from torchmem.model.census import MemoryReport
 from torchmem.units import format_bytes
 
 __all__ = [
@@ -135,7 +135,7 @@ class MemReporter:
     ``format_mode="GiB"`` (default) prints binary units (base 1024); ``"GB"`` prints decimal
     units (base 1000). ``report(module=None)`` reports ``module``'s parameters, buffers and
     gradients, or every live tensor when ``module`` is None (after ``gc.collect()``, as
-    torchlinops did), prints it like torchlinops did and returns the :class:`~torchmem.model.report.MemoryReport`.
+    torchlinops did), prints it like torchlinops did and returns the :class:`~torchmem.model.census.MemoryReport`.
 
     Example:
         >>> import io, torch

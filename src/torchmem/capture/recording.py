@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.io.snapshot_file import write_snapshot
 from torchmem.model.snapshot import CPU_NOTE, Snapshot
-from torchmem.snapshots.writer import dump_snapshot, write_snapshot
 
 __all__ = [
     "record_history",
@@ -172,7 +172,7 @@ class record_history:
                     device=self.device,
                 )
         else:
-            from torchmem.tracking.tracker import track
+            from torchmem.capture.tracker import track
 
             tracker = track(*self.track_args, stacks=self.track_stacks)
             tracker.__enter__()
@@ -359,7 +359,7 @@ class oom_guard:
         ...         raise MemoryError("pretend the host ran out")
         ... except MemoryError:
         ...     pass
-        >>> from torchmem.snapshots.reader import load_snapshot
+        >>> from torchmem.io.snapshot_file import load_snapshot
         >>> s = load_snapshot(p)
         >>> s.trace(0)[-1].action, s.segments[0].total_size
         ('oom', 4000)
@@ -450,3 +450,29 @@ def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
 def _add_text(t: Any, text: str) -> int:
     t.texts.append(text)
     return len(t.texts) - 1
+
+_take_snapshot = snapshot  # dump_snapshot's parameter shadows the function
+
+
+def dump_snapshot(
+    path: str | os.PathLike[str], snapshot: Snapshot | None = None, format: str = "pickle"
+) -> str:
+    """Write ``snapshot`` (default: :func:`torchmem.snapshot` now) to ``path``; returns the path.
+
+    ``format="pickle"`` writes PyTorch's format with protocol 4 (PyTorch's viewer and
+    ``torch.cuda._memory_viz`` open it); ``format="json"`` writes torchmem's JSON. Taking the
+    default snapshot imports torch (see :mod:`torchmem.capture.recording`).
+
+    Example:
+        >>> import os, tempfile, torch, torchmem
+        >>> p = os.path.join(tempfile.mkdtemp(), "mem.pickle")
+        >>> with torchmem.record_history(device="cpu"):
+        ...     w = torch.empty(10)
+        ...     _ = dump_snapshot(p)
+        >>> torchmem.load_snapshot(p).segments[0].total_size
+        40
+    """
+    if snapshot is None:
+        snapshot = _take_snapshot()
+    write_snapshot(path, snapshot, format=format)
+    return os.fspath(path)

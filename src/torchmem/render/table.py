@@ -1,4 +1,4 @@
-"""Render a :class:`~torchmem.model.report.MemoryReport` as a rich table, plain text or JSON.
+"""Render a :class:`~torchmem.model.census.MemoryReport` as a rich table, plain text or JSON.
 
 A consumer: reads the plain report, never torch. Sections: per-device totals (unique bytes,
 storage bytes, the naive sum that ignores sharing), bytes per category, the tensors (largest
@@ -6,7 +6,7 @@ first, ``top`` of them), and the storages shared between names.
 
 Example:
     >>> import io
-    >>> from torchmem.model.report import MemoryReport, StorageRecord, TensorRecord
+    >>> from torchmem.model.census import MemoryReport, StorageRecord, TensorRecord
     >>> t = TensorRecord("w", "parameter", "cpu", "float32", (4, 4), (4, 1), 0, 4, 0, 64, 0,
     ...                  aliases=["head.w"])
     >>> r = MemoryReport([t], [StorageRecord(0, "cpu", 64, 64, ["w", "head.w"], ["parameter"])])
@@ -21,7 +21,7 @@ import sys
 from typing import IO, Any
 
 from torchmem.errors import InvalidInputError
-from torchmem.model.report import MemoryReport
+from torchmem.model.census import MemoryReport
 from torchmem.units import format_bytes
 
 __all__ = ["render", "render_report", "FORMATS"]
@@ -124,7 +124,7 @@ def render(
 
     Example:
         >>> import io
-        >>> from torchmem.model.report import MemoryReport
+        >>> from torchmem.model.census import MemoryReport
         >>> buf = io.StringIO(); render(MemoryReport(), buf, fmt="json")
         >>> buf.getvalue().startswith('{')
         True

@@ -888,7 +888,7 @@ class Ledger:
                 tls.depth -= 1
             return
         try:
-            track = torchmem.track  # provided by torchmem.tracking (issue 3)
+            track = torchmem.track  # provided by torchmem.capture (issue 3)
         except AttributeError:
             raise InvalidInputError(
                 "Ledger.capture() needs torchmem's tracker (torchmem.track), which this build "
@@ -1162,7 +1162,7 @@ class Ledger:
     # ----------------------------------------------------------------------------- lifecycle
 
     def metrics(self, usage: Optional[UsageSource] = None) -> dict[str, dict[str, Any]]:
-        """Per-device figures for monitoring (see :func:`torchmem.metrics.ledger_metrics`).
+        """Per-device figures for monitoring (see :func:`torchmem.ledger.metrics.ledger_metrics`).
 
         Example:
             >>> import torch
@@ -1170,7 +1170,7 @@ class Ledger:
             >>> led.metrics()["cpu"]["allocated_bytes"]
             32
         """
-        from torchmem.metrics import ledger_metrics
+        from torchmem.ledger.metrics import ledger_metrics
 
         return ledger_metrics(self, usage)
 

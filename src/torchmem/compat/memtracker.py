@@ -61,7 +61,7 @@ class MemoryTracker:
         """
         import torch
 
-        from torchmem.tracking.tracker import track
+        from torchmem.capture.tracker import track
 
         if not isinstance(root_module, torch.nn.Module):
             raise InvalidInputError(
@@ -143,7 +143,7 @@ class MemoryTracker:
             ...
             torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
         """
-        from torchmem.report.plot import plot_timeline
+        from torchmem.render.plot import plot_timeline
 
         if path:
             self.load(path)

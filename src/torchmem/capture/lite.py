@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.trace import PathLike, Trace
-from torchmem.tracking.tracker import Listener
 
 __all__ = ["track_lite", "LiteTracker"]
 

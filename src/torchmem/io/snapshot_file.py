@@ -1,4 +1,4 @@
-"""Read memory snapshots of every known format, safely.
+"""Read memory snapshots of every known format, safely; write PyTorch's format or torchmem's JSON.
 
 :func:`load_snapshot` accepts PyTorch's pickles (the modern dict with ``device_traces``, the bare
 list of segments from ``torch.cuda.memory_snapshot()``, 2.0-era blocks with ``history``; any
@@ -34,11 +34,19 @@ import pickletools
 from pathlib import Path
 from typing import IO, Any, Union
 
-from torchmem.errors import SnapshotFormatError, UnsafePickleError
-from torchmem.model._normalise import JSON_FORMAT_NAME, normalise
+from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
+from torchmem.io.pytorch_snapshot import JSON_FORMAT_NAME, normalise
 from torchmem.model.snapshot import Snapshot
 
-__all__ = ["load_snapshot", "load_raw", "SafeUnpickler", "PathLike"]
+__all__ = [
+    "load_snapshot",
+    "load_raw",
+    "write_snapshot",
+    "to_json_dict",
+    "SafeUnpickler",
+    "PathLike",
+    "PICKLE_PROTOCOL",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -235,4 +243,52 @@ def _scan_opcodes(path: PathLike) -> set[str]:
     return {op.name for op, _, _ in pickletools.genops(io.BytesIO(data))}
 
 
-_ = JSON_FORMAT_NAME  # re-exported name used by writer
+#: PyTorch's viewer reads protocol 4 pickles (and its JS unpickler knows no protocol 5 opcodes).
+PICKLE_PROTOCOL = 4
+
+
+def to_json_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """The JSON document torchmem writes for a snapshot.
+
+    Example:
+        >>> to_json_dict(Snapshot())["format"]
+        'torchmem-snapshot'
+    """
+    return {"format": JSON_FORMAT_NAME, "version": 1, "snapshot": snapshot.to_pytorch_dict()}
+
+
+def write_snapshot(path: str | os.PathLike[str], snapshot: Snapshot, format: str = "pickle") -> None:
+    """Write ``snapshot`` to ``path`` as ``"pickle"`` (PyTorch's format) or ``"json"``.
+
+    The file is written to a temporary name first and renamed, so a crash never leaves a
+    truncated snapshot behind.
+
+    Example:
+        >>> write_snapshot("x.bin", Snapshot(), format="yaml")
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.InvalidInputError: unknown snapshot format 'yaml'; expected 'pickle' (PyTorch's format, opens in PyTorch's viewer) or 'json'
+    """
+    if format not in ("pickle", "json"):
+        raise InvalidInputError(
+            f"unknown snapshot format {format!r}; expected 'pickle' (PyTorch's format, opens in "
+            "PyTorch's viewer) or 'json'"
+        )
+    if not isinstance(snapshot, Snapshot):
+        raise InvalidInputError(
+            f"expected a torchmem Snapshot, got {type(snapshot).__name__}; "
+            "load one with torchmem.load_snapshot or take one with torchmem.snapshot()"
+        )
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        if format == "pickle":
+            with open(tmp, "wb") as f:
+                pickle.dump(snapshot.to_pytorch_dict(), f, protocol=PICKLE_PROTOCOL)
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(to_json_dict(snapshot), f, separators=(",", ":"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,72 @@
+"""Producers that watch torch: storage identity, the census, the trackers and allocator recording.
+
+- :mod:`~torchmem.capture.storage`: storage identity, spans, overlap and deduplicated bytes.
+- :mod:`~torchmem.capture.census`: :func:`inspect_memory`, the census of modules, optimizers and
+  live tensors.
+- :mod:`~torchmem.capture.tracker`: :func:`track`, the dispatch-mode tracker (ops, modules,
+  phases, categories, call sites).
+- :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
+- :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
+  (PyTorch's CUDA allocator history; the tracker on other devices).
+
+Everything here imports torch; the data it produces lives in :mod:`torchmem.model`.
+
+Example:
+    >>> import torch
+    >>> from torchmem.capture import track
+    >>> with track() as tr:
+    ...     _ = torch.ones(4)
+    >>> tr.peak()
+    {'cpu': 16}
+"""
+
+from __future__ import annotations
+
+from torchmem.capture.census import inspect_memory
+from torchmem.capture.lite import LiteTracker, track_lite
+from torchmem.capture.recording import (
+    is_oom_error,
+    oom_guard,
+    record_history,
+    snapshot,
+    start_recording,
+    stop_recording,
+)
+from torchmem.capture.storage import (
+    Span,
+    overlaps,
+    same_storage,
+    storage_bytes,
+    storage_id,
+    storage_nbytes,
+    storage_of,
+    storage_ref,
+    tensor_span,
+    unique_bytes,
+)
+from torchmem.capture.tracker import Listener, Tracker, track
+
+__all__ = [
+    "LiteTracker",
+    "Listener",
+    "Span",
+    "Tracker",
+    "inspect_memory",
+    "is_oom_error",
+    "oom_guard",
+    "overlaps",
+    "record_history",
+    "same_storage",
+    "snapshot",
+    "start_recording",
+    "stop_recording",
+    "storage_bytes",
+    "storage_id",
+    "storage_nbytes",
+    "storage_of",
+    "storage_ref",
+    "tensor_span",
+    "track",
+    "track_lite",
+    "unique_bytes",
+]
