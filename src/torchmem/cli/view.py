@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         wrote .../r.html ...
         0
     """
-    from torchmem.io.snapshot_file import load_snapshot  # noqa: PLC0415
+    from torchmem.io import load_snapshot  # noqa: PLC0415
     from torchmem.render.viewer.html import write_viewer  # noqa: PLC0415
     from torchmem.units import format_bytes  # noqa: PLC0415
 
