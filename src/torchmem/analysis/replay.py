@@ -191,8 +191,8 @@ class DeviceReplay:
     def allocated(self) -> list[int]:
         """Allocated (requested) bytes before the first entry and after each entry.
 
-        Starts from the end state's active bytes minus the trace's net change, so it ends at the
-        snapshot's active (requested) bytes.
+        Starts from the bytes of :meth:`end_live` minus the trace's net change, so it ends at
+        the snapshot's active (requested) bytes.
 
         Example:
             >>> DeviceReplay(Snapshot(), 0).allocated
@@ -200,13 +200,7 @@ class DeviceReplay:
         """
         if self._allocated is None:
             deltas = self._deltas(_SIGN)
-            end = sum(
-                b.requested_size
-                for s in self.snap.segments
-                if s.device == self.device
-                for b in s.blocks
-                if b.state != "inactive"
-            )
+            end = sum(v[0] for v in self.end_live().values())
             self._allocated = running(end - sum(deltas), deltas)
         return self._allocated
 
@@ -322,66 +316,65 @@ class DeviceReplay:
         # Pass 1: which addresses are live at the end, and which frees have no alloc in the
         # trace (the first free of an address with no live alloc introduces one from before).
         live: set[int] = set()
+        add, discard = live.add, live.discard
         pre_from_free: list[int] = []
-        for i in range(n):
-            a = acts[i]
+        for i, (a, addr) in enumerate(zip(acts, addrs)):
             if a == ALLOC:
-                live.add(addrs[i])
+                add(addr)
             elif a == FREE_REQUESTED or a == FREE_COMPLETED:
-                addr = addrs[i]
                 if addr not in live:
                     pre_from_free.append(i)
-                    live.add(addr)
+                    add(addr)
                 if a == FREE_COMPLETED:
-                    live.discard(addr)
+                    discard(addr)
 
-        out = Lifetimes()
-        al_addr, al_size, al_stack, al_stream, al_entry = (
-            out.addr, out.size, out.stack, out.stream, out.entry
-        )
-        al_start, al_req, al_end = out.start, out.requested, out.end
-
-        def new_alloc(addr: int, size: int, sid: int, stream: int, start: int, i: int) -> int:
-            al_addr.append(addr)
-            al_size.append(size)
-            al_stack.append(sid)
-            al_stream.append(stream)
-            al_entry.append(i)
-            al_start.append(start)
-            al_end.append(n)
-            al_req.append(-1)
-            return len(al_addr) - 1
-
+        al_addr: list[int] = []
+        al_size: list[int] = []
+        al_stack: list[int] = []
+        al_stream: list[int] = []
+        al_entry: list[int] = []
+        al_start: list[int] = []
         by_addr: dict[int, int] = {}  # address -> live allocation id
         intern = self.snap.intern_stack
         for seg in sorted(self.snap.segments_of(self.device), key=lambda s: s.address):
             for b in seg.blocks:  # live the whole trace: the bottom of the stack
                 if b.state != "inactive" and b.address not in live:
-                    by_addr[b.address] = new_alloc(
-                        b.address, b.requested_size or b.size, intern(b.frames), seg.stream, -1, -1
-                    )
-        pre_free = {i: new_alloc(addrs[i], sizes[i], sids[i], streams[i], -1, i)
-                    for i in pre_from_free}
-        out.n_pre = len(al_addr)
+                    by_addr[b.address] = len(al_addr)
+                    al_addr.append(b.address)
+                    al_size.append(b.requested_size or b.size)
+                    al_stack.append(intern(b.frames))
+                    al_stream.append(seg.stream)
+                    al_entry.append(-1)
+        pre_free: dict[int, int] = {}
+        for i in pre_from_free:
+            pre_free[i] = len(al_addr)
+            al_addr.append(addrs[i])
+            al_size.append(sizes[i])
+            al_stack.append(sids[i])
+            al_stream.append(streams[i])
+            al_entry.append(i)
+        n_pre = len(al_addr)
+        al_start.extend([-1] * n_pre)
+        al_req: list[int] = [-1] * n_pre
+        al_end: list[int] = [n] * n_pre
 
         # Pass 2: allocations, free requests and frees.
-        ref = out.event_alloc
-        ref.extend(array("i", [-1]) * n)
-        deltas = out.deltas
-        deltas.extend([0] * n)
-        for i in range(n):
-            a = acts[i]
+        ref = [-1] * n
+        for i, (a, addr) in enumerate(zip(acts, addrs)):
             if a == ALLOC:
-                addr = addrs[i]
                 old = by_addr.get(addr)
                 if old is not None and al_end[old] == n:  # a missing free_completed: close it here
                     al_end[old] = i
-                aid = new_alloc(addr, sizes[i], sids[i], streams[i], i, i)
-                by_addr[addr] = aid
-                ref[i] = aid
-                deltas[i] = sizes[i]
+                ref[i] = by_addr[addr] = len(al_addr)
+                al_addr.append(addr)
+                al_size.append(sizes[i])
+                al_stack.append(sids[i])
+                al_stream.append(streams[i])
+                al_entry.append(i)
+                al_start.append(i)
+                al_req.append(-1)
+                al_end.append(n)
             elif a == FREE_REQUESTED or a == FREE_COMPLETED:
-                addr = addrs[i]
                 pre = pre_free.get(i)
                 if pre is not None:
                     by_addr[addr] = pre
@@ -393,10 +386,16 @@ class DeviceReplay:
                             al_req[aid] = i
                     else:
                         al_end[aid] = i
-                        deltas[i] = -al_size[aid]
                         del by_addr[addr]
-        out.live_at_end = by_addr
-        return out
+        # live-bytes change per entry: +size at an alloc, -size at the free_completed of one
+        size_of = [*al_size, 0]  # ref -1 (no allocation) reads the trailing 0
+        deltas = list(map(mul, map(size_of.__getitem__, ref), map(_SIGN.__getitem__, acts)))
+        return Lifetimes(
+            n_pre=n_pre, addr=al_addr, size=al_size, stack=al_stack, stream=al_stream,
+            entry=al_entry, start=array("i", al_start), requested=array("i", al_req),
+            end=array("i", al_end), event_alloc=array("i", ref), live_at_end=by_addr,
+            deltas=deltas,
+        )
 
 
 def initial_live(snap: Snapshot, device: int) -> Live:

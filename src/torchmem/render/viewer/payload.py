@@ -278,12 +278,16 @@ def _device_payload(
     t0 = 0
     if has_time:
         times = t.times
-        t0 = min((x for x in times if x >= 0), default=0)
-        last = 0.0
-        for x in times:
-            if x >= 0:
-                last = float(x - t0)
-            ev_time.append(last)
+        t0 = min(times)
+        if t0 >= 0:  # every entry has a time: one C-speed pass
+            ev_time = array("d", map(t0.__rsub__, times))
+        else:  # entries without a time (-1) keep the time of the entry before them
+            t0 = min((x for x in times if x >= 0), default=0)
+            last = 0.0
+            for x in times:
+                if x >= 0:
+                    last = float(x - t0)
+                ev_time.append(last)
     stats["timeline_peak_bytes"] = max(lt.live_bytes())
     meta: dict[str, Any] = {
         "device": dev,
