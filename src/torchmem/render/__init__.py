@@ -11,6 +11,7 @@ files and never import torch nor any producer.
 - :mod:`~torchmem.render.plot`: a trace's memory timeline as a PNG (:func:`plot_timeline`,
   needs matplotlib).
 - :mod:`~torchmem.render.viewer`: the self-contained offline HTML viewer (:func:`write_viewer`).
+- :mod:`~torchmem.render.text`: the one table helper the text renderers share (rich or plain).
 
 Example:
     >>> import io

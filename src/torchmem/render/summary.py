@@ -20,9 +20,12 @@ import sys
 from typing import IO, Any
 
 from torchmem.analysis.summary import TraceSummary
+from torchmem.render.text import rich_table
 from torchmem.units import format_bytes
 
 __all__ = ["render_summary", "summary_json"]
+
+_NUMBERS = ("bytes", "%", "storages")
 
 
 def _fmt_signed(n: int) -> str:
@@ -61,7 +64,6 @@ def render_summary(
         True
     """
     from rich.console import Console
-    from rich.table import Table
 
     out = file if file is not None else sys.stdout
     is_tty = bool(getattr(out, "isatty", lambda: False)())
@@ -88,24 +90,18 @@ def render_summary(
     def table(title: str, rows: list[tuple[str, int, int]], first: str, total: int) -> None:
         if not rows:
             return
-        t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column(first, overflow="fold")
-        t.add_column("bytes", justify="right")
-        t.add_column("%", justify="right")
-        t.add_column("storages", justify="right")
-        for name, b, c in rows:
-            pct = f"{100.0 * b / total:.1f}" if total else "-"
-            t.add_row(name, format_bytes(b), pct, str(c))
-        console.print(t)
+        cells = [
+            (name, format_bytes(b), f"{100.0 * b / total:.1f}" if total else "-", str(c))
+            for name, b, c in rows
+        ]
+        console.print(rich_table(title, [first, "bytes", "%", "storages"], cells,
+                                 right=_NUMBERS, fold=(first,), show_edge=False, pad_edge=False))
 
     if s.categories_at_peak:
-        t = Table(title="Live at the peak, by category", title_justify="left", show_edge=False)
-        t.add_column("category")
-        t.add_column("bytes", justify="right")
-        t.add_column("%", justify="right")
-        for cat, b in s.categories_at_peak.items():
-            t.add_row(cat, format_bytes(b), f"{100.0 * b / peak:.1f}" if peak else "-")
-        console.print(t)
+        cells = [(cat, format_bytes(b), f"{100.0 * b / peak:.1f}" if peak else "-")
+                 for cat, b in s.categories_at_peak.items()]
+        console.print(rich_table("Live at the peak, by category", ["category", "bytes", "%"],
+                                 cells, right=_NUMBERS, show_edge=False))
     table("Live at the peak, by module", s.top_modules_at_peak, "module", peak)
     table("Live at the peak, by operator", s.top_ops_at_peak, "operator", peak)
     if s.top_stacks_at_peak:
@@ -115,29 +111,23 @@ def render_summary(
     table("Allocated over the run, by operator", s.top_ops_allocated, "operator", total_alloc)
     table("Allocated over the run, by module", s.top_modules_allocated, "module", total_alloc)
     if s.iterations:
-        t = Table(title="Iterations", title_justify="left", show_edge=False)
-        t.add_column("step", justify="right")
-        t.add_column("peak", justify="right")
-        t.add_column("live at end", justify="right")
-        t.add_column("retained growth", justify="right")
-        t.add_column("allocated", justify="right")
+        header = ["step", "peak", "live at end", "retained growth", "allocated"]
         its = s.iterations
         shown: list[Any] = list(its)
         if len(its) > max_iterations:
             half = max_iterations // 2
             shown = [*its[:half], None, *its[-half:]]
-        for it in shown:
-            if it is None:
-                t.add_row("...", "", "", "", "")
-                continue
-            t.add_row(
+        it_rows = [
+            ("...", "", "", "", "") if it is None else (
                 str(it.step) if it.complete else f"{it.step} (after last step)",
                 format_bytes(it.peak_bytes),
                 format_bytes(it.end_bytes),
                 _fmt_signed(it.retained_growth),
                 format_bytes(it.allocated_bytes),
             )
-        console.print(t)
+            for it in shown
+        ]
+        console.print(rich_table("Iterations", header, it_rows, right=header, show_edge=False))
     if s.leak_suspect:
         growth = [it.retained_growth for it in s.iterations[1:] if it.complete]
         console.print(

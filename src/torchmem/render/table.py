@@ -22,11 +22,13 @@ from typing import IO, Any
 
 from torchmem.errors import InvalidInputError
 from torchmem.model.census import MemoryReport
+from torchmem.render.text import plain_table, rich_table
 from torchmem.units import format_bytes
 
 __all__ = ["render", "render_report", "FORMATS"]
 
 FORMATS = ("rich", "plain", "json")
+_NUMERIC = ("unique", "storage bytes", "naive sum", "bytes", "size", "used", "#tensors", "#storages")
 
 
 def _fmt(n: int, decimal: bool) -> str:
@@ -79,10 +81,7 @@ def _plain(sections: list[tuple[str, list[str], list[list[str]]]], report: Memor
             print("(none)", file=file)
             print(file=file)
             continue
-        widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
-        print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), file=file)
-        for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=file)
+        print(plain_table(header, rows), file=file)
         print(file=file)
     if report.skipped:
         kinds = ", ".join(f"{k}: {v}" for k, v in report.skipped_kinds.items())
@@ -91,19 +90,11 @@ def _plain(sections: list[tuple[str, list[str], list[list[str]]]], report: Memor
 
 def _rich(sections: list[tuple[str, list[str], list[list[str]]]], report: MemoryReport, file: IO[str]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(file=file, width=120 if not getattr(file, "isatty", lambda: False)() else None)
     for title, header, rows in sections:
-        if not rows:
-            continue
-        table = Table(title=title, title_justify="left")
-        for h in header:
-            numeric = h in ("unique", "storage bytes", "naive sum", "bytes", "size", "used", "#tensors", "#storages")
-            table.add_column(h, justify="right" if numeric else "left", overflow="fold")
-        for r in rows:
-            table.add_row(*r)
-        console.print(table)
+        if rows:
+            console.print(rich_table(title, header, rows, right=_NUMERIC, fold=header))
     if report.skipped:
         kinds = ", ".join(f"{k}: {v}" for k, v in report.skipped_kinds.items())
         console.print(f"skipped {report.skipped} unmeasurable tensor(s) ({kinds})")
