@@ -102,7 +102,8 @@ class Lifetimes:
     ``requested`` (its first ``free_requested``, -1 if none) and ``end`` (its
     ``free_completed``, ``len(trace)`` if live at the end). ``event_alloc`` is, per trace entry,
     the allocation an alloc or free entry refers to (else -1); ``live_at_end`` maps the
-    addresses live at the end to their allocation; ``deltas`` are the live-bytes changes per entry.
+    addresses live at the end to their allocation; ``peak_bytes`` is the maximum of
+    :meth:`live_bytes`.
 
     Example:
         >>> Lifetimes().n_pre
@@ -110,17 +111,18 @@ class Lifetimes:
     """
 
     n_pre: int = 0
-    addr: list[int] = field(default_factory=list)
-    size: list[int] = field(default_factory=list)
-    stack: list[int] = field(default_factory=list)
-    stream: list[int] = field(default_factory=list)
-    entry: list[int] = field(default_factory=list)
+    addr: array = field(default_factory=lambda: array("Q"))
+    size: array = field(default_factory=lambda: array("Q"))
+    stack: array = field(default_factory=lambda: array("I"))
+    stream: array = field(default_factory=lambda: array("q"))
+    entry: array = field(default_factory=lambda: array("i"))
     start: array = field(default_factory=lambda: array("i"))
     requested: array = field(default_factory=lambda: array("i"))
     end: array = field(default_factory=lambda: array("i"))
     event_alloc: array = field(default_factory=lambda: array("i"))
     live_at_end: dict[int, int] = field(default_factory=dict)
-    deltas: list[int] = field(default_factory=list)
+    signs: array = field(default_factory=lambda: array("B"))  # action codes, legacy free mapped
+    peak_bytes: int = 0
 
     def live_bytes(self) -> list[int]:
         """Bytes live before the first entry and after each entry, from these lifetimes.
@@ -132,7 +134,12 @@ class Lifetimes:
             >>> DeviceReplay(s, 0).lifetimes().live_bytes()
             [0, 8]
         """
-        return running(sum(self.size[: self.n_pre]), self.deltas)
+        size_of = array("Q", self.size)
+        size_of.append(0)  # an entry with no allocation (-1) reads this 0
+        # +size at an alloc, -size at the free_completed of one, 0 otherwise
+        deltas = map(mul, map(size_of.__getitem__, self.event_alloc),
+                     map(_SIGN.__getitem__, self.signs))
+        return list(accumulate(deltas, initial=sum(self.size[: self.n_pre])))
 
 
 class DeviceReplay:
@@ -328,12 +335,10 @@ class DeviceReplay:
                 if a == FREE_COMPLETED:
                     discard(addr)
 
-        al_addr: list[int] = []
-        al_size: list[int] = []
-        al_stack: list[int] = []
-        al_stream: list[int] = []
-        al_entry: list[int] = []
-        al_start: list[int] = []
+        # typed arrays, not lists: a million entries hold no Python int objects
+        al_addr, al_size = array("Q"), array("Q")
+        al_stack, al_stream = array("I"), array("q")
+        al_entry, al_start = array("i"), array("i")
         by_addr: dict[int, int] = {}  # address -> live allocation id
         intern = self.snap.intern_stack
         for seg in sorted(self.snap.segments_of(self.device), key=lambda s: s.address):
@@ -354,20 +359,25 @@ class DeviceReplay:
             al_stream.append(streams[i])
             al_entry.append(i)
         n_pre = len(al_addr)
-        al_start.extend([-1] * n_pre)
-        al_req: list[int] = [-1] * n_pre
-        al_end: list[int] = [n] * n_pre
+        al_start.extend(array("i", [-1]) * n_pre)
+        al_req = array("i", [-1]) * n_pre
+        al_end = array("i", [n]) * n_pre
 
-        # Pass 2: allocations, free requests and frees.
-        ref = [-1] * n
+        # Pass 2: allocations, free requests and frees; the peak of the live bytes on the way.
+        ref = array("i", [-1]) * n
+        live_bytes = peak = sum(al_size)
         for i, (a, addr) in enumerate(zip(acts, addrs)):
             if a == ALLOC:
                 old = by_addr.get(addr)
                 if old is not None and al_end[old] == n:  # a missing free_completed: close it here
                     al_end[old] = i
                 ref[i] = by_addr[addr] = len(al_addr)
+                size = sizes[i]
+                live_bytes += size
+                if live_bytes > peak:
+                    peak = live_bytes
                 al_addr.append(addr)
-                al_size.append(sizes[i])
+                al_size.append(size)
                 al_stack.append(sids[i])
                 al_stream.append(streams[i])
                 al_entry.append(i)
@@ -386,15 +396,12 @@ class DeviceReplay:
                             al_req[aid] = i
                     else:
                         al_end[aid] = i
+                        live_bytes -= al_size[aid]
                         del by_addr[addr]
-        # live-bytes change per entry: +size at an alloc, -size at the free_completed of one
-        size_of = [*al_size, 0]  # ref -1 (no allocation) reads the trailing 0
-        deltas = list(map(mul, map(size_of.__getitem__, ref), map(_SIGN.__getitem__, acts)))
         return Lifetimes(
             n_pre=n_pre, addr=al_addr, size=al_size, stack=al_stack, stream=al_stream,
-            entry=al_entry, start=array("i", al_start), requested=array("i", al_req),
-            end=array("i", al_end), event_alloc=array("i", ref), live_at_end=by_addr,
-            deltas=deltas,
+            entry=al_entry, start=al_start, requested=al_req, end=al_end, event_alloc=ref,
+            live_at_end=by_addr, signs=acts, peak_bytes=peak,
         )
 
 

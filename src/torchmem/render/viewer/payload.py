@@ -288,7 +288,7 @@ def _device_payload(
                 if x >= 0:
                     last = float(x - t0)
                 ev_time.append(last)
-    stats["timeline_peak_bytes"] = max(lt.live_bytes())
+    stats["timeline_peak_bytes"] = lt.peak_bytes
     meta: dict[str, Any] = {
         "device": dev,
         "n_events": n,
