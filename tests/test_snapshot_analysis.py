@@ -24,6 +24,7 @@ from torchmem.analysis.snapshot import (
     stack_key,
 )
 from torchmem.errors import InvalidInputError
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.snapshot import Snapshot
 from torchmem.render.snapshot_text import render_diff, render_oom, render_peak, render_stats
@@ -299,7 +300,7 @@ def test_device_selection_checks_the_index() -> None:
         ],
         "device_traces": [[], [], []],
     }
-    snap = Snapshot.from_pytorch(raw)
+    snap = from_pytorch(raw)
     assert snap.devices == [0, 2]
     # a device that exists: its own numbers (requested bytes of its one active block)
     assert snapshot_peak(snap, device=2).devices[0].end_allocated_bytes == 3 * MiB

@@ -15,9 +15,9 @@ from torch.cuda import _memory_viz
 import torchmem
 from torchmem.capture.recording import is_oom_error, oom_guard, record_history
 from torchmem.errors import InvalidInputError
+from torchmem.io.convert import CPU_NOTE, snapshot_from_events
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.events import Category, Event, EventKind, Phase
-from torchmem.model.snapshot import CPU_NOTE, snapshot_from_events
 
 
 def _storage_bytes(*ts: torch.Tensor) -> list[int]:
@@ -210,14 +210,14 @@ def test_cuda_keeps_its_index_when_a_cpu_tensor_comes_first(tmp_path) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import torchmem
-    from torchmem.model.snapshot import Snapshot
+    from torchmem.io.convert import snapshot_from_trace
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with torchmem.track() as tr:
         host = torch.zeros(8)  # a CPU storage first: 32 bytes
         with fake:
             dev = torch.empty(16, device="cuda:0")  # a fake CUDA storage: 64 bytes
-    snap = Snapshot.from_trace(tr)
+    snap = snapshot_from_trace(tr)
     assert snap.device_names[0] == "cuda:0" and snap.device_names[1] == "cpu"
     assert sum(s.total_size for s in snap.segments if s.device == 0) == dev.numel() * 4
     assert sum(s.total_size for s in snap.segments if s.device == 1) == host.numel() * 4

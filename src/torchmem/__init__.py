@@ -68,7 +68,7 @@ _EXPORTS: dict[str, str] = {
     "track": "torchmem.capture.tracker",
     "Tracker": "torchmem.capture.tracker",
     "Trace": "torchmem.model.trace",
-    "load_trace": "torchmem.model.trace",
+    "load_trace": "torchmem.io.tmtrace",
     "MemoryTracker": "torchmem.compat.memtracker",
     "summarize_trace": "torchmem.analysis.tracking",
     "TraceSummary": "torchmem.analysis.tracking",
@@ -93,7 +93,7 @@ _EXPORTS: dict[str, str] = {
     # END issue-4 exports
     # BEGIN issue-5 exports (snapshots, viewer)
     "Snapshot": "torchmem.model.snapshot",
-    "snapshot_from_events": "torchmem.model.snapshot",
+    "snapshot_from_events": "torchmem.io.convert",
     "load_snapshot": "torchmem.io.snapshot_file",
     "write_snapshot": "torchmem.io.snapshot_file",
     "dump_snapshot": "torchmem.capture.recording",

@@ -12,8 +12,8 @@ blocks at the end, minus the allocations in the trace, plus the frees in the tra
 are replayed the same way from ``segment_alloc``/``segment_free``/``segment_map``/``segment_unmap``.
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> snap = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[
     ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
     ...     {"action": "alloc", "addr": 512, "size": 50, "stream": 0, "frames": []},
     ...     {"action": "free_requested", "addr": 0, "size": 100, "stream": 0, "frames": []},
@@ -434,8 +434,8 @@ def initial_live(snap: Snapshot, device: int) -> dict[int, tuple[int, int]]:
     Derived backwards: active blocks at the end, minus allocations in the trace, plus frees.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "free_completed", "addr": 512, "size": 7, "stream": 0, "frames": []}]]})
         >>> initial_live(s, 0)
         {512: (7, 0)}
@@ -454,8 +454,8 @@ def replay(
     snapshot's active blocks (checked on a real snapshot in the tests).
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "alloc", "addr": 0, "size": 7, "stream": 0, "frames": []}]]})
         >>> replay(s, 0, {})
         {0: (7, 0)}
@@ -594,8 +594,8 @@ def snapshot_peak(
     with no segments or trace entries raises :class:`~torchmem.errors.InvalidInputError`.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 1024,
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 1024,
         ...     "stream": 0, "blocks": [
         ...         {"address": 0, "size": 512, "requested_size": 0, "state": "inactive"},
         ...         {"address": 512, "size": 512, "requested_size": 100, "state": "active_allocated"}]}],
@@ -824,8 +824,8 @@ def snapshot_trace(
     device index (one with no data raises :class:`~torchmem.errors.InvalidInputError`).
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "segment_alloc", "addr": 0, "size": 2097152, "stream": 0, "frames": []},
         ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
         ...     {"action": "free_requested", "addr": 0, "size": 100, "stream": 0, "frames": []},
@@ -975,8 +975,8 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
     """Explain every ``oom`` trace entry: requested, free, and fragmentation vs a full device.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [{"device": 0, "address": 0,
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [{"device": 0, "address": 0,
         ...     "total_size": 41943040, "stream": 0, "blocks": [
         ...       {"address": 0, "size": 10485760, "requested_size": 10485760, "state": "active_allocated"},
         ...       {"address": 10485760, "size": 10485760, "requested_size": 0, "state": "inactive"},

@@ -35,8 +35,9 @@ import torch
 
 from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, save_trace
 from torchmem.model.events import Category, Event, EventKind, Phase
-from torchmem.model.trace import PathLike, Trace
+from torchmem.model.trace import Trace
 
 __all__ = ["track_lite", "LiteTracker"]
 
@@ -202,7 +203,7 @@ class LiteTracker:
             >>> import torchmem, tempfile, os
             >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.LiteTracker().save(p)
         """
-        self.trace.save(path)
+        save_trace(self.trace, path)
 
     def __len__(self) -> int:
         return len(self.trace)

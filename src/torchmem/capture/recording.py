@@ -5,7 +5,7 @@
   :func:`snapshot` reads ``torch.cuda.memory._snapshot()``.
 - CPU and other devices have no caching allocator and no allocator history; recording runs
   torchmem's dispatch-mode tracker (:func:`torchmem.track`) and the snapshot is built from its
-  events by :func:`~torchmem.model.snapshot.snapshot_from_events` (one segment per live
+  events by :func:`~torchmem.io.convert.snapshot_from_events` (one segment per live
   storage, synthetic addresses; the snapshot's ``notes`` say so).
 
 Example:
@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import write_snapshot
-from torchmem.model.snapshot import CPU_NOTE, Snapshot
+from torchmem.model.snapshot import Snapshot
 
 __all__ = [
     "record_history",
@@ -214,7 +216,7 @@ class record_history:
 
     def _cuda_snapshot(self) -> Snapshot:
         raw = torch.cuda.memory._snapshot(self.device)
-        snap = Snapshot.from_pytorch(raw)
+        snap = from_pytorch(raw)
         for i in range(torch.cuda.device_count()):
             snap.device_names.setdefault(i, f"cuda:{i}")
         return snap
@@ -255,7 +257,7 @@ class record_history:
 
 
 def _from_tracker(tracker: Any) -> Snapshot:
-    snap = Snapshot.from_trace(tracker)
+    snap = snapshot_from_trace(tracker)
     if CPU_NOTE not in snap.notes:
         snap.notes.append(CPU_NOTE)
     return snap
@@ -316,7 +318,7 @@ def snapshot(device: Any = None) -> Snapshot:
     dev = want or _resolve_device(None)
     if dev.type == "cuda":
         raw = torch.cuda.memory._snapshot(dev)
-        return Snapshot.from_pytorch(raw)
+        return from_pytorch(raw)
     raise InvalidInputError(
         "torchmem.snapshot(): nothing was recorded on CPU (it has no allocator state to read); "
         "wrap your code in 'with torchmem.record_history():' first"

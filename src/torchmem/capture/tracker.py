@@ -84,8 +84,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmem.capture.storage import device_str
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, save_trace
 from torchmem.model.events import Category, Event, EventKind, Phase
-from torchmem.model.trace import PathLike, Trace
+from torchmem.model.trace import Trace
 
 __all__ = ["track", "Tracker", "Listener"]
 
@@ -349,7 +350,7 @@ class Tracker:
 
     def save(self, path: PathLike) -> None:
         """Write the events recorded so far to a ``.tmtrace`` file (see
-        :mod:`torchmem.model.trace` for the format).
+        :mod:`torchmem.io.tmtrace` for the format).
 
         Example:
             >>> import tempfile, os, torch, torchmem
@@ -360,7 +361,7 @@ class Tracker:
             {'cpu': 32}
         """
         self.trace.metadata["peak"] = self.peak()
-        self.trace.save(path)
+        save_trace(self.trace, path)
 
     def __len__(self) -> int:
         return len(self.trace)

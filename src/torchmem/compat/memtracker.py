@@ -25,8 +25,9 @@ import sys
 from typing import IO, Any
 
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, load_trace, save_trace
 from torchmem.model.events import EventKind
-from torchmem.model.trace import PathLike, Trace, load_trace
+from torchmem.model.trace import Trace
 from torchmem.units import format_bytes
 
 __all__ = ["MemoryTracker"]
@@ -141,7 +142,7 @@ class MemoryTracker:
             >>> torchmem.MemoryTracker().show_traces("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+            torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
         """
         from torchmem.render.plot import plot_timeline
 
@@ -159,7 +160,7 @@ class MemoryTracker:
             ...
             torchmem.errors.InvalidInputError: nothing recorded yet; ...
         """
-        self._need().save(os.fspath(path))
+        save_trace(self._need(), os.fspath(path))
 
     def load(self, path: PathLike) -> None:
         """Load a trace saved by :meth:`save_stats` (or any torchmem trace file).
@@ -169,7 +170,7 @@ class MemoryTracker:
             >>> torchmem.MemoryTracker().load("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+            torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
         """
         self._trace = load_trace(path)
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from torchmem.analysis.snapshot import oom_report, snapshot_peak, snapshot_stats
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, MissingFileError
 from torchmem.model.snapshot import Snapshot
 
 __all__ = ["build_payload", "encode_payload", "render_html", "write_viewer", "load_any"]
@@ -99,7 +99,9 @@ def _as_model(source: Any) -> Snapshot:
     if hasattr(source, "to_pytorch_dict"):
         source = source.to_pytorch_dict()
     if isinstance(source, list) or (isinstance(source, Mapping) and "segments" in source):
-        return Snapshot.from_pytorch(source)
+        from torchmem.io.pytorch_snapshot import from_pytorch  # noqa: PLC0415
+
+        return from_pytorch(source)
     got = type(source).__name__
     if isinstance(source, Mapping):
         got = f"a dict with keys {sorted(map(str, source))[:8]}"
@@ -557,13 +559,15 @@ def load_any(path: str | os.PathLike[str]) -> Any:
         >>> load_any("no/such/file.pickle")
         Traceback (most recent call last):
         ...
-        torchmem.errors.InvalidInputError: no/such/file.pickle: no such file; fix: pass the path of a snapshot (.pickle/.json) or a torchmem trace
+        torchmem.errors.MissingFileError: no/such/file.pickle: no such file; fix: pass the path of a snapshot (.pickle/.json) or a torchmem trace
     """
     p = Path(path)
     if not p.is_file():
-        raise InvalidInputError(
+        raise MissingFileError(
             f"{path}: no such file; fix: pass the path of a snapshot (.pickle/.json) or a "
-            "torchmem trace"
+            "torchmem trace",
+            path=path,
+            kind="snapshot",
         )
     from torchmem.io.snapshot_file import load_snapshot  # noqa: PLC0415
 
