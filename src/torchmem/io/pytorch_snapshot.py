@@ -119,8 +119,7 @@ def _u64(where: str, what: str, field: str, value: int) -> int:
     if not 0 <= value <= _U64_MAX:
         raise SnapshotFormatError(
             f"{where}: {what}: {field} is {value}; expected a byte count or address from 0 to "
-            f"2**64-1; {_FIX}",
-            path=None if where == "<snapshot>" else where,
+            f"2**64-1; {_FIX}"
         )
     return value
 
@@ -129,8 +128,7 @@ def _device(where: str, what: str, value: int) -> int:
     if not 0 <= value < DEVICE_INDEX_LIMIT:
         raise SnapshotFormatError(
             f"{where}: {what}: device is {value}; expected a device index from 0 to "
-            f"{DEVICE_INDEX_LIMIT - 1}; {_FIX}",
-            path=None if where == "<snapshot>" else where,
+            f"{DEVICE_INDEX_LIMIT - 1}; {_FIX}"
         )
     return value
 
@@ -469,6 +467,15 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
         ...
         torchmem.errors.SnapshotFormatError: x.pickle: expected a PyTorch memory snapshot (a dict with 'segments' and 'device_traces', or a list of segments), got a int
     """
+    try:
+        return _normalise(obj, path, pickle_protocol)
+    except SnapshotFormatError as e:
+        if e.path is None:
+            e.path = path
+        raise
+
+
+def _normalise(obj: Any, path: str | None, pickle_protocol: int | None) -> Snapshot:
     where = path or "<snapshot>"
     snap = Snapshot()
     ctx = _Ctx(snap, where)

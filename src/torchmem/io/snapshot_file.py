@@ -116,6 +116,15 @@ def load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
         >>> load_raw(io.BytesIO(pickle.dumps([], protocol=2)))
         ([], '<stream>', 2)
     """
+    try:
+        return _load_raw(source)
+    except SnapshotFormatError as e:
+        if e.path is None and isinstance(source, (str, os.PathLike)):
+            e.path = os.fspath(source)
+        raise
+
+
+def _load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         try:
