@@ -175,6 +175,12 @@ _MOVED: dict[str, tuple[str, str]] = {
     "transfer_stream": ("torchmem.transfer", "transfer_stream"),
 }
 
+#: Namespaces reachable as attributes after ``import torchmem`` (imported on first use).
+_NAMESPACES = frozenset(
+    {"analysis", "capture", "cli", "compat", "devices", "errors", "examples", "io", "ledger",
+     "model", "move", "render", "transfer", "units"}
+)
+
 #: The release that drops the forwarded 0.1 names.
 REMOVAL_RELEASE = "0.3"
 
@@ -187,6 +193,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
+    if name in _NAMESPACES:
+        return importlib.import_module(f"torchmem.{name}")
     moved = _MOVED.get(name)
     if moved is not None:
         where, new_name = moved
