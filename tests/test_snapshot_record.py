@@ -49,7 +49,8 @@ def test_cpu_snapshot_opens_in_memory_viz_functions(tmp_path: Path) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     with record_history(net, device="cpu"):
         net(torch.randn(16, 32)).sum().backward()
-        path = torchmem.dump_snapshot(tmp_path / "cpu.pickle")
+        path = tmp_path / "cpu.pickle"
+        torchmem.write_snapshot(path, torchmem.snapshot())
     with open(path, "rb") as f:
         data = pickle.load(f)
     seg_text = _memory_viz.segsum(data)
@@ -187,7 +188,7 @@ def test_cuda_record_history_real_gpu(tmp_path: Path) -> None:
     snap = rec.snapshot()
     acts = [e.action for e in snap.trace(torch.cuda.current_device())]
     assert "alloc" in acts and "free_completed" in acts
-    torchmem.dump_snapshot(tmp_path / "cuda.pickle", snap)
+    torchmem.write_snapshot(tmp_path / "cuda.pickle", snap)
     assert pickle.loads((tmp_path / "cuda.pickle").read_bytes())["segments"] is not None
 
 
