@@ -13,7 +13,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import torchmem
-from torchmem.analysis.tracking import summarize_trace
+from torchmem.analysis.summary import summarize_trace
 from torchmem.errors import InvalidInputError
 
 
