@@ -77,10 +77,10 @@ _EXPORTS: dict[str, str] = {
     # END issue-3 exports
     # BEGIN issue-4 exports (ledger, devices)
     "Ledger": "torchmem.ledger.accounting",
-    "LedgerRecord": "torchmem.ledger.accounting",
-    "GcRun": "torchmem.ledger.accounting",
-    "DEFAULT_AUTO_GC_STRATEGY": "torchmem.ledger.accounting",
-    "release_device_cache": "torchmem.ledger.accounting",
+    "LedgerRecord": "torchmem.ledger.records",
+    "GcRun": "torchmem.ledger.autogc",
+    "DEFAULT_AUTO_GC_STRATEGY": "torchmem.ledger.autogc",
+    "release_device_cache": "torchmem.ledger.release",
     "DeviceUsage": "torchmem.devices",
     "UsageSource": "torchmem.devices",
     "UsagePoller": "torchmem.devices",
