@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -109,9 +110,7 @@ class LiteTracker:
             e, op, phase = stack.pop()
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
-                dev = str(f.device)
-                if dev == "cuda":
-                    dev = "cuda:0"
+                dev = device_name(f.device)
                 rows.append((e.start_time_ns, int(f.alloc_size), int(f.ptr), dev, op, phase))
                 continue
             name = e.name

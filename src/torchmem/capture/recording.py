@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
 from torchmem.io.pytorch_snapshot import from_pytorch
@@ -66,11 +67,9 @@ def _resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceError(
-            f"record_history: unknown device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
-        ) from None
+        dev = torch.device(device_name(device))
+    except DeviceError as e:
+        raise DeviceError(f"record_history: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
             f"record_history: device {device!r} was requested but CUDA is not available on this "
