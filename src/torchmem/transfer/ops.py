@@ -38,12 +38,8 @@ import torch
 from torch import nn
 
 from torchmem.errors import InvalidInputError
-from torchmem.transfer.engine import (
-    DEFAULT_CHUNK_BYTES,
-    StagingBuffers,
-    _chunk_size,
-    _transfer,
-)
+from torchmem.transfer.engine import _transfer
+from torchmem.transfer.staging import DEFAULT_CHUNK_BYTES, StagingBuffers, _chunk_size
 from torchmem.transfer.streams import (
     DeviceLike,
     DeviceSpec,
