@@ -140,7 +140,7 @@ def test_record_history_is_reentrant_and_restores() -> None:
     sizes = sorted(b.size for s in rec.snapshot().segments for b in s.blocks)
     assert sizes == sorted(_storage_bytes(x, y))
     with pytest.raises(InvalidInputError):
-        torchmem.stop_recording()
+        torchmem.capture.stop_recording()
 
 
 def test_failed_start_leaves_the_recorder_stopped_and_usable() -> None:

@@ -170,7 +170,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> list(torchmem.LiteTracker().events())
+            >>> list(torchmem.capture.LiteTracker().events())
             []
         """
         return self.trace.events()
@@ -180,7 +180,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().peak()
+            >>> torchmem.capture.LiteTracker().peak()
             {}
         """
         return self.trace.peak()
@@ -190,7 +190,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().live_bytes("cpu")
+            >>> torchmem.capture.LiteTracker().live_bytes("cpu")
             0
         """
         return self.trace.live_bytes(device)
@@ -200,7 +200,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem, tempfile, os
-            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.LiteTracker().save(p)
+            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.capture.LiteTracker().save(p)
         """
         save_trace(self.trace, path)
 

@@ -296,7 +296,7 @@ def stop_recording(rec: record_history | None = None) -> Snapshot:
         if not _ACTIVE:
             raise InvalidInputError(
                 "stop_recording(): no recording is active; start one with "
-                "torchmem.start_recording() or 'with torchmem.record_history():'"
+                "torchmem.capture.start_recording() or 'with torchmem.record_history():'"
             )
         rec = _ACTIVE[-1]
     return rec.stop()
@@ -488,7 +488,7 @@ def dump_snapshot(
         40
     """
     warnings.warn(
-        "torchmem.dump_snapshot(path, snap) is deprecated; use "
+        "torchmem.capture.recording.dump_snapshot(path, snap) is deprecated; use "
         "torchmem.write_snapshot(path, snap) (or torchmem.write_snapshot(path, "
         "torchmem.snapshot()) for a snapshot taken now)",
         DeprecationWarning,

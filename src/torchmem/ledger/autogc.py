@@ -18,7 +18,7 @@ Choices that differ from MemLord:
 The policy's methods are mixed into :class:`~torchmem.ledger.accounting.Ledger`.
 
 Example:
-    >>> from torchmem import DeviceUsage
+    >>> from torchmem.devices import DeviceUsage
     >>> from torchmem.ledger import Ledger
     >>> class Full:
     ...     def usage(self, device):

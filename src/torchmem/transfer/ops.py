@@ -183,7 +183,7 @@ def adjoint_of(op: Any) -> Any:
         >>> adjoint_of(abs)
         Traceback (most recent call last):
         ...
-        torchmem.errors.InvalidInputError: abs has no adjoint (no .H or .adjoint()). Fix: wrap it as torchmem.LinearOp(fn, adjoint=fn_adjoint).
+        torchmem.errors.InvalidInputError: abs has no adjoint (no .H or .adjoint()). Fix: wrap it as torchmem.transfer.LinearOp(fn, adjoint=fn_adjoint).
     """
     if isinstance(op, Operator):
         return op.H
@@ -195,7 +195,7 @@ def adjoint_of(op: Any) -> Any:
         return adj()
     raise InvalidInputError(
         f"{_short(op, _MAX_DEPTH)} has no adjoint (no .H or .adjoint()). Fix: wrap it as "
-        "torchmem.LinearOp(fn, adjoint=fn_adjoint)."
+        "torchmem.transfer.LinearOp(fn, adjoint=fn_adjoint)."
     )
 
 

@@ -224,7 +224,7 @@ def _new_pool(pool: Optional[StagingBuffers], chunk_bytes: int, shape_only: bool
     if pool is not None:
         if not isinstance(pool, StagingBuffers):
             raise InvalidInputError(
-                f"staging must be a torchmem.StagingBuffers, got {type(pool).__name__}. Fix: pass "
+                f"staging must be a torchmem.transfer.StagingBuffers, got {type(pool).__name__}. Fix: pass "
                 "StagingBuffers(chunk_bytes) or None for a temporary one."
             )
         return pool
