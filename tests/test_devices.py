@@ -12,8 +12,8 @@ import psutil
 import pytest
 import torch
 
-from torchmem import DeviceUsage, UsagePoller, available_devices, poll_all, poll_usage
-from torchmem.devices import normalize_device
+from torchmem import UsagePoller, available_devices, poll_usage
+from torchmem.devices import DeviceUsage, normalize_device, poll_all
 from torchmem.errors import DeviceError, InvalidInputError
 
 

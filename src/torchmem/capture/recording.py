@@ -5,7 +5,7 @@
   :func:`snapshot` reads ``torch.cuda.memory._snapshot()``.
 - CPU and other devices have no caching allocator and no allocator history; recording runs
   torchmem's dispatch-mode tracker (:func:`torchmem.track`) and the snapshot is built from its
-  events by :func:`~torchmem.model.snapshot.snapshot_from_events` (one segment per live
+  events by :func:`~torchmem.io.convert.snapshot_from_events` (one segment per live
   storage, synthetic addresses; the snapshot's ``notes`` say so).
 
 :func:`start_recording` and :func:`stop_recording` are aliases of ``record_history(...).start()``
@@ -36,9 +36,12 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import write_snapshot
-from torchmem.model.snapshot import CPU_NOTE, Snapshot
+from torchmem.model.snapshot import Snapshot
 
 __all__ = [
     "record_history",
@@ -64,11 +67,9 @@ def _resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceError(
-            f"record_history: unknown device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
-        ) from None
+        dev = torch.device(device_name(device))
+    except DeviceError as e:
+        raise DeviceError(f"record_history: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
             f"record_history: device {device!r} was requested but CUDA is not available on this "
@@ -218,7 +219,7 @@ class record_history:
 
     def _cuda_snapshot(self) -> Snapshot:
         raw = torch.cuda.memory._snapshot(self.device)
-        snap = Snapshot.from_pytorch(raw)
+        snap = from_pytorch(raw)
         for i in range(torch.cuda.device_count()):
             snap.device_names.setdefault(i, f"cuda:{i}")
         return snap
@@ -259,7 +260,7 @@ class record_history:
 
 
 def _from_tracker(tracker: Any) -> Snapshot:
-    snap = Snapshot.from_trace(tracker)
+    snap = snapshot_from_trace(tracker)
     if CPU_NOTE not in snap.notes:
         snap.notes.append(CPU_NOTE)
     return snap
@@ -295,7 +296,7 @@ def stop_recording(rec: record_history | None = None) -> Snapshot:
         if not _ACTIVE:
             raise InvalidInputError(
                 "stop_recording(): no recording is active; start one with "
-                "torchmem.start_recording() or 'with torchmem.record_history():'"
+                "torchmem.capture.start_recording() or 'with torchmem.record_history():'"
             )
         rec = _ACTIVE[-1]
     return rec.stop()
@@ -325,7 +326,7 @@ def snapshot(device: Any = None) -> Snapshot:
     dev = want or _resolve_device(None)
     if dev.type == "cuda":
         raw = torch.cuda.memory._snapshot(dev)
-        return Snapshot.from_pytorch(raw)
+        return from_pytorch(raw)
     raise InvalidInputError(
         "torchmem.snapshot(): nothing was recorded on CPU (it has no allocator state to read); "
         "wrap your code in 'with torchmem.record_history():' first"
@@ -487,7 +488,7 @@ def dump_snapshot(
         40
     """
     warnings.warn(
-        "torchmem.dump_snapshot(path, snap) is deprecated; use "
+        "torchmem.capture.recording.dump_snapshot(path, snap) is deprecated; use "
         "torchmem.write_snapshot(path, snap) (or torchmem.write_snapshot(path, "
         "torchmem.snapshot()) for a snapshot taken now)",
         DeprecationWarning,

@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Any
 
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, MissingFileError
 
 __all__ = ["add_arguments", "run"]
 
@@ -116,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.script and not args.example:
         if not os.path.isfile(args.script):
-            raise InvalidInputError(
-                f"script {args.script!r} not found; expected a path to a Python file"
+            raise MissingFileError(
+                f"script {args.script!r} not found; expected a path to a Python file",
+                path=args.script,
+                kind="script",
             )
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(_user_traceback(exc, args.script))
     tracker.save(args.output)
 
-    from torchmem.analysis.tracking import summarize_trace
+    from torchmem.analysis.summary import summarize_trace
     from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)

@@ -1,12 +1,23 @@
-"""Normalise any unpickled PyTorch snapshot object into a :class:`~torchmem.model.snapshot.Snapshot`.
+"""PyTorch's memory snapshot format, both directions, without torch.
 
-Private: use :meth:`Snapshot.from_pytorch` or :func:`torchmem.load_snapshot`. Fast path for the
-trace entries (one ``itemgetter`` call per entry, stacks cached by the identity of the shared
-frame lists/dicts that PyTorch's pickles carry, which stay alive while the raw object is held).
+:func:`from_pytorch` normalises any unpickled PyTorch snapshot object (the modern dict with
+``device_traces``, the bare list of segments, 2.0-era blocks with ``history``, torchmem's JSON
+dict) into a :class:`~torchmem.model.snapshot.Snapshot`; :func:`to_pytorch_dict` gives the modern
+dict back, which ``torch.cuda._memory_viz`` and PyTorch's viewer read. Files are
+:mod:`torchmem.io.snapshot_file`.
+
+Reading is fast (one ``itemgetter`` call per trace entry, stacks cached by the identity of the
+shared frame lists/dicts that PyTorch's pickles carry, which stay alive while the raw object is
+held) and strict where a wrong value would mislead: sizes and addresses of segments and blocks
+must fit in 64 bits unsigned, and device indexes must be below :data:`DEVICE_INDEX_LIMIT`.
+
+Longer than 600 lines for a reason: this is one format, read and written here side by side, so a
+key added or renamed is changed in both directions in the same place.
 
 Example:
-    >>> normalise({"segments": [], "device_traces": [[]]}, "x.pickle").num_trace_devices
-    1
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[]]}, path="x.pickle")
+    >>> snap.num_trace_devices, to_pytorch_dict(snap)["device_traces"]
+    (1, [[]])
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from operator import itemgetter
 from typing import Any
 
 from torchmem.errors import SnapshotFormatError
+from torchmem.model.events import Category, Phase
 from torchmem.model.snapshot import (
     ACTIONS,
     Block,
@@ -26,9 +38,31 @@ from torchmem.model.snapshot import (
     SourceInfo,
 )
 
-__all__ = ["normalise", "JSON_FORMAT_NAME"]
+__all__ = [
+    "from_pytorch",
+    "to_pytorch_dict",
+    "normalise",
+    "JSON_FORMAT_NAME",
+    "DEVICE_INDEX_LIMIT",
+]
 
+#: The ``format`` field of torchmem's JSON snapshot document.
 JSON_FORMAT_NAME = "torchmem-snapshot"
+
+#: Device indexes must be below this. PyTorch's ``c10::DeviceIndex`` is 8 bits and torchmem's
+#: ``.tmtrace`` device column 16 bits, so an index of 2**16 or more can only be corruption (a
+#: size or an address read as a device).
+DEVICE_INDEX_LIMIT = 2**16
+_U64_MAX = 2**64 - 1
+_FIX = (
+    "the file is corrupt or was not written by PyTorch; re-create it with "
+    "torch.cuda.memory._dump_snapshot or torchmem.write_snapshot"
+)
+
+_CATEGORY_CODES = {c.label: int(c) for c in Category}
+_PHASE_CODES = {p.label: int(p) for p in Phase}
+_CATEGORY_LABELS = tuple(c.label for c in Category)
+_PHASE_LABELS = tuple(p.label for p in Phase)
 
 _FULL = itemgetter("action", "addr", "size", "stream", "time_us", "frames")
 
@@ -81,6 +115,63 @@ class _Ctx:
         return sid
 
 
+def _u64(where: str, what: str, field: str, value: int) -> int:
+    if not 0 <= value <= _U64_MAX:
+        raise SnapshotFormatError(
+            f"{where}: {what}: {field} is {value}; expected a byte count or address from 0 to "
+            f"2**64-1; {_FIX}"
+        )
+    return value
+
+
+def _device(where: str, what: str, value: int) -> int:
+    if not 0 <= value < DEVICE_INDEX_LIMIT:
+        raise SnapshotFormatError(
+            f"{where}: {what}: device is {value}; expected a device index from 0 to "
+            f"{DEVICE_INDEX_LIMIT - 1}; {_FIX}"
+        )
+    return value
+
+
+def _origin_of(raw: dict[str, Any]) -> tuple[Category | None, Phase | None, str | None]:
+    """Category, phase and module of one block or trace entry dict (``None`` when absent)."""
+    c = _CATEGORY_CODES.get(raw.get("category"))  # type: ignore[arg-type]
+    p = _PHASE_CODES.get(raw.get("phase"))  # type: ignore[arg-type]
+    m = raw.get("module")
+    return (
+        None if c is None else Category(c),
+        None if p is None else Phase(p),
+        str(m) if m else None,
+    )
+
+
+def _with_origin(d: dict[str, Any], b: Block) -> dict[str, Any]:
+    if b.category is not None:
+        d["category"] = b.category.label
+    if b.phase is not None:
+        d["phase"] = b.phase.label
+    if b.module is not None:
+        d["module"] = b.module
+    return d
+
+
+def _trace_origin(t: DeviceTrace, entries: list[Any], features: set[str]) -> None:
+    """Fill the category/phase/module columns of ``t`` from entries that carry those keys."""
+    t.add_origin_columns()
+    cats, phases, mods = t.categories, t.phases, t.modules
+    assert cats is not None and phases is not None and mods is not None
+    del cats[:], phases[:], mods[:]
+    cat_code, phase_code, intern = _CATEGORY_CODES.get, _PHASE_CODES.get, t.intern_text
+    for e in entries:
+        c = cat_code(e.get("category"), -1)
+        p = phase_code(e.get("phase"), -1)
+        m = e.get("module")
+        cats.append(c)
+        phases.append(p)
+        mods.append(intern(str(m)) if m else -1)
+    features.update(("category", "phase", "module"))
+
+
 def _state_of(b: dict[str, Any]) -> str:
     state = b.get("state")
     if state is not None:
@@ -105,6 +196,7 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
             addr = int(s["address"])
             total = int(s["total_size"])
             raw_blocks = s["blocks"]
+            device = int(s.get("device", 0) or 0)
         except KeyError as e:
             raise SnapshotFormatError(
                 f"{where}: segment {i} has no {e.args[0]!r} key (keys: {sorted(s)}); "
@@ -115,10 +207,13 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
                 f"{where}: segment {i}: address and total_size should be integers, got "
                 f"{s.get('address')!r} and {s.get('total_size')!r}"
             ) from None
+        _u64(where, f"segment {i}", "address", addr)
+        _u64(where, f"segment {i}", "total_size", total)
+        _device(where, f"segment {i}", device)
         blocks: list[Block] = []
         cur = addr
         try:
-            for b in raw_blocks:
+            for j, b in enumerate(raw_blocks):
                 baddr = b.get("address")
                 if baddr is None:
                     baddr = cur
@@ -138,10 +233,16 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
                     fr = ()
                 if req is None:
                     req = size
+                what = f"segment {i} block {j}"
+                baddr = _u64(where, what, "address", int(baddr))
+                _u64(where, what, "size", size)
+                req = _u64(where, what, "requested_size", int(req))
                 cur = baddr + size
-                blocks.append(
-                    Block(int(baddr), size, int(req), _state_of(b), ctx.snap.stacks[ctx.stack(fr)])
-                )
+                block = Block(baddr, size, req, _state_of(b), ctx.snap.stacks[ctx.stack(fr)])
+                if "category" in b or "phase" in b or "module" in b:
+                    block.category, block.phase, block.module = _origin_of(b)
+                    features.update(("category", "phase", "module"))
+                blocks.append(block)
         except SnapshotFormatError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
@@ -152,7 +253,7 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
         pool = s.get("segment_pool_id", (0, 0))
         out.append(
             Segment(
-                int(s.get("device", 0) or 0),
+                device,
                 addr,
                 total,
                 stream=int(s.get("stream", 0) or 0),
@@ -249,7 +350,10 @@ def _trace(ctx: _Ctx, dev: int, entries: Any, features: set[str]) -> DeviceTrace
     cc_col = array("I") if has_cc else None
     um_col = array("I") if has_um else None
     codes = {name: i for i, name in enumerate(ACTIONS)}
+    has_origin = "category" in first or "phase" in first or "module" in first
     if _fast_columns(ctx, t, entries, codes, has_cc, has_um, features):
+        if has_origin:
+            _trace_origin(t, entries, features)
         return t
     oom = codes["oom"]
     acts: list[int] = []
@@ -346,6 +450,8 @@ def _trace(ctx: _Ctx, dev: int, entries: Any, features: set[str]) -> DeviceTrace
         features.add("compile_context")
     if has_um:
         features.add("user_metadata")
+    if has_origin:
+        _trace_origin(t, entries, features)
     return t
 
 
@@ -361,6 +467,15 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
         ...
         torchmem.errors.SnapshotFormatError: x.pickle: expected a PyTorch memory snapshot (a dict with 'segments' and 'device_traces', or a list of segments), got a int
     """
+    try:
+        return _normalise(obj, path, pickle_protocol)
+    except SnapshotFormatError as e:
+        if e.path is None:
+            e.path = path
+        raise
+
+
+def _normalise(obj: Any, path: str | None, pickle_protocol: int | None) -> Snapshot:
     where = path or "<snapshot>"
     snap = Snapshot()
     ctx = _Ctx(snap, where)
@@ -425,3 +540,142 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
         path=path, format=fmt, pickle_protocol=pickle_protocol, features=tuple(sorted(features))
     )
     return snap
+
+
+def from_pytorch(obj: Any, *, path: str | None = None) -> Snapshot:
+    """Normalise an unpickled PyTorch snapshot (dict or list of segments) or our JSON dict.
+
+    Raises :class:`~torchmem.errors.SnapshotFormatError` naming ``path`` and what was wrong.
+
+    Example:
+        >>> from_pytorch([]).source.format
+        'list'
+        >>> from_pytorch([{"device": 0, "address": 0, "total_size": -5, "blocks": []}],
+        ...              path="bad.pickle")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.SnapshotFormatError: bad.pickle: segment 0: total_size is -5; expected ...
+    """
+    return normalise(obj, path)
+
+
+def to_pytorch_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """PyTorch's modern snapshot format (what ``torch.cuda.memory._snapshot()`` returns).
+
+    Keys: ``segments`` (with ``blocks`` carrying ``address`` and ``frames``),
+    ``device_traces`` (one list per device index, entries with ``action``, ``addr`` /
+    ``device_free``, ``size``, ``stream``, ``frames`` and ``time_us`` when known), plus
+    ``allocator_settings`` / ``external_annotations`` when known. Frames and stacks are shared
+    objects (as in PyTorch's output), so do not mutate them in place. A ``torchmem`` key holds
+    device names and notes; PyTorch's tools ignore it.
+
+    Entries and blocks that know where their allocation came from also carry ``category``,
+    ``phase`` (labels) and ``module``: extra keys that PyTorch's tools ignore and
+    :func:`from_pytorch` reads back.
+
+    Example:
+        >>> d = to_pytorch_dict(Snapshot())
+        >>> sorted(d)
+        ['device_traces', 'segments', 'torchmem']
+        >>> snap = from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 512,
+        ...     "blocks": [{"size": 512, "state": "active_allocated", "category": "gradient"}]}]})
+        >>> to_pytorch_dict(snap)["segments"][0]["blocks"][0]["category"]
+        'gradient'
+    """
+    frame_dicts: dict[Frame, dict[str, Any]] = {}
+
+    def fd(f: Frame) -> dict[str, Any]:
+        d = frame_dicts.get(f)
+        if d is None:
+            d = frame_dicts[f] = {"filename": f.filename, "line": f.line, "name": f.name}
+        return d
+
+    stack_lists: list[list[dict[str, Any]] | None] = [None] * len(snapshot.stacks)
+
+    def sl(idx: int) -> list[dict[str, Any]]:
+        lst = stack_lists[idx]
+        if lst is None:
+            lst = stack_lists[idx] = [fd(f) for f in snapshot.stacks[idx]]
+        return lst
+
+    segs = []
+    for s in snapshot.segments:
+        blocks = [
+            _with_origin(
+                {
+                    "address": b.address,
+                    "size": b.size,
+                    "requested_size": b.requested_size,
+                    "state": b.state,
+                    "frames": sl(snapshot.intern_stack(b.frames)),
+                },
+                b,
+            )
+            for b in s.blocks
+        ]
+        segs.append(
+            {
+                "device": s.device,
+                "address": s.address,
+                "total_size": s.total_size,
+                "allocated_size": s.allocated_size,
+                "active_size": s.active_size,
+                "requested_size": s.requested_size,
+                "stream": s.stream,
+                "segment_type": s.segment_type,
+                "segment_pool_id": tuple(s.segment_pool_id),
+                "is_expandable": s.is_expandable,
+                "frames": sl(snapshot.intern_stack(s.frames)),
+                "blocks": blocks,
+            }
+        )
+    traces: list[list[dict[str, Any]]] = []
+    for dev in range(snapshot.num_trace_devices):
+        t = snapshot.traces.get(dev)
+        entries: list[dict[str, Any]] = []
+        traces.append(entries)
+        if t is None:
+            continue
+        names = t.action_names
+        oom = names.index("oom")
+        has_time = t.has_time
+        ccs = t.compile_contexts
+        ums = t.user_metadata
+        cats, phases, mods = t.categories, t.phases, t.modules
+        texts = t.texts
+        for i, (a, addr, size, stream, tm, sid) in enumerate(
+            zip(t.actions, t.addrs, t.sizes, t.streams, t.times, t.stack_ids)
+        ):
+            e: dict[str, Any] = {"action": names[a]}
+            if a == oom:
+                e["device_free"] = addr
+            else:
+                e["addr"] = addr
+            e["size"] = size
+            e["stream"] = stream
+            if has_time:
+                e["time_us"] = tm
+            if ccs is not None:
+                e["compile_context"] = texts[ccs[i]]
+            if ums is not None:
+                e["user_metadata"] = texts[ums[i]]
+            if cats is not None and phases is not None and mods is not None:
+                if cats[i] >= 0:
+                    e["category"] = _CATEGORY_LABELS[cats[i]]
+                if phases[i] >= 0:
+                    e["phase"] = _PHASE_LABELS[phases[i]]
+                if mods[i] >= 0:
+                    e["module"] = texts[mods[i]]
+            e["frames"] = sl(sid)
+            entries.append(e)
+    out: dict[str, Any] = {"segments": segs, "device_traces": traces}
+    if snapshot.allocator_settings is not None:
+        out["allocator_settings"] = snapshot.allocator_settings
+    if snapshot.external_annotations is not None:
+        out["external_annotations"] = snapshot.external_annotations
+    out["torchmem"] = {
+        "device_names": {str(k): v for k, v in sorted(snapshot.device_names.items())},
+        "notes": list(snapshot.notes),
+        "source_format": snapshot.source.format,
+    }
+    return out

@@ -21,8 +21,8 @@ from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._hotpath import _HotPath, _Mode
 from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, save_trace
 from torchmem.model.events import Event
-from torchmem.model.trace import PathLike
 
 __all__ = ["Tracker", "track"]
 
@@ -101,7 +101,7 @@ class Tracker(_HotPath):
 
     def save(self, path: PathLike) -> None:
         """Write the events recorded so far to a ``.tmtrace`` file (see
-        :mod:`torchmem.model.trace` for the format).
+        :mod:`torchmem.io.tmtrace` for the format).
 
         Example:
             >>> import tempfile, os, torch, torchmem
@@ -112,7 +112,7 @@ class Tracker(_HotPath):
             {'cpu': 32}
         """
         self.trace.metadata["peak"] = self.peak()
-        self.trace.save(path)
+        save_trace(self.trace, path)
 
     def __len__(self) -> int:
         return len(self.trace)
