@@ -145,16 +145,6 @@ def _origin_of(raw: dict[str, Any]) -> tuple[Category | None, Phase | None, str 
     )
 
 
-def _with_origin(d: dict[str, Any], b: Block) -> dict[str, Any]:
-    if b.category is not None:
-        d["category"] = b.category.label
-    if b.phase is not None:
-        d["phase"] = b.phase.label
-    if b.module is not None:
-        d["module"] = b.module
-    return d
-
-
 def _trace_origin(t: DeviceTrace, entries: list[Any], features: set[str]) -> None:
     """Fill the category/phase/module columns of ``t`` from entries that carry those keys."""
     t.add_origin_columns()
@@ -601,16 +591,14 @@ def to_pytorch_dict(snapshot: Snapshot) -> dict[str, Any]:
     segs = []
     for s in snapshot.segments:
         blocks = [
-            _with_origin(
-                {
-                    "address": b.address,
-                    "size": b.size,
-                    "requested_size": b.requested_size,
-                    "state": b.state,
-                    "frames": sl(snapshot.intern_stack(b.frames)),
-                },
-                b,
-            )
+            {
+                "address": b.address,
+                "size": b.size,
+                "requested_size": b.requested_size,
+                "state": b.state,
+                "frames": sl(snapshot.intern_stack(b.frames)),
+                **b.origin(),
+            }
             for b in s.blocks
         ]
         segs.append(
