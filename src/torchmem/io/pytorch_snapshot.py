@@ -147,10 +147,7 @@ def _origin_of(raw: dict[str, Any]) -> tuple[Category | None, Phase | None, str 
 
 def _trace_origin(t: DeviceTrace, entries: list[Any], features: set[str]) -> None:
     """Fill the category/phase/module columns of ``t`` from entries that carry those keys."""
-    t.add_origin_columns()
-    cats, phases, mods = t.categories, t.phases, t.modules
-    assert cats is not None and phases is not None and mods is not None
-    del cats[:], phases[:], mods[:]
+    cats, phases, mods = array("b"), array("b"), array("i")
     cat_code, phase_code, intern = _CATEGORY_CODES.get, _PHASE_CODES.get, t.intern_text
     for e in entries:
         c = cat_code(e.get("category"), -1)
@@ -159,6 +156,7 @@ def _trace_origin(t: DeviceTrace, entries: list[Any], features: set[str]) -> Non
         cats.append(c)
         phases.append(p)
         mods.append(intern(str(m)) if m else -1)
+    t.categories, t.phases, t.modules = cats, phases, mods
     features.update(("category", "phase", "module"))
 
 
