@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _viewer_gen import make_snapshot
-from torchmem.render.viewer.payload import write_viewer
+from torchmem.io.snapshot_file import load_snapshot
+from torchmem.render.viewer.html import write_viewer
 from torchmem.units import format_bytes
 
 CHROMIUM = "/usr/bin/chromium"
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
           f"{format_bytes(pkl)}  (machine: {os.cpu_count()} shared cores)")
 
     ours = tmp / "torchmem.html"
-    t_ours, _ = best(lambda: write_viewer(src, ours), args.repeats)
+    t_ours, _ = best(lambda: write_viewer(load_snapshot(src), ours, title=src.name), args.repeats)
     theirs_path = tmp / "pytorch.html"
     t_theirs = float("nan")
     try:

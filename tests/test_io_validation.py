@@ -14,6 +14,7 @@ import torch
 
 import torchmem
 from torchmem.cli import main
+from torchmem.cli._snapshot_common import load as cli_load
 from torchmem.errors import (
     FileFormatError,
     MissingFileError,
@@ -31,7 +32,6 @@ from torchmem.io import (
 from torchmem.io.pytorch_snapshot import DEVICE_INDEX_LIMIT
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
-from torchmem.render.viewer.payload import load_any
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -55,9 +55,9 @@ def _tracked_trace() -> Trace:
     [
         (load_snapshot, "missing.pickle", "snapshot"),
         (load_trace, "missing.tmtrace", "trace"),
-        (load_any, "missing.json", "snapshot"),
+        (cli_load, "missing.json", "snapshot"),
     ],
-    ids=["snapshot", "trace", "viewer"],
+    ids=["snapshot", "trace", "cli"],
 )
 def test_a_missing_file_is_one_error_type_everywhere(
     tmp_path: Path, read: Any, name: str, kind: str

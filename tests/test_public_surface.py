@@ -52,7 +52,6 @@ TOP_LEVEL = [
     "snapshot",
     "storage_bytes",
     "storage_id",
-    "summarize_trace",
     "tensor_span",
     "track",
     "track_lite",

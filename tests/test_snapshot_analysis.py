@@ -12,17 +12,14 @@ import pytest
 from torch.cuda import _memory_viz
 
 import snapshot_synth as synth
-from torchmem.analysis.snapshot import (
-    folded_stacks,
-    initial_live,
-    oom_report,
-    replay,
-    snapshot_diff,
-    snapshot_peak,
-    snapshot_stats,
-    snapshot_trace,
-    stack_key,
-)
+from torchmem.analysis.diff import snapshot_diff
+from torchmem.analysis.events import snapshot_trace
+from torchmem.analysis.flame import folded_stacks
+from torchmem.analysis.frames import stack_key
+from torchmem.analysis.oom import oom_report
+from torchmem.analysis.peak import snapshot_peak
+from torchmem.analysis.replay import initial_live, replay
+from torchmem.analysis.stats import snapshot_stats
 from torchmem.errors import InvalidInputError
 from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot
@@ -163,15 +160,15 @@ def test_decomfl_complete_trace_replays_from_empty_to_the_active_blocks() -> Non
 @pytest.mark.parametrize("name", ["DeComFL__memory.pickle", "MAGMA27_a2__memory_snapshot.pickle",
                                   "notHanmin_a2__memory_snapshot_forward.pickle"])
 def test_fast_live_set_equals_step_by_step_backward_walk(name: str) -> None:
-    from torchmem.analysis.snapshot import _end_live, _live_at, _undo
+    from torchmem.analysis.replay import DeviceReplay
 
     snap = load_snapshot(DATA / name)
     n = len(snap.trace(0))
     for k in (0, 1, n // 3, n // 2, n - 1, n):
-        slow = _end_live(snap, 0)
-        assert _undo(snap, 0, slow, k) == 0
-        assert _live_at(snap, 0, _end_live(snap, 0), k) == slow
-    assert _live_at(snap, 0, _end_live(snap, 0), 0) == initial_live(snap, 0)
+        slow = dict(DeviceReplay(snap, 0).end_live())
+        assert DeviceReplay(snap, 0).undo(slow, k) == 0
+        assert DeviceReplay(snap, 0).live_at(k) == slow
+    assert DeviceReplay(snap, 0).live_at(0) == initial_live(snap, 0)
 
 
 def test_mid_run_trace_peak_and_groups() -> None:

@@ -49,7 +49,8 @@ def test_cpu_snapshot_opens_in_memory_viz_functions(tmp_path: Path) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     with record_history(net, device="cpu"):
         net(torch.randn(16, 32)).sum().backward()
-        path = torchmem.dump_snapshot(tmp_path / "cpu.pickle")
+        path = tmp_path / "cpu.pickle"
+        torchmem.write_snapshot(path, torchmem.snapshot())
     with open(path, "rb") as f:
         data = pickle.load(f)
     seg_text = _memory_viz.segsum(data)
@@ -65,7 +66,7 @@ def test_cpu_snapshot_opens_in_memory_viz_functions(tmp_path: Path) -> None:
     html = _memory_viz.trace_plot(data)
     assert "Active Memory Timeline" in html and len(html) > 1000
     ours = load_snapshot(path)
-    from torchmem.analysis.snapshot import snapshot_peak
+    from torchmem.analysis.peak import snapshot_peak
 
     assert snapshot_peak(ours).devices[0].end_allocated_bytes == expected_total
 
@@ -139,7 +140,7 @@ def test_record_history_is_reentrant_and_restores() -> None:
     sizes = sorted(b.size for s in rec.snapshot().segments for b in s.blocks)
     assert sizes == sorted(_storage_bytes(x, y))
     with pytest.raises(InvalidInputError):
-        torchmem.stop_recording()
+        torchmem.capture.stop_recording()
 
 
 def test_failed_start_leaves_the_recorder_stopped_and_usable() -> None:
@@ -187,7 +188,7 @@ def test_cuda_record_history_real_gpu(tmp_path: Path) -> None:
     snap = rec.snapshot()
     acts = [e.action for e in snap.trace(torch.cuda.current_device())]
     assert "alloc" in acts and "free_completed" in acts
-    torchmem.dump_snapshot(tmp_path / "cuda.pickle", snap)
+    torchmem.write_snapshot(tmp_path / "cuda.pickle", snap)
     assert pickle.loads((tmp_path / "cuda.pickle").read_bytes())["segments"] is not None
 
 

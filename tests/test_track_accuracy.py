@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchmem
-from torchmem.analysis.tracking import category_series, summarize_trace
+from torchmem.analysis.series import category_series
+from torchmem.analysis.summary import summarize_trace
 
 
 class _Census(TorchDispatchMode):

@@ -21,13 +21,16 @@ import pytest
 
 from torchmem.cli import main
 from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
-from torchmem.render.viewer.payload import (
-    KIND_NAMES,
-    build_payload,
-    encode_payload,
-    render_html,
-    write_viewer,
-)
+from torchmem.io.pytorch_snapshot import from_pytorch
+from torchmem.io.snapshot_file import load_snapshot
+from torchmem.render.viewer.html import render_html, write_viewer
+from torchmem.render.viewer.payload import KIND_NAMES, encode_payload
+from torchmem.render.viewer.payload import build_payload as _build_payload
+
+
+def build_payload(raw: Any) -> dict[str, Any]:
+    """The payload of an unpickled PyTorch snapshot (the viewer takes model objects)."""
+    return _build_payload(from_pytorch(raw))
 
 DATA = Path(__file__).resolve().parent / "data"
 FILES = sorted(DATA.glob("*.pickle"))
@@ -127,7 +130,7 @@ def test_list_format_and_empty_inputs() -> None:
     assert dev["n_allocs"] == dev["n_pre"] == len(active)
     assert build_payload({"segments": [], "device_traces": [[], []]})["devices"] == []
     with pytest.raises(InvalidInputError, match="expected a memory snapshot"):
-        build_payload({"something": 1})
+        _build_payload({"something": 1})
     with pytest.raises(SnapshotFormatError):
         build_payload({"segments": "not a list", "device_traces": []})
 
@@ -151,7 +154,7 @@ def test_encoded_payload_round_trips() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_page_is_self_contained_and_smaller_than_the_pickle(path: Path, tmp_path: Path) -> None:
-    out = write_viewer(path, tmp_path / "r.html")
+    out = write_viewer(load_snapshot(path), tmp_path / "r.html")
     page = out.read_text("utf-8")
     assert out.stat().st_size <= path.stat().st_size
     # No URL with a scheme other than data:/blob:, no external script, style, image or link.
@@ -184,7 +187,7 @@ def test_unsafe_pickle_is_refused_and_nothing_is_written(tmp_path: Path, capsys:
     evil.write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
     out = tmp_path / "r.html"
     with pytest.raises(UnsafePickleError):
-        write_viewer(evil, out)
+        write_viewer(load_snapshot(evil), out)
     assert main(["view", str(evil), "-o", str(out), "-q"]) == 2
     assert "refused" in capsys.readouterr().err
     assert not marker.exists() and not out.exists()

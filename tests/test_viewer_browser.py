@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from torchmem.render.viewer.payload import write_viewer
+from torchmem.io.snapshot_file import load_snapshot
+from torchmem.render.viewer.html import write_viewer
 
 pytestmark = pytest.mark.browser
 
@@ -148,7 +149,7 @@ REAL = [
 def test_real_snapshot_renders_offline_with_stacks(browser: Any, tmp_path: Path, name: str) -> None:
     src = DATA / name
     raw = pickle.loads(src.read_bytes())  # plain containers only (tests/data/README.md)
-    html = write_viewer(src, tmp_path / "r.html")
+    html = write_viewer(load_snapshot(src), tmp_path / "r.html")
     p = _check_page(browser, html, raw)
     try:
         # The stats tab shows the end state's allocated bytes, summed here from the blocks.
@@ -167,7 +168,7 @@ def test_real_snapshot_renders_offline_with_stacks(browser: Any, tmp_path: Path,
 def test_state_only_snapshot_without_stacks(browser: Any, tmp_path: Path) -> None:
     src = DATA / "Attention__memory.pickle"  # device_traces empty, blocks carry no Python frames
     raw = pickle.loads(src.read_bytes())
-    p = _check_page(browser, write_viewer(src, tmp_path / "a.html"), raw, expect_stack=False)
+    p = _check_page(browser, write_viewer(load_snapshot(src), tmp_path / "a.html"), raw, expect_stack=False)
     try:
         active = [b for s in raw["segments"] for b in s["blocks"] if b["state"] != "inactive"]
         assert p.js("window.__torchmem.stats()")["allocs"] == len(active)
@@ -203,7 +204,7 @@ def test_allocator_state_history_matches_a_python_replay(browser: Any, tmp_path:
     src = DATA / "DeComFL__memory.pickle"  # complete trace from an empty device (README)
     raw = pickle.loads(src.read_bytes())
     trace = raw["device_traces"][0]
-    p = Page(browser, write_viewer(src, tmp_path / "d.html"))
+    p = Page(browser, write_viewer(load_snapshot(src), tmp_path / "d.html"))
     try:
         p.js("window.__torchmem.showTab('state')")
         end = p.js("window.__torchmem.mapStats()")
@@ -232,7 +233,7 @@ def test_allocator_state_history_matches_a_python_replay(browser: Any, tmp_path:
 
 def test_zoom_pan_and_range_filter(browser: Any, tmp_path: Path) -> None:
     src = DATA / "MAGMA27_a2__memory_snapshot.pickle"
-    p = Page(browser, write_viewer(src, tmp_path / "m.html"))
+    p = Page(browser, write_viewer(load_snapshot(src), tmp_path / "m.html"))
     try:
         page = p.page
         n = p.js("window.__torchmem.stats()")["events"]
@@ -301,7 +302,7 @@ def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
         step()
         step()
     cpu_snap = tmp_path / "cpu.pickle"
-    torchmem.dump_snapshot(cpu_snap, rec.snapshot())
+    torchmem.write_snapshot(cpu_snap, rec.snapshot())
     with torchmem.track(model, opt, stacks=True) as tr:
         step()
         step()
@@ -309,7 +310,7 @@ def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
     tr.save(trace_file)
     this_file = Path(__file__).name
     for src in (cpu_snap, trace_file):
-        html = write_viewer(src, tmp_path / (src.stem + ".html"))
+        html = write_viewer(load_snapshot(src), tmp_path / (src.stem + ".html"))
         p = Page(browser, html)
         try:
             p.check_offline_and_clean()
@@ -338,7 +339,7 @@ def test_100k_event_snapshot_stays_interactive(browser: Any, tmp_path: Path) -> 
     snap = make_snapshot(100_000, seed=1)
     src = tmp_path / "big.pickle"
     src.write_bytes(pickle.dumps(snap, protocol=4))
-    html = write_viewer(src, tmp_path / "big.html")
+    html = write_viewer(load_snapshot(src), tmp_path / "big.html")
     assert html.stat().st_size < src.stat().st_size / 2
     p = Page(browser, html)
     try:
@@ -361,7 +362,7 @@ def test_synthetic_state_history_pending_expandable_oom(browser: Any, tmp_path: 
     snap = synthetic_snapshot()
     src = tmp_path / "syn.pickle"
     src.write_bytes(pickle.dumps(snap, protocol=2))
-    p = Page(browser, write_viewer(src, tmp_path / "syn.html"))
+    p = Page(browser, write_viewer(load_snapshot(src), tmp_path / "syn.html"))
     try:
         p.js("window.__torchmem.showTab('state')")
         # (segments, blocks, reserved, allocated, active) after k events, worked out by hand.
@@ -404,7 +405,7 @@ def test_two_devices_switch(browser: Any, tmp_path: Path) -> None:
          "time_us": 5}])
     src = tmp_path / "two.pickle"
     src.write_bytes(pickle.dumps(snap, protocol=4))
-    p = Page(browser, write_viewer(src, tmp_path / "two.html"))
+    p = Page(browser, write_viewer(load_snapshot(src), tmp_path / "two.html"))
     try:
         assert p.page.locator("#device option").all_inner_texts() == [
             "cuda:0 (11 events)", "cuda:1 (1 events)"]

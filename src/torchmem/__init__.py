@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 from torchmem._version import __version__
 
 if TYPE_CHECKING:  # the same names, statically, so that type checkers see real types
-    from torchmem.analysis import summarize_trace
     from torchmem.capture import (
         Span,
         Tracker,
@@ -93,7 +92,6 @@ _EXPORTS: dict[str, str] = {
     "track_lite": "torchmem.capture",
     "Trace": "torchmem.model",
     "load_trace": "torchmem.io",
-    "summarize_trace": "torchmem.analysis",
     # allocator snapshots and the viewer
     "Snapshot": "torchmem.model",
     "snapshot": "torchmem.capture",
@@ -137,6 +135,7 @@ _MOVED: dict[str, tuple[str, str]] = {
     "MovePlan": ("torchmem.model", "MovePlan"),
     "snapshot_from_events": ("torchmem.io", "snapshot_from_events"),
     "TraceSummary": ("torchmem.analysis", "TraceSummary"),
+    "summarize_trace": ("torchmem.analysis", "summarize"),
     "snapshot_stats": ("torchmem.analysis", "stats"),
     "snapshot_peak": ("torchmem.analysis", "peak"),
     "snapshot_diff": ("torchmem.analysis", "diff"),

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -109,9 +110,7 @@ class LiteTracker:
             e, op, phase = stack.pop()
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
-                dev = str(f.device)
-                if dev == "cuda":
-                    dev = "cuda:0"
+                dev = device_name(f.device)
                 rows.append((e.start_time_ns, int(f.alloc_size), int(f.ptr), dev, op, phase))
                 continue
             name = e.name
@@ -171,7 +170,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> list(torchmem.LiteTracker().events())
+            >>> list(torchmem.capture.LiteTracker().events())
             []
         """
         return self.trace.events()
@@ -181,7 +180,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().peak()
+            >>> torchmem.capture.LiteTracker().peak()
             {}
         """
         return self.trace.peak()
@@ -191,7 +190,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().live_bytes("cpu")
+            >>> torchmem.capture.LiteTracker().live_bytes("cpu")
             0
         """
         return self.trace.live_bytes(device)
@@ -201,7 +200,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem, tempfile, os
-            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.LiteTracker().save(p)
+            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.capture.LiteTracker().save(p)
         """
         save_trace(self.trace, path)
 

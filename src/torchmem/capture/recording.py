@@ -8,6 +8,10 @@
   events by :func:`~torchmem.io.convert.snapshot_from_events` (one segment per live
   storage, synthetic addresses; the snapshot's ``notes`` say so).
 
+:func:`start_recording` and :func:`stop_recording` are aliases of ``record_history(...).start()``
+and ``.stop()``. Write a snapshot with ``torchmem.write_snapshot(path, torchmem.snapshot())``
+(:func:`~torchmem.io.snapshot_file.write_snapshot`); :func:`dump_snapshot` is deprecated.
+
 Example:
     >>> import torch, torchmem
     >>> with torchmem.record_history(device="cpu") as rec:
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
 from torchmem.io.pytorch_snapshot import from_pytorch
@@ -62,11 +67,9 @@ def _resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceError(
-            f"record_history: unknown device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
-        ) from None
+        dev = torch.device(device_name(device))
+    except DeviceError as e:
+        raise DeviceError(f"record_history: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
             f"record_history: device {device!r} was requested but CUDA is not available on this "
@@ -264,12 +267,15 @@ def _from_tracker(tracker: Any) -> Snapshot:
 
 
 def start_recording(*track_args: Any, **kwargs: Any) -> record_history:
-    """Start a recording (same arguments as :class:`record_history`) and return it.
+    """Alias of ``record_history(*track_args, **kwargs)`` followed by ``.start()``; returns it.
+
+    Takes the same arguments as :class:`record_history`. Prefer ``with record_history(...):``,
+    which stops the recording even when the block raises.
 
     Example:
         >>> rec = start_recording(device="cpu")
-        >>> stop_recording(rec).source.format
-        'torchmem-events'
+        >>> rec.active, stop_recording(rec).source.format
+        (True, 'torchmem-events')
     """
     rec = record_history(*track_args, **kwargs)
     rec.start()
@@ -277,7 +283,9 @@ def start_recording(*track_args: Any, **kwargs: Any) -> record_history:
 
 
 def stop_recording(rec: record_history | None = None) -> Snapshot:
-    """Stop ``rec`` (default: the innermost active recording) and return its final snapshot.
+    """Alias of ``rec.stop()`` (default ``rec``: the innermost active recording).
+
+    Returns the recording's final snapshot, as :meth:`record_history.stop` does.
 
     Example:
         >>> _ = start_recording(device="cpu")
@@ -288,7 +296,7 @@ def stop_recording(rec: record_history | None = None) -> Snapshot:
         if not _ACTIVE:
             raise InvalidInputError(
                 "stop_recording(): no recording is active; start one with "
-                "torchmem.start_recording() or 'with torchmem.record_history():'"
+                "torchmem.capture.start_recording() or 'with torchmem.record_history():'"
             )
         rec = _ACTIVE[-1]
     return rec.stop()
@@ -453,27 +461,39 @@ def _add_text(t: Any, text: str) -> int:
     t.texts.append(text)
     return len(t.texts) - 1
 
+
 _take_snapshot = snapshot  # dump_snapshot's parameter shadows the function
 
 
 def dump_snapshot(
     path: str | os.PathLike[str], snapshot: Snapshot | None = None, format: str = "pickle"
 ) -> str:
-    """Write ``snapshot`` (default: :func:`torchmem.snapshot` now) to ``path``; returns the path.
+    """Deprecated: use ``torchmem.write_snapshot(path, torchmem.snapshot())``.
 
-    ``format="pickle"`` writes PyTorch's format with protocol 4 (PyTorch's viewer and
-    ``torch.cuda._memory_viz`` open it); ``format="json"`` writes torchmem's JSON. Taking the
-    default snapshot imports torch (see :mod:`torchmem.capture.recording`).
+    Writes ``snapshot`` (default: :func:`snapshot` now) to ``path`` with
+    :func:`~torchmem.io.snapshot_file.write_snapshot` and returns the path, after a
+    ``DeprecationWarning``.
 
     Example:
-        >>> import os, tempfile, torch, torchmem
+        >>> import os, tempfile, warnings, torch, torchmem
         >>> p = os.path.join(tempfile.mkdtemp(), "mem.pickle")
         >>> with torchmem.record_history(device="cpu"):
         ...     w = torch.empty(10)
-        ...     _ = dump_snapshot(p)
+        ...     with warnings.catch_warnings(record=True) as caught:
+        ...         warnings.simplefilter("always")
+        ...         _ = dump_snapshot(p)
+        >>> caught[0].category.__name__
+        'DeprecationWarning'
         >>> torchmem.load_snapshot(p).segments[0].total_size
         40
     """
+    warnings.warn(
+        "torchmem.capture.recording.dump_snapshot(path, snap) is deprecated; use "
+        "torchmem.write_snapshot(path, snap) (or torchmem.write_snapshot(path, "
+        "torchmem.snapshot()) for a snapshot taken now)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if snapshot is None:
         snapshot = _take_snapshot()
     write_snapshot(path, snapshot, format=format)

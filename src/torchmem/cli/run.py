@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(_user_traceback(exc, args.script))
     tracker.save(args.output)
 
-    from torchmem.analysis.tracking import summarize_trace
+    from torchmem.analysis.summary import summarize_trace
     from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)

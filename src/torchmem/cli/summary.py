@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
     """
-    from torchmem.analysis.tracking import summarize_trace
+    from torchmem.analysis.summary import summarize_trace
     from torchmem.errors import InvalidInputError
     from torchmem.io.tmtrace import load_trace
     from torchmem.render.summary import render_summary, summary_json

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         wrote .../r.html ...
         0
     """
-    from torchmem.render.viewer.payload import write_viewer  # noqa: PLC0415
+    from torchmem.io import load_snapshot  # noqa: PLC0415
+    from torchmem.render.viewer.html import write_viewer  # noqa: PLC0415
     from torchmem.units import format_bytes  # noqa: PLC0415
 
     src = Path(args.file)
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"torchmem view: {msg} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
     progress(f"reading {src}")
-    write_viewer(src, out, title=args.title, progress=progress)
+    snap = load_snapshot(src)
+    write_viewer(snap, out, title=args.title or src.name, progress=progress)
     size = out.stat().st_size
     ratio = f", {size / src.stat().st_size:.2f}x the input" if src.stat().st_size else ""
     print(f"wrote {out} ({format_bytes(size)}{ratio}); open it in any browser, no network needed")

@@ -1,4 +1,4 @@
-"""``torchmem.MemoryTracker``: the API of ``torch.distributed._tools.memory_tracker.MemoryTracker``.
+"""``torchmem.compat.MemoryTracker``: the API of ``torch.distributed._tools.memory_tracker.MemoryTracker``.
 
 PyTorch's MemoryTracker reads ``torch.cuda.memory_allocated()`` after every operator, so it
 raises without a GPU and misses which storage belongs to what. This class keeps its methods
@@ -10,7 +10,7 @@ window, and ``summary`` reports bytes allocated per ``module.operator (phase)``.
 Example:
     >>> import torch, torchmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
-    >>> mt = torchmem.MemoryTracker()
+    >>> mt = torchmem.compat.MemoryTracker()
     >>> mt.start_monitor(net)
     >>> net(torch.randn(4, 8)).sum().backward()
     >>> mt.stop()
@@ -39,7 +39,7 @@ class MemoryTracker:
     Example:
         >>> import torch, torchmem, io
         >>> lin = torch.nn.Linear(4, 4)
-        >>> mt = torchmem.MemoryTracker(); mt.start_monitor(lin)
+        >>> mt = torchmem.compat.MemoryTracker(); mt.start_monitor(lin)
         >>> _ = lin(torch.randn(2, 4)); mt.stop()
         >>> buf = io.StringIO(); mt.summary(top=3, file=buf)
         >>> "Linear.aten::addmm (forward)" in buf.getvalue()
@@ -55,7 +55,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().start_monitor("not a module")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().start_monitor("not a module")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: start_monitor expects a torch.nn.Module...
@@ -70,7 +70,7 @@ class MemoryTracker:
             )
         if self._tracker is not None:
             raise InvalidInputError("start_monitor was called twice; call stop() first")
-        self._tracker = track(root_module, metadata={"producer": "torchmem.MemoryTracker"})
+        self._tracker = track(root_module, metadata={"producer": "torchmem.compat.MemoryTracker"})
         self._tracker.__enter__()
         self._trace = self._tracker.trace
 
@@ -79,7 +79,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().stop()
+            >>> torchmem.compat.MemoryTracker().stop()
         """
         if self._tracker is not None:
             tracker, self._tracker = self._tracker, None
@@ -97,7 +97,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().peak()  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().peak()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: nothing recorded yet; ...
@@ -109,7 +109,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> mt = torchmem.MemoryTracker()
+            >>> mt = torchmem.compat.MemoryTracker()
             >>> mt.summary()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
@@ -139,7 +139,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().show_traces("/no/such.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().show_traces("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
@@ -155,7 +155,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().save_stats("/tmp/x.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().save_stats("/tmp/x.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: nothing recorded yet; ...
@@ -167,7 +167,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().load("/no/such.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().load("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...

@@ -50,7 +50,7 @@ DEVICE_INDEX_LIMIT = 2**16
 _U64_MAX = 2**64 - 1
 _FIX = (
     "the file is corrupt or was not written by PyTorch; re-create it with "
-    "torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot"
+    "torch.cuda.memory._dump_snapshot or torchmem.write_snapshot"
 )
 
 _CATEGORY_LABELS = tuple(c.label for c in Category)

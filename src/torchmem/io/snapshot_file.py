@@ -132,7 +132,7 @@ def _load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
         except FileNotFoundError:
             raise MissingFileError(
                 f"{name}: no such file; expected the path of a memory snapshot "
-                "(from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)",
+                "(from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)",
                 path=name,
                 kind="snapshot",
             ) from None

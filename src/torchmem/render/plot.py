@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchmem.analysis.tracking import category_series
+from torchmem.analysis.series import category_series
 from torchmem.errors import InvalidInputError
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace

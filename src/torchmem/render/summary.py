@@ -1,10 +1,10 @@
-"""Text and JSON renderings of a :class:`~torchmem.analysis.tracking.TraceSummary` (no torch).
+"""Text and JSON renderings of a :class:`~torchmem.analysis.summary.TraceSummary` (no torch).
 
 Example:
     >>> import io
     >>> from torchmem.model.trace import Trace
     >>> from torchmem.model.events import EventKind as K, Category as C
-    >>> from torchmem.analysis.tracking import summarize_trace
+    >>> from torchmem.analysis.summary import summarize_trace
     >>> tr = Trace()
     >>> _ = tr.append(K.ALLOC, 0, "cpu", 2048, 1, op="aten::mm", module="Net.fc",
     ...               category=C.ACTIVATION)
@@ -19,7 +19,7 @@ import json
 import sys
 from typing import IO, Any
 
-from torchmem.analysis.tracking import TraceSummary
+from torchmem.analysis.summary import TraceSummary
 from torchmem.units import format_bytes
 
 __all__ = ["render_summary", "summary_json"]
@@ -36,7 +36,7 @@ def summary_json(summary: TraceSummary, indent: int | None = 2) -> str:
 
     Example:
         >>> from torchmem.model.trace import Trace
-        >>> from torchmem.analysis.tracking import summarize_trace
+        >>> from torchmem.analysis.summary import summarize_trace
         >>> import json; json.loads(summary_json(summarize_trace(Trace())))["steps"]
         0
     """
@@ -55,7 +55,7 @@ def render_summary(
     Example:
         >>> import io
         >>> from torchmem.model.trace import Trace
-        >>> from torchmem.analysis.tracking import summarize_trace
+        >>> from torchmem.analysis.summary import summarize_trace
         >>> buf = io.StringIO(); render_summary(summarize_trace(Trace()), buf)
         >>> "no allocations" in buf.getvalue()
         True

@@ -1,59 +1,54 @@
-"""The offline HTML viewer: one self-contained file, no network request, scales to 1M events.
+"""The viewer's data: a snapshot as a compact columnar payload (no torch, no file I/O).
 
-:func:`build_payload` turns a snapshot in PyTorch's format (the dict that
-``torch.cuda.memory._snapshot()`` returns: ``segments`` with ``blocks`` and ``device_traces``)
-into a compact columnar payload: every allocation and event becomes a row of typed arrays, frames
-and stacks are interned in tables, and the whole payload is deflated and base64-encoded. The
-page's own JavaScript (``assets/``, inlined into the HTML) decodes it with the browser's
-built-in ``DecompressionStream`` and draws on canvas with level of detail: each pixel column of
-the timeline shows the stack of live allocations at the busiest instant of that column, so a
-million events draw as fast as a thousand.
-
-:func:`render_html` returns the page as a string, :func:`write_viewer` writes it. Both accept a
-snapshot dict (modern, legacy 2.0 ``history`` blocks, or the bare list of segments), an object
-with ``to_pytorch_dict()``, or a path to a snapshot / torchmem trace file.
-
-This module does not import torch.
+:func:`build_payload` turns a :class:`~torchmem.model.snapshot.Snapshot` (or a
+:class:`~torchmem.model.trace.Trace`, converted first) into a compact columnar payload: every
+allocation and event becomes a row of typed arrays, frames and stacks are interned in tables.
+Allocations and their lifetimes come from the replay engine,
+:meth:`torchmem.analysis.replay.DeviceReplay.lifetimes`; the figures shown beside the timeline
+from :mod:`torchmem.analysis`. :func:`encode_payload` deflates and base64-encodes it for the
+page (:mod:`torchmem.render.viewer.html`), whose JavaScript decodes it with the browser's
+built-in ``DecompressionStream``.
 
 Example:
-    >>> snap = {"segments": [{"device": 0, "address": 4096, "total_size": 2048, "stream": 0,
-    ...          "segment_type": "small", "blocks": [
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [{"device": 0, "address": 4096,
+    ...          "total_size": 2048, "stream": 0, "segment_type": "small", "blocks": [
     ...             {"address": 4096, "size": 512, "requested_size": 500,
     ...              "state": "active_allocated", "frames": []},
     ...             {"address": 4608, "size": 1536, "requested_size": 0,
     ...              "state": "inactive", "frames": []}]}],
     ...         "device_traces": [[
     ...             {"action": "alloc", "addr": 4096, "size": 512, "stream": 0,
-    ...              "frames": [{"name": "f", "filename": "a.py", "line": 3}]}]]}
+    ...              "frames": [{"name": "f", "filename": "a.py", "line": 3}]}]]})
     >>> payload = build_payload(snap)
     >>> dev = payload["devices"][0]
     >>> dev["n_events"], dev["n_allocs"], dev["stats"]["allocated_bytes"]
     (1, 1, 512)
-    >>> html = render_html(snap, title="demo")
-    >>> html.startswith("<!DOCTYPE html>") and "http://" not in html and "https://" not in html
-    True
 """
 
 from __future__ import annotations
 
 import base64
-import html as _html
-import importlib.resources
 import json
-import os
 import struct
 import sys
 import zlib
 from array import array
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from itertools import compress
 from typing import Any, Callable
 
-from torchmem.analysis.snapshot import oom_report, snapshot_peak, snapshot_stats
-from torchmem.errors import InvalidInputError, MissingFileError
+from torchmem.analysis.oom import oom_report
+from torchmem.analysis.peak import snapshot_peak
+from torchmem.analysis.replay import DeviceReplay
+from torchmem.analysis.stats import snapshot_stats
+from torchmem.errors import InvalidInputError
+from torchmem.io.convert import snapshot_from_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.model.snapshot import Snapshot
+from torchmem.model.trace import Trace
 
-__all__ = ["build_payload", "encode_payload", "render_html", "write_viewer", "load_any"]
+__all__ = ["as_snapshot", "build_payload", "encode_payload", "iter_frames"]
 
 PAYLOAD_VERSION = 1
 
@@ -80,35 +75,47 @@ _KINDS = {
     "oom": K_OOM,
     "snapshot": K_SNAPSHOT,
 }
+#: Names of the payload's event kinds, indexed by ``ev_kind``.
 KIND_NAMES = [
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map", "segment_unmap", "oom", "snapshot", "other",
 ]
 _STATES = {"inactive": 0, "active_allocated": 1, "active_pending_free": 2}
+_STREAM_KINDS = (True, False, False, True, True, True, True, False, False, False)  # stream ids
+_SEGMENT_OR_OOM = (False,) * 3 + (True,) * 5 + (False,) * 2
 
 ProgressFn = Callable[[str], None]
 
 
-# --------------------------------------------------------------------------- input normalisation
+def as_snapshot(source: Any) -> Snapshot:
+    """The :class:`~torchmem.model.snapshot.Snapshot` the viewer shows for ``source``.
 
+    ``source`` is a Snapshot, a :class:`~torchmem.model.trace.Trace` (converted with
+    :func:`torchmem.io.convert.snapshot_from_trace`) or PyTorch's own snapshot dict
+    (``torch.cuda.memory._snapshot()``); the viewer never opens files: load one with
+    :func:`torchmem.io.load_snapshot`.
 
-def _as_model(source: Any) -> Snapshot:
-    """torchmem's normalised :class:`~torchmem.model.snapshot.Snapshot` for any accepted input."""
+    Example:
+        >>> as_snapshot(Trace()).segments
+        []
+        >>> as_snapshot("snap.pickle")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.InvalidInputError: the viewer expected a memory snapshot ...
+    """
     if isinstance(source, Snapshot):
         return source
-    if hasattr(source, "to_pytorch_dict"):
-        source = source.to_pytorch_dict()
+    if isinstance(source, Trace):
+        return snapshot_from_trace(source)
     if isinstance(source, list) or (isinstance(source, Mapping) and "segments" in source):
-        from torchmem.io.pytorch_snapshot import from_pytorch  # noqa: PLC0415
-
         return from_pytorch(source)
     got = type(source).__name__
     if isinstance(source, Mapping):
         got = f"a dict with keys {sorted(map(str, source))[:8]}"
     raise InvalidInputError(
-        "the viewer expected a memory snapshot (a dict with 'segments' and 'device_traces', a "
-        f"list of segments, a Snapshot, or a path to a snapshot/trace file), got {got}; "
-        "fix: pass torch.cuda.memory._snapshot() or a file written by torchmem.dump_snapshot"
+        "the viewer expected a memory snapshot (a torchmem Snapshot or Trace, or PyTorch's "
+        f"torch.cuda.memory._snapshot() dict), got {got}; fix: load a file with "
+        "torchmem.io.load_snapshot(path)"
     )
 
 
@@ -195,17 +202,15 @@ def _le_bytes(arr: array) -> bytes:
 def _device_payload(
     model: Snapshot, dev: int, interner: _Interner, stats: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, array]]:
-    """Columns for one device. Allocation ids are in stacking order: first every allocation that
-    was live before the trace began (end-state blocks the trace does not allocate, then frees
-    with no alloc), then the trace's allocations in order."""
+    """Columns for one device. Allocation ids are the replay engine's, in stacking order (see
+    :class:`~torchmem.analysis.replay.Lifetimes`)."""
     t = model.trace(dev)
     n = len(t)
+    lt = DeviceReplay(model, dev).lifetimes()
     kmap = [_KINDS.get(name, K_OTHER) for name in t.action_names]
-    kinds = [kmap[a] for a in t.actions]
-    addrs = t.addrs
-    sizes = t.sizes
+    ev_kind = array("B", map(kmap.__getitem__, t.actions))
+    addrs, sizes, tstreams = t.addrs, t.sizes, t.streams
     stack_of = [interner.stack(s) for s in model.stacks]  # model stack id -> payload stack id
-    stack_ids = t.stack_ids
     metas = t.user_metadata
     meta_of = [interner.text(x) for x in t.texts]
     streams: dict[int, int] = {}
@@ -216,116 +221,57 @@ def _device_payload(
             k = streams[s] = len(streams)
         return k
 
-    # Pass 1: which addresses are live at the end, and which frees have no alloc in the trace
-    # (the first free of an address with no live alloc introduces an allocation from before).
-    live: set[int] = set()
-    pre_from_free: list[int] = []
-    for i in range(n):
-        k = kinds[i]
-        if k == K_ALLOC:
-            live.add(addrs[i])
-        elif k == K_FREE_REQUESTED or k == K_FREE_COMPLETED:
-            addr = addrs[i]
-            if addr not in live:
-                pre_from_free.append(i)
-                live.add(addr)
-            if k == K_FREE_COMPLETED:
-                live.discard(addr)
-
     # End-state segments and blocks, in address order.
     segs = sorted(model.segments_of(dev), key=lambda s: s.address)
     seg_addr, seg_size, seg_stream = array("d"), array("d"), array("i")
     seg_pool, seg_first = array("B"), array("i")
     blk_addr, blk_size, blk_state = array("d"), array("d"), array("B")
     blk_alloc, blk_stack = array("i"), array("i")
-    pre_blocks: list[tuple[int, int, int, int]] = []  # block index, requested size, stack, stream
     for seg in segs:
-        sstream = stream_id(seg.stream)
         seg_addr.append(seg.address)
         seg_size.append(seg.total_size)
-        seg_stream.append(sstream)
+        seg_stream.append(stream_id(seg.stream))
         seg_pool.append(1 if seg.segment_type == "small" else 0)
         seg_first.append(len(blk_addr))
         for b in seg.blocks:
-            state = _STATES.get(b.state, 0)
-            sid = interner.stack(b.frames)
             blk_addr.append(b.address)
             blk_size.append(b.size)
-            blk_state.append(state)
+            blk_state.append(_STATES.get(b.state, 0))
             blk_alloc.append(-1)
-            blk_stack.append(sid)
-            if state and b.address not in live:
-                pre_blocks.append((len(blk_addr) - 1, b.requested_size or b.size, sid, sstream))
+            blk_stack.append(interner.stack(b.frames))
 
-    al_addr, al_size = array("d"), array("d")
-    al_stack, al_stream, al_meta = array("i"), array("i"), array("i")
-    al_start = array("i")  # event index of the alloc, -1 if before the trace
-    al_end = array("i")  # event index of free_completed, n if still live at the end
-    al_req = array("i")  # event index of free_requested, -1 if none
-    tstreams = t.streams
+    # Stream ids in order of first use: segments, allocations from before the trace, then the
+    # trace's allocations and segment entries.
+    for s in lt.stream[: lt.n_pre]:
+        stream_id(s)
+    for s in dict.fromkeys(compress(tstreams, map(_STREAM_KINDS.__getitem__, ev_kind))):
+        stream_id(s)
+    al_addr, al_size = array("d", lt.addr), array("d", lt.size)
+    al_stack = array("i", map(stack_of.__getitem__, lt.stack))
+    al_stream = array("i", map(streams.__getitem__, lt.stream))
+    if metas is None:
+        al_meta = array("i", [-1]) * len(lt.entry)
+    else:
+        al_meta = array("i", [meta_of[metas[i]] if i >= 0 else -1 for i in lt.entry])
 
-    def new_alloc(addr: float, size: float, sid: int, stream: int, start: int, i: int) -> int:
-        """Append an allocation; ``i`` is its trace entry (for user_metadata), -1 if none."""
-        al_addr.append(addr)
-        al_size.append(size)
-        al_stack.append(sid)
-        al_stream.append(stream)
-        al_meta.append(meta_of[metas[i]] if metas is not None and i >= 0 else -1)
-        al_start.append(start)
-        al_end.append(n)
-        al_req.append(-1)
-        return len(al_addr) - 1
-
-    by_addr: dict[int, int] = {}  # address -> live allocation id
-    for bi, req, sid, sstream in pre_blocks:  # live the whole trace: the bottom of the stack
-        by_addr[int(blk_addr[bi])] = new_alloc(blk_addr[bi], req, sid, sstream, -1, -1)
-    pre_free = {
-        i: new_alloc(addrs[i], sizes[i], stack_of[stack_ids[i]], stream_id(tstreams[i]), -1, i)
-        for i in pre_from_free
-    }
-
-    # Pass 2: events.
-    ev_kind = array("B", kinds)
-    ev_ref = array("i", [-1]) * n
+    # Event references: the allocation of an alloc/free, else the segment entry or the OOM.
+    ev_ref = array("i", lt.event_alloc)
     se_addr, se_size, se_stream = array("d"), array("d"), array("i")
     ooms: list[dict[str, Any]] = []
-    for i in range(n):
-        k = kinds[i]
-        if k == K_ALLOC:
-            addr = addrs[i]
-            old = by_addr.get(addr)
-            if old is not None and al_end[old] == n:  # a missing free_completed: close it here
-                al_end[old] = i
-            aid = new_alloc(addr, sizes[i], stack_of[stack_ids[i]], stream_id(tstreams[i]), i, i)
-            by_addr[addr] = aid
-            ev_ref[i] = aid
-        elif k == K_FREE_REQUESTED or k == K_FREE_COMPLETED:
-            addr = addrs[i]
-            pre = pre_free.get(i)
-            if pre is not None:
-                by_addr[addr] = pre
-            aid = by_addr.get(addr, -1)
-            ev_ref[i] = aid
-            if aid >= 0:
-                if k == K_FREE_REQUESTED:
-                    if al_req[aid] == -1:
-                        al_req[aid] = i
-                else:
-                    al_end[aid] = i
-                    del by_addr[addr]
-        elif K_SEGMENT_ALLOC <= k <= K_SEGMENT_UNMAP:
+    for i in compress(range(n), map(_SEGMENT_OR_OOM.__getitem__, ev_kind)):
+        if ev_kind[i] == K_OOM:
+            ev_ref[i] = len(ooms)
+            ooms.append({"event": i, "size": sizes[i], "device_free": addrs[i],
+                         "stack": stack_of[t.stack_ids[i]]})
+        else:
             ev_ref[i] = len(se_addr)
             se_addr.append(addrs[i])
             se_size.append(sizes[i])
-            se_stream.append(stream_id(tstreams[i]))
-        elif k == K_OOM:
-            ev_ref[i] = len(ooms)
-            ooms.append({"event": i, "size": sizes[i], "device_free": addrs[i],
-                         "stack": stack_of[stack_ids[i]]})
+            se_stream.append(streams[tstreams[i]])
 
     # Link the end state's active blocks to the allocations still live at the end.
     blk_of = {int(blk_addr[b]): b for b in range(len(blk_addr)) if blk_state[b]}
-    for addr, aid in by_addr.items():
+    for addr, aid in lt.live_at_end.items():
         bj = blk_of.get(addr)
         if bj is not None and blk_alloc[bj] == -1:
             blk_alloc[bj] = aid
@@ -343,11 +289,12 @@ def _device_payload(
             if x >= 0:
                 last = float(x - t0)
             ev_time.append(last)
+    stats["timeline_peak_bytes"] = max(lt.live_bytes())
     meta: dict[str, Any] = {
         "device": dev,
         "n_events": n,
         "n_allocs": len(al_addr),
-        "n_pre": len(pre_blocks) + len(pre_from_free),
+        "n_pre": lt.n_pre,
         "n_segments": len(seg_addr),
         "n_blocks": len(blk_addr),
         "n_seg_events": len(se_addr),
@@ -360,7 +307,7 @@ def _device_payload(
     cols: dict[str, array] = {
         "ev_kind": ev_kind, "ev_ref": ev_ref, "ev_time": ev_time,
         "al_addr": al_addr, "al_size": al_size, "al_stack": al_stack, "al_stream": al_stream,
-        "al_start": al_start, "al_end": al_end, "al_req": al_req, "al_meta": al_meta,
+        "al_start": lt.start, "al_end": lt.end, "al_req": lt.requested, "al_meta": al_meta,
         "seg_addr": seg_addr, "seg_size": seg_size, "seg_stream": seg_stream,
         "seg_pool": seg_pool, "seg_first": seg_first,
         "blk_addr": blk_addr, "blk_size": blk_size, "blk_state": blk_state,
@@ -371,24 +318,23 @@ def _device_payload(
 
 
 def build_payload(
-    source: Any, *, title: str | None = None, progress: ProgressFn | None = None
+    source: Snapshot | Trace, *, title: str | None = None, progress: ProgressFn | None = None
 ) -> dict[str, Any]:
     """Build the viewer's payload (plain data; typed columns as :class:`array.array`).
 
-    ``source`` is a :class:`~torchmem.model.snapshot.Snapshot`, PyTorch's snapshot dict (any
-    version) or the bare list of segments; dicts are normalised by torchmem's snapshot reader.
-    The result has ``frames`` (``[name, filename, line]`` rows), ``stacks`` (lists of frame ids,
-    innermost first; stack 0 is empty), ``texts`` (annotations), ``devices`` (per device:
-    counts, ``stats`` from :mod:`torchmem.analysis.snapshot` and typed ``columns``),
-    ``allocator_settings`` and ``notes``.
+    ``source`` is a :class:`~torchmem.model.snapshot.Snapshot` or a
+    :class:`~torchmem.model.trace.Trace` (see :func:`as_snapshot`). The result has ``frames``
+    (``[name, filename, line]`` rows), ``stacks`` (lists of frame ids, innermost first; stack 0
+    is empty), ``texts`` (annotations), ``devices`` (per device: counts, ``stats`` from
+    :mod:`torchmem.analysis` and typed ``columns``), ``allocator_settings`` and ``notes``.
 
     Example:
-        >>> p = build_payload([])          # a bare list of segments, here empty
+        >>> p = build_payload(Snapshot())
         >>> p["devices"], p["stacks"]
         ([], [[]])
     """
     say = progress or (lambda _msg: None)
-    model = _as_model(source)
+    model = as_snapshot(source)
     say("analysing")
     figures = _device_figures(model)
     interner = _Interner()
@@ -397,7 +343,6 @@ def build_payload(
         say(f"device {dev}: {len(model.trace(dev))} events, {len(model.segments_of(dev))} segments")
         stats = dict(figures.get(dev) or {"device": dev})
         meta, cols = _device_payload(model, dev, interner, stats)
-        stats["timeline_peak_bytes"] = _timeline_peak(cols, meta["n_events"])
         meta["name"] = model.device_name(dev)
         meta["columns"] = cols
         devices.append(meta)
@@ -413,26 +358,6 @@ def build_payload(
         "allocator_settings": _jsonable(settings) if settings else None,
         "kind_names": KIND_NAMES,
     }
-
-
-def _timeline_peak(cols: Mapping[str, array], n: int) -> int:
-    """Peak of the timeline's live bytes (trace sizes, from alloc to free_completed), replayed
-    from the columns; allocations that predate the trace count from the start."""
-    size = cols["al_size"]
-    start = cols["al_start"]
-    total = sum(int(size[a]) for a in range(len(size)) if start[a] == -1)
-    peak = total
-    kind = cols["ev_kind"]
-    ref = cols["ev_ref"]
-    for i in range(n):
-        k = kind[i]
-        if k == K_ALLOC:
-            total += int(size[ref[i]])
-            if total > peak:
-                peak = total
-        elif k == K_FREE_COMPLETED and ref[i] >= 0:
-            total -= int(size[ref[i]])
-    return peak
 
 
 def _jsonable(x: Any) -> Any:
@@ -452,7 +377,7 @@ def encode_payload(payload: Mapping[str, Any]) -> str:
     length. The browser inflates it with its built-in ``DecompressionStream('deflate')``.
 
     Example:
-        >>> s = encode_payload(build_payload([]))
+        >>> s = encode_payload(build_payload(Snapshot()))
         >>> raw = zlib.decompress(base64.b64decode(s))
         >>> n = struct.unpack("<I", raw[:4])[0]
         >>> json.loads(raw[4:4 + n])["version"]
@@ -483,104 +408,13 @@ def encode_payload(payload: Mapping[str, Any]) -> str:
     return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")  # level 1: 5x faster, ~6% larger
 
 
-# --------------------------------------------------------------------------- HTML
-
-
-def _asset(name: str) -> str:
-    return (importlib.resources.files("torchmem.render.viewer") / "assets" / name).read_text("utf-8")
-
-
-def render_html(
-    source: Any, *, title: str | None = None, progress: ProgressFn | None = None
-) -> str:
-    """The viewer page for ``source`` as one HTML string (all code, style and data inline).
-
-    ``source`` is a snapshot dict or list, an object with ``to_pytorch_dict()``, or a path to a
-    snapshot or torchmem trace file (read with torchmem's safe loaders).
-
-    Example:
-        >>> page = render_html({"segments": [], "device_traces": []}, title="empty")
-        >>> "<title>empty" in page and "<script src" not in page
-        True
-    """
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        title = title or path.name
-        source = load_any(path)
-    payload = build_payload(source, title=title, progress=progress)
-    if progress:
-        progress("encoding payload")
-    data = encode_payload(payload)
-    page = _asset("viewer.html")
-    t = _html.escape(payload["title"])
-    # Only the template's own placeholders are replaced; the data is base64 (no '<' possible).
-    return (
-        page.replace("/*__CSS__*/", _asset("viewer.css"))
-        .replace("/*__JS__*/", _asset("viewer.js"))
-        .replace("__PAYLOAD__", data)
-        .replace("__TITLE__", t)
-    )
-
-
-def write_viewer(
-    source: Any, path: str | os.PathLike[str], *, title: str | None = None,
-    progress: ProgressFn | None = None,
-) -> Path:
-    """Write the self-contained viewer page for ``source`` to ``path`` and return the path.
-
-    Example:
-        >>> import tempfile
-        >>> out = Path(tempfile.mkdtemp()) / "report.html"
-        >>> write_viewer([], out).stat().st_size > 1000
-        True
-    """
-    text = render_html(source, title=title, progress=progress)
-    out = Path(path)
-    try:
-        out.write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise InvalidInputError(
-            f"could not write the viewer to {str(out)!r}: {e.strerror}; "
-            "fix: pass -o with a writable path"
-        ) from e
-    return out
-
-
-# --------------------------------------------------------------------------- loading files
-
-
-def load_any(path: str | os.PathLike[str]) -> Any:
-    """Read a snapshot (any PyTorch version, pickle or torchmem JSON) or a torchmem trace file
-    (``.tmtrace``, converted to a snapshot) and return something :func:`build_payload` accepts.
-    Uses torchmem's safe snapshot reader, so a pickle that tries to import or call anything is
-    refused before anything runs.
-
-    Example:
-        >>> load_any("no/such/file.pickle")
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.MissingFileError: no/such/file.pickle: no such file; fix: pass the path of a snapshot (.pickle/.json) or a torchmem trace
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise MissingFileError(
-            f"{path}: no such file; fix: pass the path of a snapshot (.pickle/.json) or a "
-            "torchmem trace",
-            path=path,
-            kind="snapshot",
-        )
-    from torchmem.io.snapshot_file import load_snapshot  # noqa: PLC0415
-
-    return load_snapshot(p)
-
-
 def iter_frames(payload: Mapping[str, Any], stack_id: int) -> Iterable[list[Any]]:
     """Frames ``[name, filename, line]`` of one interned stack, innermost first.
 
     Example:
-        >>> p = build_payload({"segments": [], "device_traces": [[{"action": "alloc",
-        ...     "addr": 0, "size": 8, "stream": 0,
-        ...     "frames": [{"name": "f", "filename": "a.py", "line": 1}]}]]})
+        >>> p = build_payload(from_pytorch({"segments": [], "device_traces": [[
+        ...     {"action": "alloc", "addr": 0, "size": 8, "stream": 0,
+        ...      "frames": [{"name": "f", "filename": "a.py", "line": 1}]}]]}))
         >>> list(iter_frames(p, 1))
         [['f', 'a.py', 1]]
     """

@@ -34,7 +34,7 @@ from typing import Any
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
 
-__all__ = ["IterationStat", "TraceSummary", "summarize_trace", "category_series"]
+__all__ = ["IterationStat", "TraceSummary", "summarize", "summarize_trace", "main_device"]
 
 _ALLOC = int(EventKind.ALLOC)
 _FREE = int(EventKind.FREE)
@@ -116,7 +116,14 @@ def _top(groups: dict[str, list[int]], top: int) -> list[tuple[str, int, int]]:
     return [(name, v[0], v[1]) for name, v in items[:top]]
 
 
-def _main_device(trace: Trace, peaks: dict[str, int]) -> str | None:
+def main_device(trace: Trace, peaks: dict[str, int]) -> str | None:
+    """The device a summary is about: the highest peak (a CUDA device wins a tie).
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> main_device(Trace(), {"cpu": 10, "cuda:0": 10})
+        'cuda:0'
+    """
     if not peaks:
         return None
     return max(peaks, key=lambda d: (peaks[d], d.startswith("cuda"), d))
@@ -138,7 +145,7 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
     end_live, peak_list, _ = trace._scan()  # one pass for the peaks and the final live bytes
     peaks = dict(zip(trace.devices, peak_list))
     if device is None:
-        device = _main_device(trace, peaks)
+        device = main_device(trace, peaks)
     n = len(trace)
     want = trace.devices.index(device) if device in trace.devices else -1
     strings = trace.strings
@@ -282,64 +289,5 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
     )
 
 
-def category_series(
-    trace: Trace, device: str | None = None, max_points: int = 4000
-) -> tuple[list[int], list[int], dict[str, list[int]], list[int]]:
-    """Live bytes per category over time on one device, for plots.
-
-    Returns ``(seqs, times_ns, {category: bytes}, phases)`` sampled at most ``max_points`` times
-    (each sample is the event with the highest total in its bucket, so the peak is kept).
-
-    Example:
-        >>> from torchmem.model.trace import Trace
-        >>> from torchmem.model.events import EventKind as K, Category as C
-        >>> tr = Trace()
-        >>> _ = tr.append(K.ALLOC, 0, "cpu", 10, 1, category=C.PARAMETER)
-        >>> _ = tr.append(K.ALLOC, 5, "cpu", 4, 2, category=C.ACTIVATION)
-        >>> seqs, t, series, _ = category_series(tr)
-        >>> seqs, series["parameter"], series["activation"]
-        ([0, 1], [10, 10], [0, 4])
-    """
-    peaks = trace.peak()
-    if device is None:
-        device = _main_device(trace, peaks)
-    want = trace.devices.index(device) if device in trace.devices else -1
-    ncat = len(_CATS)
-    live = [0] * ncat
-    cat_of: dict[int, int] = {}
-    rows: list[tuple[int, int, int, tuple[int, ...]]] = []
-    kind, dev, nbytes, sid_col, cat_col = (
-        trace.kind,
-        trace.device,
-        trace.nbytes,
-        trace.storage,
-        trace.category,
-    )
-    n = len(trace)
-    bucket = max(1, -(-n // max_points)) if max_points > 0 else 1
-    best: tuple[int, int, int, tuple[int, ...]] | None = None
-    best_total = -1
-    for i in range(n):
-        k = kind[i]
-        if k != _MARK and dev[i] == want:
-            if k == _ALLOC:
-                c = cat_col[i]
-                cat_of[sid_col[i]] = c
-                live[c] += nbytes[i]
-            else:
-                c = cat_of.pop(sid_col[i], cat_col[i])
-                live[c] -= nbytes[i]
-        total = sum(live)
-        if total > best_total:
-            best_total = total
-            best = (i, trace.time_ns[i], trace.phase[i], tuple(live))
-        if (i + 1) % bucket == 0 or i == n - 1:
-            assert best is not None
-            rows.append(best)
-            best = None
-            best_total = -1
-    seqs = [r[0] for r in rows]
-    times = [r[1] for r in rows]
-    phases = [r[2] for r in rows]
-    series = {name: [r[3][j] for r in rows] for j, name in enumerate(_CATS)}
-    return seqs, times, series, phases
+#: The short name, as in ``torchmem.analysis.summarize(trace)``.
+summarize = summarize_trace
