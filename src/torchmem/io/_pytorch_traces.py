@@ -223,6 +223,11 @@ def read_device_trace(ctx: Interner, dev: int, entries: Any, features: set[str])
         times.append,
         sids.append,
     )
+    text_cols = [
+        (key, col)
+        for key, col in (("compile_context", cc_col), ("user_metadata", um_col))
+        if col is not None
+    ]
     stack_by_id = ctx.stack_by_id
     stack = ctx.stack
     full = _FULL
@@ -262,18 +267,12 @@ def read_device_trace(ctx: Interner, dev: int, entries: Any, features: set[str])
                 sid_app(sid)
             else:
                 sid_app(0)
-            if cc_col is not None:
-                c = e.get("compile_context", "")
+            for key, col in text_cols:
+                c = e.get(key, "")
                 k = texts.get(c)
                 if k is None:
                     k = texts[c] = len(texts)
-                cc_col.append(k)
-            if um_col is not None:
-                c = e.get("user_metadata", "")
-                k = texts.get(c)
-                if k is None:
-                    k = texts[c] = len(texts)
-                um_col.append(k)
+                col.append(k)
     except SnapshotFormatError:
         raise
     except (KeyError, TypeError, AttributeError) as e:
