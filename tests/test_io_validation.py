@@ -4,6 +4,7 @@ without losing where each allocation came from."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 from pathlib import Path
@@ -36,6 +37,12 @@ from torchmem.model.trace import Trace
 DATA = Path(__file__).resolve().parent / "data"
 
 
+def _view(path: Path) -> int:
+    from torchmem.cli import view
+
+    return view.run(argparse.Namespace(file=str(path), output=None, title=None, quiet=True))
+
+
 def _tracked_trace() -> Trace:
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     opt = torch.optim.Adam(net.parameters())
@@ -56,8 +63,9 @@ def _tracked_trace() -> Trace:
         (load_snapshot, "missing.pickle", "snapshot"),
         (load_trace, "missing.tmtrace", "trace"),
         (cli_load, "missing.json", "snapshot"),
+        (_view, "missing.pickle", "snapshot"),
     ],
-    ids=["snapshot", "trace", "cli"],
+    ids=["snapshot", "trace", "cli", "viewer"],
 )
 def test_a_missing_file_is_one_error_type_everywhere(
     tmp_path: Path, read: Any, name: str, kind: str

@@ -13,18 +13,18 @@ Tree::
     ├── FileFormatError            (also a ValueError)  a file that is not what it should be;
     │   │                                               ``.path`` and ``.kind`` name it
     │   ├── TraceFormatError                            torchmem trace files (kind "trace")
-    │   │   └── MissingFileError ─┐ (also a FileNotFoundError) the one type for "no such file"
-    │   └── SnapshotFormatError   │                     PyTorch memory snapshots ("snapshot")
-    │       ├── MissingFileError ─┘
-    │       └── UnsafePickleError                       a pickle that tries to import or call
+    │   ├── SnapshotFormatError                         PyTorch memory snapshots ("snapshot")
+    │   │   └── UnsafePickleError                       a pickle that tries to import or call
+    │   └── MissingFileError       (also a FileNotFoundError, a TraceFormatError and a
+    │                               SnapshotFormatError) no such file, for every kind of input
     ├── MoveError                  (also a RuntimeError) a move/copy failed; the module is unchanged
     ├── TransferError              (also a RuntimeError) a device transfer failed
     └── ObjectLoadError            (also a ValueError)  ``path.py:factory`` / ``pkg.mod:attr`` specs
 
 A missing input file raises :class:`MissingFileError` everywhere (snapshots, traces, the viewer,
-the CLI). It is a :class:`FileNotFoundError`, so ``except OSError`` catches it, and it is both a
-:class:`TraceFormatError` and a :class:`SnapshotFormatError`, which is what a missing file raised
-before it had a type of its own.
+the CLI). It is a :class:`FileNotFoundError`, so ``except OSError`` catches it, and both a
+:class:`TraceFormatError` and a :class:`SnapshotFormatError`, so ``except SnapshotFormatError``
+around :func:`~torchmem.io.load_snapshot` catches every way a load can fail.
 
 Example:
     >>> from torchmem.errors import TorchmemError, DeviceError

@@ -6,13 +6,10 @@ dict) into a :class:`~torchmem.model.snapshot.Snapshot`; :func:`to_pytorch_dict`
 dict back, which ``torch.cuda._memory_viz`` and PyTorch's viewer read. Files are
 :mod:`torchmem.io.snapshot_file`.
 
-Reading is fast (one ``itemgetter`` call per trace entry, stacks cached by the identity of the
-shared frame lists/dicts that PyTorch's pickles carry, which stay alive while the raw object is
-held) and strict where a wrong value would mislead: sizes and addresses of segments and blocks
-must fit in 64 bits unsigned, and device indexes must be below :data:`DEVICE_INDEX_LIMIT`.
-
-Longer than 600 lines for a reason: this is one format, read and written here side by side, so a
-key added or renamed is changed in both directions in the same place.
+Reading is fast (the trace entries, a snapshot's bulk, are read column-wise by the private
+``torchmem.io._pytorch_traces``) and strict where a wrong value would mislead: sizes and
+addresses of segments and blocks must fit in 64 bits unsigned, and device indexes must be below
+:data:`DEVICE_INDEX_LIMIT`.
 
 Example:
     >>> snap = from_pytorch({"segments": [], "device_traces": [[]]}, path="x.pickle")
@@ -22,16 +19,13 @@ Example:
 
 from __future__ import annotations
 
-from array import array
-from operator import itemgetter
 from typing import Any
 
 from torchmem.errors import SnapshotFormatError
+from torchmem.io._pytorch_traces import Interner, describe, origin_of, read_device_trace
 from torchmem.model.events import Category, Phase
 from torchmem.model.snapshot import (
-    ACTIONS,
     Block,
-    DeviceTrace,
     Frame,
     Segment,
     Snapshot,
@@ -59,60 +53,8 @@ _FIX = (
     "torch.cuda.memory._dump_snapshot or torchmem.write_snapshot"
 )
 
-_CATEGORY_CODES = {c.label: int(c) for c in Category}
-_PHASE_CODES = {p.label: int(p) for p in Phase}
 _CATEGORY_LABELS = tuple(c.label for c in Category)
 _PHASE_LABELS = tuple(p.label for p in Phase)
-
-_FULL = itemgetter("action", "addr", "size", "stream", "time_us", "frames")
-
-
-def _what(obj: Any) -> str:
-    if isinstance(obj, dict):
-        keys = sorted(map(str, obj))[:8]
-        return f"a dict with keys {keys}"
-    if isinstance(obj, (list, tuple)):
-        return f"a {type(obj).__name__} of {len(obj)} items"
-    return f"a {type(obj).__name__}"
-
-
-class _Ctx:
-    """Interning caches tied to one normalisation (raw object kept alive by the caller)."""
-
-    def __init__(self, snap: Snapshot, where: str) -> None:
-        self.snap = snap
-        self.where = where
-        self.frame_by_id: dict[int, Frame] = {}
-        self.stack_by_id: dict[int, int] = {}
-
-    def frame(self, f: Any) -> Frame:
-        fr = self.frame_by_id.get(id(f))
-        if fr is None:
-            try:
-                fr = self.snap.intern_frame(
-                    str(f.get("filename", "??")), int(f.get("line", 0) or 0), str(f.get("name", "??"))
-                )
-            except (AttributeError, TypeError, ValueError):
-                raise SnapshotFormatError(
-                    f"{self.where}: a frame should be a dict with filename, line and name, got "
-                    f"{_what(f)}"
-                ) from None
-            self.frame_by_id[id(f)] = fr
-        return fr
-
-    def stack(self, frames: Any) -> int:
-        if not frames:
-            return 0
-        sid = self.stack_by_id.get(id(frames))
-        if sid is None:
-            if not isinstance(frames, (list, tuple)):
-                raise SnapshotFormatError(
-                    f"{self.where}: 'frames' should be a list of frame dicts, got {_what(frames)}"
-                )
-            frame = self.frame
-            sid = self.snap.intern_stack([frame(f) for f in frames])
-            self.stack_by_id[id(frames)] = sid
-        return sid
 
 
 def _u64(where: str, what: str, field: str, value: int) -> int:
@@ -133,45 +75,6 @@ def _device(where: str, what: str, value: int) -> int:
     return value
 
 
-def _origin_of(raw: dict[str, Any]) -> tuple[Category | None, Phase | None, str | None]:
-    """Category, phase and module of one block or trace entry dict (``None`` when absent)."""
-    c = _CATEGORY_CODES.get(raw.get("category"))  # type: ignore[arg-type]
-    p = _PHASE_CODES.get(raw.get("phase"))  # type: ignore[arg-type]
-    m = raw.get("module")
-    return (
-        None if c is None else Category(c),
-        None if p is None else Phase(p),
-        str(m) if m else None,
-    )
-
-
-def _with_origin(d: dict[str, Any], b: Block) -> dict[str, Any]:
-    if b.category is not None:
-        d["category"] = b.category.label
-    if b.phase is not None:
-        d["phase"] = b.phase.label
-    if b.module is not None:
-        d["module"] = b.module
-    return d
-
-
-def _trace_origin(t: DeviceTrace, entries: list[Any], features: set[str]) -> None:
-    """Fill the category/phase/module columns of ``t`` from entries that carry those keys."""
-    t.add_origin_columns()
-    cats, phases, mods = t.categories, t.phases, t.modules
-    assert cats is not None and phases is not None and mods is not None
-    del cats[:], phases[:], mods[:]
-    cat_code, phase_code, intern = _CATEGORY_CODES.get, _PHASE_CODES.get, t.intern_text
-    for e in entries:
-        c = cat_code(e.get("category"), -1)
-        p = phase_code(e.get("phase"), -1)
-        m = e.get("module")
-        cats.append(c)
-        phases.append(p)
-        mods.append(intern(str(m)) if m else -1)
-    features.update(("category", "phase", "module"))
-
-
 def _state_of(b: dict[str, Any]) -> str:
     state = b.get("state")
     if state is not None:
@@ -184,14 +87,14 @@ def _state_of(b: dict[str, Any]) -> str:
     return "inactive"
 
 
-def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
+def _segments(ctx: Interner, raw: Any, features: set[str]) -> list[Segment]:
     where = ctx.where
     if not isinstance(raw, list):
-        raise SnapshotFormatError(f"{where}: 'segments' should be a list, got {_what(raw)}")
+        raise SnapshotFormatError(f"{where}: 'segments' should be a list, got {describe(raw)}")
     out: list[Segment] = []
     for i, s in enumerate(raw):
         if not isinstance(s, dict):
-            raise SnapshotFormatError(f"{where}: segment {i} should be a dict, got {_what(s)}")
+            raise SnapshotFormatError(f"{where}: segment {i} should be a dict, got {describe(s)}")
         try:
             addr = int(s["address"])
             total = int(s["total_size"])
@@ -240,7 +143,7 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
                 cur = baddr + size
                 block = Block(baddr, size, req, _state_of(b), ctx.snap.stacks[ctx.stack(fr)])
                 if "category" in b or "phase" in b or "module" in b:
-                    block.category, block.phase, block.module = _origin_of(b)
+                    block.category, block.phase, block.module = origin_of(b)
                     features.update(("category", "phase", "module"))
                 blocks.append(block)
         except SnapshotFormatError:
@@ -273,188 +176,6 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
     return out
 
 
-def _fast_columns(
-    ctx: _Ctx,
-    t: DeviceTrace,
-    entries: list[Any],
-    codes: dict[str, int],
-    has_cc: bool,
-    has_um: bool,
-    features: set[str],
-) -> bool:
-    """Column-at-a-time normalisation (C-speed ``map`` over ``itemgetter``) for the common case.
-
-    Returns False (and changes nothing) when an entry lacks a key or has an unknown action, in
-    which case the caller falls back to the entry-at-a-time loop.
-    """
-    try:
-        acts = array("B", map(codes.__getitem__, map(itemgetter("action"), entries)))
-        if codes["oom"] in acts:
-            return False
-        addrs = array("Q", map(itemgetter("addr"), entries))
-        sizes = array("Q", map(itemgetter("size"), entries))
-        streams = array("q", map(itemgetter("stream"), entries))
-        times = array("q", map(itemgetter("time_us"), entries))
-        frame_lists = list(map(itemgetter("frames"), entries))
-        cc = list(map(itemgetter("compile_context"), entries)) if has_cc else None
-        um = list(map(itemgetter("user_metadata"), entries)) if has_um else None
-    except (KeyError, TypeError, OverflowError):
-        return False
-    cache = ctx.stack_by_id
-    stack = ctx.stack
-    for k, fl in dict(zip(map(id, frame_lists), frame_lists)).items():
-        if k not in cache:
-            cache[k] = stack(fl)
-    t.actions = acts
-    t.addrs = addrs
-    t.sizes = sizes
-    t.streams = streams
-    t.times = times
-    t.stack_ids = array("I", map(cache.__getitem__, map(id, frame_lists)))
-    del frame_lists
-    texts: dict[Any, int] = {}
-    for col, name in ((cc, "compile_contexts"), (um, "user_metadata")):
-        if col is None:
-            continue
-        for v in dict.fromkeys(col):
-            if v not in texts:
-                texts[v] = len(texts)
-        setattr(t, name, array("I", map(texts.__getitem__, col)))
-    t.texts = [str(x) for x in texts]
-    t.has_time = True
-    features.add("time_us")
-    if has_cc:
-        features.add("compile_context")
-    if has_um:
-        features.add("user_metadata")
-    return True
-
-
-def _trace(ctx: _Ctx, dev: int, entries: Any, features: set[str]) -> DeviceTrace:
-    where = ctx.where
-    if not isinstance(entries, list):
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}] should be a list of trace entries, got {_what(entries)}"
-        )
-    t = ctx.snap.new_trace(dev)
-    if not entries:
-        return t
-    first = entries[0]
-    if not isinstance(first, dict):
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}][0] should be a dict, got {_what(first)}"
-        )
-    has_cc = "compile_context" in first
-    has_um = "user_metadata" in first
-    texts: dict[str, int] = {}
-    cc_col = array("I") if has_cc else None
-    um_col = array("I") if has_um else None
-    codes = {name: i for i, name in enumerate(ACTIONS)}
-    has_origin = "category" in first or "phase" in first or "module" in first
-    if _fast_columns(ctx, t, entries, codes, has_cc, has_um, features):
-        if has_origin:
-            _trace_origin(t, entries, features)
-        return t
-    oom = codes["oom"]
-    acts: list[int] = []
-    addrs: list[int] = []
-    sizes: list[int] = []
-    streams: list[int] = []
-    times: list[int] = []
-    sids: list[int] = []
-    a_app, ad_app, s_app, st_app, t_app, sid_app = (
-        acts.append,
-        addrs.append,
-        sizes.append,
-        streams.append,
-        times.append,
-        sids.append,
-    )
-    stack_by_id = ctx.stack_by_id
-    stack = ctx.stack
-    full = _FULL
-    has_time = True
-    i = 0
-    try:
-        for i, e in enumerate(entries):  # noqa: B007 - i is reported on error
-            try:
-                a, addr, size, stream, tm, fr = full(e)
-            except KeyError:
-                a = e["action"]
-                addr = e.get("addr")
-                if addr is None:
-                    addr = e.get("device_free", 0)
-                size = e["size"]
-                stream = e.get("stream", 0)
-                tm = e.get("time_us")
-                if tm is None:
-                    has_time = False
-                    tm = -1
-                fr = e.get("frames")
-            code = codes.get(a)
-            if code is None:
-                code = t.action_code(str(a))
-                codes[a] = code
-            if code == oom and "device_free" in e:
-                addr = e["device_free"]
-            a_app(code)
-            ad_app(addr)
-            s_app(size)
-            st_app(stream)
-            t_app(tm)
-            if fr:
-                sid = stack_by_id.get(id(fr))
-                if sid is None:
-                    sid = stack(fr)
-                sid_app(sid)
-            else:
-                sid_app(0)
-            if cc_col is not None:
-                c = e.get("compile_context", "")
-                k = texts.get(c)
-                if k is None:
-                    k = texts[c] = len(texts)
-                cc_col.append(k)
-            if um_col is not None:
-                c = e.get("user_metadata", "")
-                k = texts.get(c)
-                if k is None:
-                    k = texts[c] = len(texts)
-                um_col.append(k)
-    except SnapshotFormatError:
-        raise
-    except (KeyError, TypeError, AttributeError) as e:
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}][{i}] is malformed ({type(e).__name__}: {e}); "
-            "expected a dict with action, addr (or device_free), size, stream and frames"
-        ) from None
-    try:
-        t.actions = array("B", acts)
-        t.addrs = array("Q", addrs)
-        t.sizes = array("Q", sizes)
-        t.streams = array("q", streams)
-        t.times = array("q", times)
-        t.stack_ids = array("I", sids)
-    except (OverflowError, TypeError) as e:
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}] has a value that is not a 64-bit integer ({e}); "
-            "expected integer addr/size/stream/time_us"
-        ) from None
-    t.has_time = has_time
-    t.compile_contexts = cc_col
-    t.user_metadata = um_col
-    t.texts = list(texts)
-    if has_time:
-        features.add("time_us")
-    if has_cc:
-        features.add("compile_context")
-    if has_um:
-        features.add("user_metadata")
-    if has_origin:
-        _trace_origin(t, entries, features)
-    return t
-
-
 def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = None) -> Snapshot:
     """Normalise a raw snapshot object; errors name ``path`` and what was wrong.
 
@@ -478,7 +199,7 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
 def _normalise(obj: Any, path: str | None, pickle_protocol: int | None) -> Snapshot:
     where = path or "<snapshot>"
     snap = Snapshot()
-    ctx = _Ctx(snap, where)
+    ctx = Interner(snap, where)
     features: set[str] = set()
     fmt = "dict"
     meta: dict[str, Any] = {}
@@ -504,15 +225,15 @@ def _normalise(obj: Any, path: str | None, pickle_protocol: int | None) -> Snaps
     else:
         raise SnapshotFormatError(
             f"{where}: expected a PyTorch memory snapshot (a dict with 'segments' and "
-            f"'device_traces', or a list of segments), got {_what(obj)}"
+            f"'device_traces', or a list of segments), got {describe(obj)}"
         )
     snap.segments = _segments(ctx, raw_segments, features)
     if not isinstance(raw_traces, list):
         raise SnapshotFormatError(
-            f"{where}: 'device_traces' should be a list (one list per device), got {_what(raw_traces)}"
+            f"{where}: 'device_traces' should be a list (one list per device), got {describe(raw_traces)}"
         )
     for dev, entries in enumerate(raw_traces):
-        _trace(ctx, dev, entries, features)
+        read_device_trace(ctx, dev, entries, features)
     snap.num_trace_devices = max(snap.num_trace_devices, len(raw_traces))
     if isinstance(obj, dict):
         settings = obj.get("allocator_settings")
@@ -601,16 +322,14 @@ def to_pytorch_dict(snapshot: Snapshot) -> dict[str, Any]:
     segs = []
     for s in snapshot.segments:
         blocks = [
-            _with_origin(
-                {
-                    "address": b.address,
-                    "size": b.size,
-                    "requested_size": b.requested_size,
-                    "state": b.state,
-                    "frames": sl(snapshot.intern_stack(b.frames)),
-                },
-                b,
-            )
+            {
+                "address": b.address,
+                "size": b.size,
+                "requested_size": b.requested_size,
+                "state": b.state,
+                "frames": sl(snapshot.intern_stack(b.frames)),
+                **b.origin(),
+            }
             for b in s.blocks
         ]
         segs.append(

@@ -29,30 +29,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torchmem.model.snapshot_parts import (
-    ACTIONS,
-    BLOCK_STATES,
-    Block,
-    DeviceTrace,
-    Frame,
-    Segment,
-    Stack,
-    TraceEntry,
-    _Slotted,
-)
+from torchmem.model import snapshot_parts
+from torchmem.model.snapshot_parts import ACTIONS as ACTIONS
+from torchmem.model.snapshot_parts import BLOCK_STATES as BLOCK_STATES
+from torchmem.model.snapshot_parts import Block as Block
+from torchmem.model.snapshot_parts import DeviceTrace as DeviceTrace
+from torchmem.model.snapshot_parts import Frame as Frame
+from torchmem.model.snapshot_parts import Segment as Segment
+from torchmem.model.snapshot_parts import Stack as Stack
+from torchmem.model.snapshot_parts import TraceEntry as TraceEntry
+from torchmem.model.snapshot_parts import _Slotted
 
-__all__ = [
-    "ACTIONS",
-    "BLOCK_STATES",
-    "Frame",
-    "Stack",
-    "Block",
-    "Segment",
-    "TraceEntry",
-    "DeviceTrace",
-    "SourceInfo",
-    "Snapshot",
-]
+__all__ = ["SourceInfo", "Snapshot"]
+__all__ += snapshot_parts.__all__
 
 
 class SourceInfo(_Slotted):

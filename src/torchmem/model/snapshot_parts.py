@@ -110,7 +110,30 @@ class _Slotted:
     __hash__ = None  # type: ignore[assignment]
 
 
-class Block(_Slotted):
+class _Origin(_Slotted):
+    __slots__ = ()
+    category: Category | None
+    phase: Phase | None
+    module: str | None
+
+    def origin(self) -> dict[str, str]:
+        """Where the allocation came from, as the labels that are known (PyTorch's dict keys).
+
+        Example:
+            >>> Block(0, 512, 512, "active_allocated", phase=Phase.BACKWARD).origin()
+            {'phase': 'backward'}
+        """
+        d: dict[str, str] = {}
+        if self.category is not None:
+            d["category"] = self.category.label
+        if self.phase is not None:
+            d["phase"] = self.phase.label
+        if self.module is not None:
+            d["module"] = self.module
+        return d
+
+
+class Block(_Origin):
     """A block inside a segment: ``state`` is one of :data:`BLOCK_STATES`.
 
     ``frames`` is the allocation's stack, innermost first (empty when unknown). ``category``,
@@ -267,7 +290,7 @@ class Segment(_Slotted):
         return sum(b.size for b in self.blocks if b.state == "inactive")
 
 
-class TraceEntry(_Slotted):
+class TraceEntry(_Origin):
     """One trace entry, materialised from a :class:`DeviceTrace` column store.
 
     ``addr`` holds ``device_free`` for an ``oom`` entry (also available as ``device_free``).
@@ -353,12 +376,7 @@ class TraceEntry(_Slotted):
             d["compile_context"] = self.compile_context
         if self.user_metadata is not None:
             d["user_metadata"] = self.user_metadata
-        if self.category is not None:
-            d["category"] = self.category.label
-        if self.phase is not None:
-            d["phase"] = self.phase.label
-        if self.module is not None:
-            d["module"] = self.module
+        d.update(self.origin())
         d["frames"] = [f._asdict() for f in self.frames]
         return d
 
