@@ -94,7 +94,6 @@ def _check_on(x: torch.Tensor, spec: DeviceSpec, label: str, other: DeviceSpec) 
         )
 
 
-
 @dataclass(eq=False)
 class TransferResult:
     """What a chunked transfer did: the result and measured byte counts.

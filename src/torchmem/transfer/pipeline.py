@@ -46,7 +46,6 @@ def _no_data(src: torch.device, dst: torch.device) -> TransferError:
     )
 
 
-
 def _as_spec(d: DeviceLike) -> DeviceSpec:
     return d if isinstance(d, DeviceSpec) else DeviceSpec(d)
 

@@ -39,7 +39,6 @@ def _chunk_size(chunk_bytes: Union[int, str]) -> int:
     return n
 
 
-
 class _LiveBytes:
     """Live and peak bytes of the storages added, measured: each storage's finalizer subtracts."""
 
