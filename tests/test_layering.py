@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "torchmem"
 CORE = ("model", "io", "analysis", "render")
-CORE_MODULES = ("units", "errors")
+CORE_MODULES = ("units", "errors", "_device")
 
 
 def _lint_imports(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

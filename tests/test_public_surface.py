@@ -24,6 +24,7 @@ TOP_LEVEL = [
     "FileFormatError",
     "InvalidInputError",
     "Ledger",
+    "MissingFileError",
     "MemoryReport",
     "Snapshot",
     "Span",
@@ -61,7 +62,67 @@ TOP_LEVEL = [
 ]
 
 #: Every namespace a user imports, with its curated ``__all__``.
-NAMESPACES: dict[str, list[str]] = {}
+NAMESPACES: dict[str, list[str]] = {
+    "torchmem.analysis": [
+        "DevicePeak", "DeviceStats", "DiffRow", "IterationStat", "OomEvent", "PeakReport",
+        "PoolStats", "SnapshotDiff", "SnapshotStats", "StackGroup", "TraceRow", "TraceSummary",
+        "diff", "events", "flame", "oom", "peak", "stats", "summarize",
+    ],
+    "torchmem.capture": [
+        "Listener", "LiteTracker", "Span", "Tracker", "inspect_memory", "is_oom_error",
+        "oom_guard", "overlaps", "record_history", "same_storage", "snapshot", "start_recording",
+        "stop_recording", "storage_bytes", "storage_id", "storage_nbytes", "storage_of",
+        "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes",
+    ],
+    "torchmem.compat": [
+        "MemReporter", "MemoryTracker", "cdata", "device_ordinal", "get_device",
+        "tensor_memory_span",
+    ],
+    "torchmem.devices": [
+        "DeviceUsage", "UsagePoller", "UsageSource", "available_devices", "normalize_device",
+        "poll_all", "poll_usage",
+    ],
+    "torchmem.errors": [
+        "DeviceError", "FileFormatError", "InvalidInputError", "MissingFileError", "MoveError",
+        "ObjectLoadError", "SnapshotFormatError", "TorchmemError", "TraceFormatError",
+        "TransferError", "UnsafePickleError", "UnsupportedTensorError",
+    ],
+    "torchmem.examples": [
+        "TiedLM", "build_example", "example_input", "list_examples", "train_step",
+    ],
+    "torchmem.io": [
+        "from_pytorch", "load_snapshot", "load_trace", "save_trace", "snapshot_from_events",
+        "snapshot_from_trace", "to_pytorch_dict", "write_snapshot",
+    ],
+    "torchmem.ledger": [
+        "DEFAULT_AUTO_GC_STRATEGY", "GcRun", "Ledger", "LedgerRecord", "MetricsServer",
+        "ledger_metrics", "release_device_cache", "serve_prometheus",
+    ],
+    "torchmem.model": [
+        "Block", "Category", "DeviceTrace", "Event", "EventKind", "Frame", "MemoryReport",
+        "MovePlan", "Phase", "Segment", "Snapshot", "StorageRecord", "TensorRecord", "Trace",
+        "TraceEntry",
+    ],
+    "torchmem.move": [
+        "MovePlan", "memory_aware_deepcopy", "memory_aware_to", "move_module", "plan_move",
+    ],
+    "torchmem.render": [
+        "plot_timeline", "render_diff", "render_oom", "render_peak", "render_report",
+        "render_stats", "render_summary", "render_trace", "summary_json", "write_viewer",
+    ],
+    "torchmem.render.viewer": [
+        "build_payload", "encode_payload", "render_html", "write_viewer",
+    ],
+    "torchmem.transfer": [
+        "Chain", "DEFAULT_CHUNK_BYTES", "DeviceSpec", "Identity", "LinearOp", "OffloadResult",
+        "Operator", "PendingTransfer", "StagingBuffers", "ToDevice", "TransferResult",
+        "adjoint_of", "chunked_transfer", "offload_forward", "transfer", "transfer_async",
+        "transfer_module", "transfer_stream",
+    ],
+    "torchmem.units": [
+        "GB", "GiB", "KB", "KiB", "MB", "MiB", "TB", "TiB", "format_bytes", "parse_bytes",
+    ],
+}
 
 
 def test_top_level_is_pinned() -> None:
@@ -140,3 +201,13 @@ def test_type_checkers_see_real_types(tmp_path: Path) -> None:
     out = proc.stdout
     assert 'Incompatible types in assignment (expression has type "str", variable has type "int")' in out, out
     assert "def (text: builtins.str | builtins.int" in out or "def (" in out, out
+
+
+def test_calling_the_transfer_namespace_forwards_the_01_function() -> None:
+    import torch
+
+    x = torch.arange(4.0)
+    with pytest.warns(DeprecationWarning, match=r"torchmem\.transfer\(\.\.\.\) as a function moved"):
+        y = torchmem.transfer(x, "cpu")  # type: ignore[operator]
+    assert torch.equal(y, torchmem.transfer.transfer(x, "cpu"))
+    assert torchmem.transfer.ToDevice is torchmem.ToDevice

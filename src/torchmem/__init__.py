@@ -54,7 +54,13 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         unique_bytes,
     )
     from torchmem.devices import UsagePoller, available_devices, poll_usage
-    from torchmem.errors import DeviceError, FileFormatError, InvalidInputError, TorchmemError
+    from torchmem.errors import (
+        DeviceError,
+        FileFormatError,
+        InvalidInputError,
+        MissingFileError,
+        TorchmemError,
+    )
     from torchmem.io import load_snapshot, load_trace, write_snapshot
     from torchmem.ledger import Ledger
     from torchmem.model import MemoryReport, Snapshot, Trace
@@ -70,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidInputError": "torchmem.errors",
     "DeviceError": "torchmem.errors",
     "FileFormatError": "torchmem.errors",
+    "MissingFileError": "torchmem.errors",
     "format_bytes": "torchmem.units",
     "parse_bytes": "torchmem.units",
     # storage identity and the census

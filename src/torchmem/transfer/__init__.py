@@ -28,6 +28,11 @@ Example:
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
+from typing import Any
+
 from torchmem.transfer.engine import (
     PendingTransfer,
     TransferResult,
@@ -64,3 +69,30 @@ __all__ = [
     "LinearOp",
     "adjoint_of",
 ]
+
+
+class _CallableNamespace(types.ModuleType):
+    """``torchmem.transfer`` is this namespace; torchmem 0.1 also had a top-level *function* of that
+    name. Calling the namespace forwards to :func:`transfer` with a :class:`DeprecationWarning`
+    until torchmem 0.3.
+
+    Example:
+        >>> import warnings, torch, torchmem
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     y = torchmem.transfer(torch.ones(2), "cpu")
+        >>> y.tolist(), caught[0].category.__name__
+        ([1.0, 1.0], 'DeprecationWarning')
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        warnings.warn(
+            "torchmem.transfer(...) as a function moved to torchmem.transfer.transfer(...); the "
+            "old call is forwarded until torchmem 0.3. Fix: call torchmem.transfer.transfer",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return transfer(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableNamespace
