@@ -20,7 +20,8 @@ from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torchmem.errors import InvalidInputError
+from torchmem._device import split_device
+from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.model.events import Event, EventKind
 from torchmem.model.snapshot import Block, DeviceTrace, Frame, Segment, Snapshot, SourceInfo
 
@@ -49,6 +50,17 @@ def _parse_stack_entry(text: str) -> tuple[str, int, str]:
     return text, 0, "?"
 
 
+def _cuda_index(name: str) -> int | None:
+    """The CUDA index a device name stands for (a bare ``"cuda"`` is index 0), else ``None``."""
+    try:
+        dtype, index = split_device(name)
+    except DeviceError:
+        return None
+    if dtype != "cuda":
+        return None
+    return 0 if index is None else index
+
+
 def default_device_index(names: Iterable[str]) -> dict[str, int]:
     """Device indexes for a snapshot: ``cuda:N`` keeps ``N``; other devices follow the CUDA ones.
 
@@ -57,12 +69,15 @@ def default_device_index(names: Iterable[str]) -> dict[str, int]:
     Example:
         >>> default_device_index(["cpu", "cuda:1", "cuda:0", "meta"])
         {'cuda:1': 1, 'cuda:0': 0, 'cpu': 2, 'meta': 3}
+        >>> default_device_index(["cpu", "cuda"])     # a bare "cuda" is cuda:0, as everywhere
+        {'cuda': 0, 'cpu': 1}
     """
     names = list(dict.fromkeys(names))
     index: dict[str, int] = {}
     for name in names:
-        if name.startswith("cuda:") and name[5:].isdigit():
-            index[name] = int(name[5:])
+        cuda = _cuda_index(name)
+        if cuda is not None and cuda not in index.values():
+            index[name] = cuda
     nxt = max(index.values(), default=-1) + 1
     for name in names:
         if name not in index:
@@ -149,10 +164,9 @@ def snapshot_from_events(
         if d is not None:
             snap.device_names.setdefault(d, name)
             return d
-        if name.startswith("cuda:") and name[5:].isdigit() and int(name[5:]) not in used:
-            d = int(name[5:])
-        elif name == "cuda" and 0 not in used:
-            d = 0
+        cuda = _cuda_index(name)
+        if cuda is not None and cuda not in used:
+            d = cuda
         else:
             d = 0
             while d in used:
