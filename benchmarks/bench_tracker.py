@@ -45,8 +45,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchmem
+from torchmem.io.tmtrace import load_trace, save_trace
 from torchmem.model.events import EventKind
-from torchmem.model.trace import BYTES_PER_EVENT, Trace, load_trace
+from torchmem.model.trace import BYTES_PER_EVENT, Trace
 
 # CPU time of this thread: other processes on the shared cores do not inflate it (CPU
 # autograd runs backward on the calling thread, and torch uses one thread here).
@@ -197,7 +198,7 @@ def load_million(tmp: str) -> tuple[float, int]:
     tr.step.extend(i // 1000 for i in range(n))
     tr.stack.extend([-1] * n)
     path = os.path.join(tmp, "million.tmtrace")
-    tr.save(path)
+    save_trace(tr, path)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ memory (peak RSS growth, VmHWM from /proc, after the source tensor is allocated)
 * ``full-size staging``: ``x.clone()`` then a copy from that clone -- the host-side memory pattern
   of ``x.pin_memory().to(device)``, which stages the *whole* tensor before a device copy.
 * ``chunked_transfer(x, 'cpu', chunk_bytes=C)`` for a few chunk sizes, with fresh staging buffers
-  and with a reused :class:`torchmem.StagingBuffers` pair.
+  and with a reused :class:`torchmem.transfer.StagingBuffers` pair.
 * offloaded inference (``offload_forward``) of a stack of Linear layers, with fetches done
   one after the other and overlapped with compute on a worker thread, against the model run with
   all weights resident: time, and the weights resident at the peak (measured).

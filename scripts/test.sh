@@ -22,6 +22,8 @@ fi
 
 echo "== ruff"
 python -m ruff check src tests benchmarks
+echo "== import-linter (layers, torch-free core, no cycles; contracts in pyproject.toml)"
+lint-imports --no-logo
 echo "== mypy"
 python -m mypy
 echo "== pytest"

@@ -194,7 +194,7 @@ def test_stats_of_a_cpu_snapshot_names_the_device_and_says_what_it_is(
     with torchmem.record_history(device="cpu"):
         a = torch.empty(1000)
         b = torch.empty(10, dtype=torch.int8)
-        torchmem.dump_snapshot(p)
+        torchmem.write_snapshot(p, torchmem.snapshot())
     code, out, _ = _run(capsys, "stats", str(p), "--json")
     d = json.loads(out)
     dev = d["devices"][0]

@@ -109,7 +109,7 @@ def test_same_storage_agrees_with_torchlinops_where_documented() -> None:
         assert torchmem.same_storage(a, b) == TL.same_storage(a, b)
     # documented difference: disjoint parts of one storage
     assert torchmem.same_storage(x[:5], x[5:]) and not TL.same_storage(x[:5], x[5:])
-    assert not torchmem.overlaps(x[:5], x[5:])
+    assert not torchmem.capture.overlaps(x[:5], x[5:])
 
 
 def test_memreporter_units_and_dedup() -> None:

@@ -12,8 +12,8 @@ import psutil
 import pytest
 import torch
 
-from torchmem import DeviceUsage, UsagePoller, available_devices, poll_all, poll_usage
-from torchmem.devices import normalize_device
+from torchmem import UsagePoller, available_devices, poll_usage
+from torchmem.devices import DeviceUsage, normalize_device, poll_all
 from torchmem.errors import DeviceError, InvalidInputError
 
 
@@ -123,3 +123,52 @@ def test_cuda_reading_matches_torch() -> None:  # pragma: no cover - needs a GPU
     u = poll_usage("cuda:0")
     assert u.total == total
     assert abs(u.used - (total - free)) < 0.05 * total
+
+
+# ---------------------------------------------------------------- the device-name rule
+
+
+def test_device_name_rule() -> None:
+    from torchmem._device import device_name
+
+    cuda_now = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    cases = {
+        "cpu": "cpu", " CPU ": "cpu", "cpu:0": "cpu", "meta:0": "meta", "cuda:01": "cuda:1",
+        "cuda": f"cuda:{cuda_now}", 3: "cuda:3", "xpu:2": "xpu:2",
+        torch.device("cuda", 2): "cuda:2", torch.device("cpu", 0): "cpu",
+    }
+    assert {repr(k): device_name(k) for k in cases} == {repr(k): v for k, v in cases.items()}
+    assert device_name(torch.zeros(1, device="meta")) == "meta"
+    for bad in ("gpu", "cuda:x", "cuda:-1", "", None, 1.5, -1, True):
+        with pytest.raises(DeviceError):
+            device_name(bad)
+
+
+def test_device_selector_and_split_share_the_rule() -> None:
+    from torchmem._device import device_name, device_selector, split_device
+
+    assert device_selector("cuda") == "cuda" and device_selector(torch.device("cuda")) == "cuda"
+    for d in ("cpu", "cuda:1", 2, "META", torch.device("cuda", 0)):
+        assert device_selector(d) == device_name(d)
+    assert split_device("CUDA:7") == ("cuda", 7) and split_device("cpu:3") == ("cpu", None)
+
+
+def test_every_normaliser_agrees() -> None:
+    from torchmem._device import device_name
+    from torchmem.capture.storage import device_str
+    from torchmem.transfer.streams import canonical_device
+
+    for d in ("cpu", "cpu:0", "meta", "cuda", "cuda:1", torch.device("cuda")):
+        assert device_str(d) == str(canonical_device(d)) == device_name(d)
+    assert normalize_device("cuda") == device_name("cuda")
+
+
+def test_device_module_does_not_import_torch() -> None:
+    code = (
+        "import sys, torchmem._device as d\n"
+        "assert d.device_name('cuda') == 'cuda:0' and d.device_name('cpu:0') == 'cpu'\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -14,8 +14,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchmem
-from torchmem import Ledger, LedgerRecord
+from torchmem import Ledger
 from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.ledger import LedgerRecord
 
 
 def nbytes(t: torch.Tensor) -> int:

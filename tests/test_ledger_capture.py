@@ -115,7 +115,7 @@ def test_memory_aware_to_credited_once() -> None:
     temp_frees = [e.nbytes for e in tr.events() if e.kind.label == "free"]
 
     m = _shared_module()
-    old = torchmem.storage_ref(m.a)
+    old = torchmem.capture.storage_ref(m.a)
     led = Ledger()
     assert led.allocate(m) == 160  # one shared storage
     with led.capture():

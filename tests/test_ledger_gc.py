@@ -17,8 +17,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchmem
-from torchmem import DeviceUsage, Ledger
+from torchmem import Ledger
 from torchmem._log import ColorFormatter, debug_requested, remove_debug_logging, setup_debug_logging
+from torchmem.devices import DeviceUsage
 from torchmem.errors import InvalidInputError
 
 
@@ -141,7 +142,7 @@ def test_trigger_collects_cycles_and_trims_cpu_heap(caplog: pytest.LogCaptureFix
         n = Node()
         n.self = n  # a reference cycle holding a tensor
         n.t = torch.zeros(5000)  # 20 kB
-        ref = torchmem.storage_ref(n.t)
+        ref = torchmem.capture.storage_ref(n.t)
         led.allocate(n.t)
         del n
         assert ref() is not None and led.allocated("cpu")[0] == 20_000  # stuck in the cycle
@@ -194,7 +195,7 @@ def test_strategy_validation_messages() -> None:
     with pytest.raises(InvalidInputError, match="usage_source must have"):
         Ledger(usage_source=object())  # type: ignore[arg-type]
     # MemLord-like defaults validate and human sizes parse
-    led.set_auto_gc_strategy(torchmem.DEFAULT_AUTO_GC_STRATEGY)
+    led.set_auto_gc_strategy(torchmem.ledger.DEFAULT_AUTO_GC_STRATEGY)
     led.set_auto_gc_strategy({(85, 101): {"metric": "freed", "threshold": {"bytes": "256 MiB"}}})
 
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from torchmem import DeviceUsage, Ledger, ledger_metrics, serve_prometheus
+from torchmem import Ledger
+from torchmem.devices import DeviceUsage
 from torchmem.errors import InvalidInputError
+from torchmem.ledger import ledger_metrics, serve_prometheus
 
 
 class Fixed:

@@ -21,6 +21,7 @@ from torchmem.analysis.peak import snapshot_peak
 from torchmem.analysis.replay import initial_live, replay
 from torchmem.analysis.stats import snapshot_stats
 from torchmem.errors import InvalidInputError
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.snapshot import Snapshot
 from torchmem.render.snapshot_text import render_diff, render_oom, render_peak, render_stats
@@ -296,7 +297,7 @@ def test_device_selection_checks_the_index() -> None:
         ],
         "device_traces": [[], [], []],
     }
-    snap = Snapshot.from_pytorch(raw)
+    snap = from_pytorch(raw)
     assert snap.devices == [0, 2]
     # a device that exists: its own numbers (requested bytes of its one active block)
     assert snapshot_peak(snap, device=2).devices[0].end_allocated_bytes == 3 * MiB

@@ -14,6 +14,7 @@ import pytest
 
 import snapshot_synth as synth
 from torchmem.errors import SnapshotFormatError, UnsafePickleError
+from torchmem.io.pytorch_snapshot import to_pytorch_dict
 from torchmem.io.snapshot_file import load_snapshot, write_snapshot
 from torchmem.model.snapshot import Snapshot
 
@@ -89,14 +90,14 @@ def test_format_features_detected() -> None:
                                   "notHanmin_a2__memory_snapshot_forward.pickle"])
 def test_to_pytorch_dict_round_trips_modern_files_exactly(name: str) -> None:
     raw = _raw(name)
-    out = load_snapshot(DATA / name).to_pytorch_dict()
+    out = to_pytorch_dict(load_snapshot(DATA / name))
     out.pop("torchmem")
     assert out == raw
 
 
 def test_legacy_file_becomes_modern_format_with_addresses() -> None:
     raw = _raw("LLM-inference__1.3b_snapshot_6a8eab0.pickle")
-    d = load_snapshot(DATA / "LLM-inference__1.3b_snapshot_6a8eab0.pickle").to_pytorch_dict()
+    d = to_pytorch_dict(load_snapshot(DATA / "LLM-inference__1.3b_snapshot_6a8eab0.pickle"))
     s0 = min((s for s in raw["segments"] if len(s["blocks"]) > 1), key=lambda s: s["address"])
     ours = next(s for s in d["segments"] if s["address"] == s0["address"])
     assert ours["address"] == s0["address"]
@@ -131,7 +132,7 @@ def test_json_round_trip_equals_pickle(tmp_path: Path) -> None:
     write_snapshot(tmp_path / "m.json", snap, format="json")
     back = load_snapshot(tmp_path / "m.json")
     assert back.source.format == "torchmem-json"
-    a, b = snap.to_pytorch_dict(), back.to_pytorch_dict()
+    a, b = to_pytorch_dict(snap), to_pytorch_dict(back)
     a.pop("torchmem"), b.pop("torchmem")
     assert json.loads(json.dumps(a)) == json.loads(json.dumps(b))
     assert len(back.trace(0)) == 5163
@@ -233,6 +234,7 @@ def test_truncated_corrupt_and_not_a_snapshot(tmp_path: Path) -> None:
 
 
 def test_tmtrace_file_loads_as_snapshot(tmp_path: Path) -> None:
+    from torchmem.io.tmtrace import save_trace
     from torchmem.model.events import EventKind
     from torchmem.model.trace import Trace
 
@@ -241,7 +243,7 @@ def test_tmtrace_file_loads_as_snapshot(tmp_path: Path) -> None:
     tr.append(EventKind.ALLOC, 2000, "cpu", 1024, 2, op="aten::add")
     tr.append(EventKind.FREE, 3000, "cpu", 4096, 1)
     p = tmp_path / "t.tmtrace"
-    tr.save(p)
+    save_trace(tr, p)
     snap = load_snapshot(p)
     assert snap.source.format == "torchmem-events"
     assert [b.size for s in snap.segments for b in s.blocks] == [1024]

@@ -15,9 +15,9 @@ from torch.cuda import _memory_viz
 import torchmem
 from torchmem.capture.recording import is_oom_error, oom_guard, record_history
 from torchmem.errors import InvalidInputError
+from torchmem.io.convert import CPU_NOTE, snapshot_from_events
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.model.events import Category, Event, EventKind, Phase
-from torchmem.model.snapshot import CPU_NOTE, snapshot_from_events
 
 
 def _storage_bytes(*ts: torch.Tensor) -> list[int]:
@@ -49,7 +49,8 @@ def test_cpu_snapshot_opens_in_memory_viz_functions(tmp_path: Path) -> None:
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     with record_history(net, device="cpu"):
         net(torch.randn(16, 32)).sum().backward()
-        path = torchmem.dump_snapshot(tmp_path / "cpu.pickle")
+        path = tmp_path / "cpu.pickle"
+        torchmem.write_snapshot(path, torchmem.snapshot())
     with open(path, "rb") as f:
         data = pickle.load(f)
     seg_text = _memory_viz.segsum(data)
@@ -139,7 +140,7 @@ def test_record_history_is_reentrant_and_restores() -> None:
     sizes = sorted(b.size for s in rec.snapshot().segments for b in s.blocks)
     assert sizes == sorted(_storage_bytes(x, y))
     with pytest.raises(InvalidInputError):
-        torchmem.stop_recording()
+        torchmem.capture.stop_recording()
 
 
 def test_failed_start_leaves_the_recorder_stopped_and_usable() -> None:
@@ -187,7 +188,7 @@ def test_cuda_record_history_real_gpu(tmp_path: Path) -> None:
     snap = rec.snapshot()
     acts = [e.action for e in snap.trace(torch.cuda.current_device())]
     assert "alloc" in acts and "free_completed" in acts
-    torchmem.dump_snapshot(tmp_path / "cuda.pickle", snap)
+    torchmem.write_snapshot(tmp_path / "cuda.pickle", snap)
     assert pickle.loads((tmp_path / "cuda.pickle").read_bytes())["segments"] is not None
 
 
@@ -210,14 +211,14 @@ def test_cuda_keeps_its_index_when_a_cpu_tensor_comes_first(tmp_path) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import torchmem
-    from torchmem.model.snapshot import Snapshot
+    from torchmem.io.convert import snapshot_from_trace
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with torchmem.track() as tr:
         host = torch.zeros(8)  # a CPU storage first: 32 bytes
         with fake:
             dev = torch.empty(16, device="cuda:0")  # a fake CUDA storage: 64 bytes
-    snap = Snapshot.from_trace(tr)
+    snap = snapshot_from_trace(tr)
     assert snap.device_names[0] == "cuda:0" and snap.device_names[1] == "cpu"
     assert sum(s.total_size for s in snap.segments if s.device == 0) == dev.numel() * 4
     assert sum(s.total_size for s in snap.segments if s.device == 1) == host.numel() * 4

@@ -13,8 +13,9 @@ import torch
 
 import torchmem
 from torchmem.errors import TraceFormatError
+from torchmem.io.tmtrace import MAGIC, load_trace, save_trace
 from torchmem.model.events import Category, EventKind, Phase
-from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, MAGIC, Trace, load_trace
+from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, Trace
 
 
 def _recorded(tmp_path: Path) -> tuple[torchmem.Tracker, Path]:
@@ -49,8 +50,8 @@ def test_synthetic_trace_values_survive(tmp_path: Path) -> None:
              phase=Phase.BACKWARD, category=Category.GRADIENT, step=3, stack=["f.py:1:g"])
     t.append(EventKind.FREE, 2**62, "cuda:1", 2**40, 7)
     p = tmp_path / "s.tmtrace"
-    t.save(p)
-    back = Trace.load(p)
+    save_trace(t, p)
+    back = load_trace(p)
     e0, e1 = back.events()
     assert (e0.device, e0.nbytes, e0.op, e0.module, e0.phase, e0.category, e0.step, e0.stack) == (
         "cuda:1", 2**40, "aten::mm", "a.b", Phase.BACKWARD, Category.GRADIENT, 3, ("f.py:1:g",)

@@ -235,7 +235,7 @@ def test_fake_tensors_and_meta_devices_are_tracked() -> None:
 
 def test_memory_tracker_compat_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     net = Net()
-    mt = torchmem.MemoryTracker()
+    mt = torchmem.compat.MemoryTracker()
     mt.start_monitor(net)
     net(torch.randn(4, 8)).sum().backward()
     mt.stop()
@@ -249,7 +249,7 @@ def test_memory_tracker_compat_on_cpu(tmp_path) -> None:  # type: ignore[no-unty
     assert "Peak live tensor memory: cpu" in buf.getvalue()
     path = tmp_path / "stats.tmtrace"
     mt.save_stats(path)
-    mt2 = torchmem.MemoryTracker()
+    mt2 = torchmem.compat.MemoryTracker()
     mt2.load(path)
     assert mt2.peak() == mt.peak()
     png = mt2.show_traces(output=tmp_path / "t.png")

@@ -354,6 +354,23 @@ def test_transfer_module_to_meta_and_ledger():
         transfer_module(torch.ones(2), "cpu")
 
 
+def test_transfer_module_is_all_or_nothing_and_shares_the_move_with_memory_aware_to():
+    # one storage cannot be copied (meta has no data): nothing is swapped, whatever was copied
+    m = nn.Linear(4, 4)
+    m.register_buffer("shape_only", torch.empty(3, device="meta"))
+    w, ptr = m.weight, m.weight.data_ptr()
+    with pytest.raises(TransferError, match="no data"):
+        transfer_module(m, "cpu", chunk_bytes=16)
+    assert m.weight is w and m.weight.data_ptr() == ptr and m.shape_only.is_meta
+    # the same move as memory_aware_to, with its optimizer-free, dtype-free arguments
+    import torchmem.move
+
+    t = nn.Linear(3, 3)
+    t.register_buffer("w_t", t.weight.detach().t())
+    moved = torchmem.move.move_module(t, "meta", copy=True)
+    assert moved[0] is t.weight and t.w_t.untyped_storage() is t.weight.untyped_storage()
+
+
 # ---------------------------------------------------------------- offloaded inference
 
 

@@ -104,7 +104,7 @@ def test_ioshape_rank_checked_and_non_tensor_rejected():
 
 def test_sparse_input_rejected():
     sp = torch.eye(3).to_sparse()
-    with pytest.raises(torchmem.UnsupportedTensorError):
+    with pytest.raises(torchmem.errors.UnsupportedTensorError):
         ToDevice("cpu", "meta")(sp)
 
 

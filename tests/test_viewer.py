@@ -21,8 +21,8 @@ import pytest
 
 from torchmem.cli import main
 from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot
-from torchmem.model.snapshot import Snapshot
 from torchmem.render.viewer.html import render_html, write_viewer
 from torchmem.render.viewer.payload import KIND_NAMES, encode_payload
 from torchmem.render.viewer.payload import build_payload as _build_payload
@@ -30,7 +30,7 @@ from torchmem.render.viewer.payload import build_payload as _build_payload
 
 def build_payload(raw: Any) -> dict[str, Any]:
     """The payload of an unpickled PyTorch snapshot (the viewer takes model objects)."""
-    return _build_payload(Snapshot.from_pytorch(raw))
+    return _build_payload(from_pytorch(raw))
 
 DATA = Path(__file__).resolve().parent / "data"
 FILES = sorted(DATA.glob("*.pickle"))

@@ -302,7 +302,7 @@ def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
         step()
         step()
     cpu_snap = tmp_path / "cpu.pickle"
-    torchmem.dump_snapshot(cpu_snap, rec.snapshot())
+    torchmem.write_snapshot(cpu_snap, rec.snapshot())
     with torchmem.track(model, opt, stacks=True) as tr:
         step()
         step()

@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.units import format_bytes
 
@@ -136,9 +137,11 @@ class UsageSource(Protocol):
 
 
 def normalize_device(device: Any) -> str:
-    """Canonical device name for polling: ``'cpu'`` or ``'cuda:<index>'`` (``'cuda'`` -> ``'cuda:0'``).
+    """Canonical device name for polling: ``'cpu'`` or ``'cuda:<index>'``.
 
-    Accepts a string, a ``torch.device`` or an int (a CUDA index).
+    Accepts a string, a ``torch.device`` or an int (a CUDA index); names follow
+    :func:`torchmem._device.device_name` (``'cuda'`` is the current CUDA device, ``'cuda:0'``
+    until CUDA is initialised). Other device types raise :class:`~torchmem.errors.DeviceError`.
 
     Example:
         >>> normalize_device("cuda"), normalize_device(1), normalize_device("cpu")
@@ -146,21 +149,13 @@ def normalize_device(device: Any) -> str:
     """
     if isinstance(device, bool):
         raise InvalidInputError(f"expected a device such as 'cpu' or 'cuda:0', got {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise DeviceError(f"expected a non-negative CUDA index, got {device}")
-        return f"cuda:{device}"
-    text = str(device).strip().lower()
-    if text == "cpu":
-        return "cpu"
-    if text == "cuda":
-        return "cuda:0"
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return f"cuda:{int(text[5:])}"
-    raise DeviceError(
-        f"expected a device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}; "
-        "usage polling knows CPU and CUDA devices only"
-    )
+    name = device_name(device)
+    if name != "cpu" and not name.startswith("cuda:"):
+        raise DeviceError(
+            f"expected a device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}; "
+            "usage polling knows CPU and CUDA devices only"
+        )
+    return name
 
 
 # ---------------------------------------------------------------------------------------------

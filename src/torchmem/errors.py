@@ -10,21 +10,34 @@ Tree::
     ├── InvalidInputError          (also a ValueError)  wrong argument value or type
     │   └── UnsupportedTensorError                       sparse/nested/... layouts we cannot handle
     ├── DeviceError                (also a ValueError)  unknown device string, or absent device
-    ├── FileFormatError            (also a ValueError)  a file that is not what it should be
-    │   ├── TraceFormatError                            torchmem trace files
-    │   └── SnapshotFormatError                         PyTorch memory snapshots
-    │       └── UnsafePickleError                       a pickle that tries to import or call
+    ├── FileFormatError            (also a ValueError)  a file that is not what it should be;
+    │   │                                               ``.path`` and ``.kind`` name it
+    │   ├── TraceFormatError                            torchmem trace files (kind "trace")
+    │   ├── SnapshotFormatError                         PyTorch memory snapshots ("snapshot")
+    │   │   └── UnsafePickleError                       a pickle that tries to import or call
+    │   └── MissingFileError       (also a FileNotFoundError, a TraceFormatError and a
+    │                               SnapshotFormatError) no such file, for every kind of input
     ├── MoveError                  (also a RuntimeError) a move/copy failed; the module is unchanged
     ├── TransferError              (also a RuntimeError) a device transfer failed
     └── ObjectLoadError            (also a ValueError)  ``path.py:factory`` / ``pkg.mod:attr`` specs
+
+A missing input file raises :class:`MissingFileError` everywhere (snapshots, traces, the viewer,
+the CLI). It is a :class:`FileNotFoundError`, so ``except OSError`` catches it, and both a
+:class:`TraceFormatError` and a :class:`SnapshotFormatError`, so ``except SnapshotFormatError``
+around :func:`~torchmem.io.load_snapshot` catches every way a load can fail.
 
 Example:
     >>> from torchmem.errors import TorchmemError, DeviceError
     >>> issubclass(DeviceError, TorchmemError) and issubclass(DeviceError, ValueError)
     True
+    >>> issubclass(MissingFileError, FileNotFoundError)
+    True
 """
 
 from __future__ import annotations
+
+import errno
+import os
 
 __all__ = [
     "TorchmemError",
@@ -35,6 +48,7 @@ __all__ = [
     "TraceFormatError",
     "SnapshotFormatError",
     "UnsafePickleError",
+    "MissingFileError",
     "MoveError",
     "TransferError",
     "ObjectLoadError",
@@ -83,28 +97,60 @@ class DeviceError(TorchmemError, ValueError):
 class FileFormatError(TorchmemError, ValueError):
     """A file is truncated, corrupt, from an unknown version, or not the expected kind.
 
+    ``path`` is the file (``None`` for a stream) and ``kind`` what the file should have been
+    (``"trace"``, ``"snapshot"``, or ``"file"`` when unsaid); the message names both.
+
     Example:
         >>> str(FileFormatError("x.bin: not a torchmem trace"))
         'x.bin: not a torchmem trace'
+        >>> e = TraceFormatError("x.bin: not a torchmem trace", path="x.bin")
+        >>> e.path, e.kind
+        ('x.bin', 'trace')
     """
+
+    kind: str = "file"
+
+    def __init__(
+        self, message: str, *, path: str | os.PathLike[str] | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.path: str | None = None if path is None else os.fspath(path)
+        if kind is not None:
+            self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuild, (type(self), str(self), self.path, self.kind)
+
+
+def _rebuild(
+    cls: type[FileFormatError], message: str, path: str | None, kind: str
+) -> FileFormatError:
+    return cls(message, path=path, kind=kind)
 
 
 class TraceFormatError(FileFormatError):
     """A torchmem trace file could not be read.
 
     Example:
-        >>> issubclass(TraceFormatError, FileFormatError)
-        True
+        >>> issubclass(TraceFormatError, FileFormatError), TraceFormatError.kind
+        (True, 'trace')
     """
+
+    kind = "trace"
 
 
 class SnapshotFormatError(FileFormatError):
     """A PyTorch memory snapshot could not be read.
 
     Example:
-        >>> issubclass(SnapshotFormatError, FileFormatError)
-        True
+        >>> issubclass(SnapshotFormatError, FileFormatError), SnapshotFormatError.kind
+        (True, 'snapshot')
     """
+
+    kind = "snapshot"
 
 
 class UnsafePickleError(SnapshotFormatError):
@@ -114,6 +160,29 @@ class UnsafePickleError(SnapshotFormatError):
         >>> issubclass(UnsafePickleError, SnapshotFormatError)
         True
     """
+
+
+class MissingFileError(TraceFormatError, SnapshotFormatError, FileNotFoundError):
+    """An input file does not exist: the one error every torchmem reader raises for it.
+
+    ``kind`` says what the file should have been (``"trace"``, ``"snapshot"``, ``"script"``...);
+    ``filename`` and ``errno`` are set as on any :class:`FileNotFoundError`.
+
+    Example:
+        >>> e = MissingFileError("a.pickle: no such file", path="a.pickle", kind="snapshot")
+        >>> isinstance(e, FileNotFoundError), e.filename, e.kind, str(e)
+        (True, 'a.pickle', 'snapshot', 'a.pickle: no such file')
+    """
+
+    kind = "file"
+
+    def __init__(
+        self, message: str, *, path: str | os.PathLike[str] | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message, path=path, kind=kind)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = self.path
 
 
 class MoveError(TorchmemError, RuntimeError):

@@ -16,6 +16,11 @@ and views stop being views. The functions here work per *storage* instead:
 
 Tensor objects keep their identity (the swap assigns ``.data``, as ``Module.to`` does for
 parameters and gradients), so optimizers, hooks and your own references still point at them.
+:func:`move_module` is the one implementation: :func:`memory_aware_to` calls it with a plain
+copy per storage, :func:`torchmem.transfer.transfer_module` with chunked, stream-ordered copies.
+The module is longer than 600 lines on purpose: planning, building, the all-or-nothing swap and
+the deep copy share the same collected records and rebuilding helpers, and the undo log spans
+them.
 
 dtype conversion follows ``Module.to``: only floating point and complex tensors are converted,
 integer and bool tensors keep their dtype, and optimizer ``step`` counters are left alone.
@@ -40,17 +45,19 @@ Example:
 from __future__ import annotations
 
 import copy
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from torchmem.capture.census import _iter_state_tensors
+from torchmem._containers import replace_tensors, tensors_with_paths
 from torchmem.capture.storage import _check_tensor, device_str, resolve_device
 from torchmem.errors import InvalidInputError, MoveError, TorchmemError, UnsupportedTensorError
 from torchmem.model.census import MovePlan, PlannedStorage
 
-__all__ = ["memory_aware_to", "memory_aware_deepcopy", "plan_move", "MovePlan"]
+__all__ = ["memory_aware_to", "memory_aware_deepcopy", "plan_move", "move_module", "MovePlan"]
 
 
 @dataclass
@@ -172,14 +179,14 @@ def _collect(
                 if pname is None or p not in optimizer.state:
                     continue  # not this module's parameter: its state stays where it is
                 for key, value in optimizer.state[p].items():
-                    for sname, t in _iter_state_tensors(value, f"state[{pname}].{key}"):
+                    for sname, t in tensors_with_paths(value, f"state[{pname}].{key}"):
                         step = key == "step"
                         add(sname, t, "optimizer_state", keep_device=step and not special,
                             keep_dtype=step)
     return entries
 
 
-def _group(entries: list[_Entry]) -> list[_Group]:
+def _group(entries: list[_Entry], copy: bool = False) -> list[_Group]:
     groups: dict[int, _Group] = {}
     for e in entries:
         s = e.tensor.untyped_storage()
@@ -189,16 +196,16 @@ def _group(entries: list[_Entry]) -> list[_Group]:
         g.entries.append(e)
     out = list(groups.values())
     for g in out:
-        _decide(g)
+        _decide(g, copy)
     return out
 
 
-def _decide(g: _Group) -> None:
+def _decide(g: _Group, copy: bool = False) -> None:
     changes = [
         e for e in g.entries
         if device_str(e.tensor.device) != device_str(e.target_device) or e.tensor.dtype != e.target_dtype
     ]
-    if not changes:
+    if not changes and not copy:
         g.action = "keep"
         return
     targets = {device_str(e.target_device) for e in g.entries}
@@ -271,10 +278,23 @@ def _view(storage: torch.UntypedStorage, like: torch.Tensor, dtype: torch.dtype)
     )
 
 
-def _resolve(device: object) -> torch.device | None:
-    if device is None:
-        return None
-    return resolve_device(device)  # type: ignore[arg-type]
+def _plan(
+    module: object,
+    device: object,
+    dtype: object,
+    optimizer: torch.optim.Optimizer | None,
+    fn: str,
+    copy: bool = False,
+) -> tuple[torch.device | None, torch.dtype | None, list[_Group]]:
+    """Checked inputs and the storage groups of a move (the front end of plan and move)."""
+    mod = _check_module(module, fn)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    dev = None if device is None else resolve_device(device)  # type: ignore[arg-type]
+    dt = _check_dtype(dtype)
+    return dev, dt, _group(_collect(mod, optimizer, dev, dt), copy)
 
 
 def plan_move(
@@ -295,12 +315,7 @@ def plan_move(
         >>> p.gains, p.losses, [s.action for s in p.storages]
         ({'cpu': 160}, {'cpu': 80}, ['convert', 'convert'])
     """
-    _check_module(module, "plan_move")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidInputError(f"optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    dev = _resolve(device)
-    dt = _check_dtype(dtype)
-    groups = _group(_collect(module, optimizer, dev, dt))
+    dev, dt, groups = _plan(module, device, dtype, optimizer, "plan_move")
     out = MovePlan(device=None if dev is None else device_str(dev),
                    dtype=None if dt is None else str(dt).replace("torch.", ""))
     for g in groups:
@@ -339,9 +354,14 @@ def memory_aware_to(
 
     Tensors that shared a storage before share one storage after, at the same offsets and
     strides. New storages are allocated directly on the target; tensors already in place are
-    untouched (same storage, no copy). Parameter objects (and subclasses), ``requires_grad``
-    and ``.grad`` are kept. With ``optimizer``, the state of this module's parameters moves too
-    and stays keyed to the same parameter objects. See the module docstring for dtype rules.
+    untouched (same storage, no copy). Tensor objects keep their identity (``.data`` is
+    replaced). Where the tensor type changes (CPU -> meta), parameters get the new contents
+    swapped in with ``torch.utils.swap_tensors`` unless a weak reference or a live autograd graph
+    holds them; other tensors are replaced by new objects of their type in every slot of the
+    module and optimizer. Parameter types, ``requires_grad`` and ``.grad`` are kept. With
+    ``optimizer``, the state of this module's parameters moves too and stays keyed to the same
+    parameter objects. See the module docstring for dtype rules. This is :func:`move_module`;
+    :func:`torchmem.transfer.transfer_module` is the same move with chunked, stream-ordered copies.
 
     Raises :class:`~torchmem.errors.InvalidInputError` (not a module, bad dtype),
     :class:`~torchmem.errors.DeviceError` (unknown or absent device),
@@ -358,24 +378,52 @@ def memory_aware_to(
         (torch.float64, True, 12, 'Parameter')
     """
     _check_module(module, "memory_aware_to")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidInputError(
-            f"optimizer should be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    dev = _resolve(device)
-    dt = _check_dtype(dtype)
-    groups = _group(_collect(module, optimizer, dev, dt))
+    move_module(module, device, dtype, optimizer, non_blocking=non_blocking)
+    return module
+
+
+StorageCopier = Callable[[list[torch.UntypedStorage], torch.device], Sequence[torch.UntypedStorage]]
+"""Copies storages (their bytes, unconverted) to a device: one new storage per storage, in order."""
+
+
+def move_module(
+    module: torch.nn.Module,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    non_blocking: bool = False,
+    copy: bool = False,
+    copier: StorageCopier | None = None,
+) -> list[torch.Tensor]:
+    """The one module move behind :func:`memory_aware_to` and ``transfer_module``.
+
+    Collects the module's tensors (and ``optimizer``'s state for its parameters), groups them by
+    storage, builds one new storage per group that changes, and only then swaps the new data in,
+    undoing every swap if one fails: all or nothing. ``copy`` copies storages already on the
+    target too (as ``Tensor.to(copy=True)``). ``copier`` builds the byte copies (storages whose
+    dtype does not change), called once per target device with those storages; by default each
+    is one allocation and one ``copy_`` (``non_blocking`` as given). Returns the tensors that now
+    hold the new storages (one per moved tensor object).
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> moved = move_module(lin, "cpu", copy=True)
+        >>> len(moved), moved[0] is lin.weight
+        (2, True)
+    """
+    groups = _plan(module, device, dtype, optimizer, "move_module", copy)[2]
 
     # 1) build everything (nothing in the module changes yet)
     new_data: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
+        built = _build(groups, non_blocking, copier)
         for g in groups:
-            if g.action == "keep":
-                continue
-            assert g.target_device is not None
-            storage = _build_storage(g, g.target_device, non_blocking)
-            for e in g.entries:
-                new_data.append((e.tensor, _view(storage, e.tensor, e.target_dtype)))
+            if g.action != "keep":
+                storage = built[id(g)]
+                for e in g.entries:
+                    new_data.append((e.tensor, _view(storage, e.tensor, e.target_dtype)))
     except TorchmemError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure while building leaves the module as it was
@@ -388,7 +436,7 @@ def memory_aware_to(
     undo: list[Any] = []
     try:
         with torch.no_grad():
-            _swap(module, optimizer, new_data, undo)
+            return _swap(module, optimizer, new_data, undo)
     except Exception as e:  # noqa: BLE001
         with torch.no_grad():
             for fn in reversed(undo):
@@ -397,7 +445,50 @@ def memory_aware_to(
             f"swapping the moved tensors into {type(module).__name__} failed "
             f"({type(e).__name__}: {e}); the module was restored as it was"
         ) from e
-    return module
+
+
+def _build(
+    groups: list[_Group], non_blocking: bool, copier: StorageCopier | None
+) -> dict[int, torch.UntypedStorage]:
+    """New storage of every group that changes, keyed by ``id(group)``."""
+    built: dict[int, torch.UntypedStorage] = {}
+    if copier is not None:
+        by_target: dict[str, list[_Group]] = {}
+        for g in groups:
+            if g.action == "move":
+                assert g.target_device is not None
+                by_target.setdefault(device_str(g.target_device), []).append(g)
+        for gs in by_target.values():
+            assert gs[0].target_device is not None
+            new = copier([g.storage for g in gs], gs[0].target_device)
+            built.update((id(g), s) for g, s in zip(gs, new))
+    for g in groups:
+        if g.action != "keep" and id(g) not in built:
+            assert g.target_device is not None
+            built[id(g)] = _build_storage(g, g.target_device, non_blocking)
+    return built
+
+
+def _fresh(t: torch.Tensor, new: torch.Tensor, attrs: bool = True) -> torch.Tensor:
+    """A new object of ``t``'s type (and, with ``attrs``, its attributes) holding ``new``."""
+    if isinstance(t, torch.nn.Parameter):
+        obj: torch.Tensor = _new_param(t, new)
+    elif type(t) is not torch.Tensor:
+        obj = torch.Tensor._make_subclass(type(t), new, t.requires_grad)
+    else:
+        obj = new.requires_grad_(t.requires_grad) if t.is_leaf else new
+    if attrs:
+        obj.__dict__.update(t.__dict__)
+    return obj
+
+
+def _swappable(t: torch.Tensor, obj: torch.Tensor) -> bool:
+    """Whether ``swap_tensors`` can exchange the two without side effects (no weak references,
+    nothing else, such as a live autograd graph, holding either's data)."""
+    return (
+        not weakref.getweakrefs(t) and not weakref.getweakrefs(obj)
+        and t._use_count() == 1 and obj._use_count() == 1  # type: ignore[attr-defined]
+    )
 
 
 def _swap(
@@ -405,91 +496,79 @@ def _swap(
     optimizer: torch.optim.Optimizer | None,
     new_data: list[tuple[torch.Tensor, torch.Tensor]],
     undo: list[Any],
-) -> None:
-    """Put the new data in place. Compatible tensors keep their identity (``.data =``, as
-    ``Module.to`` does); others (e.g. CPU -> meta) are replaced by new objects of the same type
-    in every slot that held them (module dicts, ``.grad``, optimizer groups and state)."""
+) -> list[torch.Tensor]:
+    """Put the new data in place; returns the tensors now holding it.
+
+    Compatible tensors keep their identity (``.data =``, as ``Module.to`` does). Otherwise (e.g.
+    CPU -> meta) parameters get the new contents swapped into the same object when nothing else
+    holds them (as ``Module.to`` does with ``swap_module_params_on_conversion``); other tensors,
+    and parameters that cannot be swapped, are replaced by new objects of the same type in every
+    slot that held them (module dicts, ``.grad``, optimizer groups and state), so references
+    held outside the module keep the old data."""
+    grads = {id(t): t.grad for t, _ in new_data if isinstance(t, torch.nn.Parameter)}
     replace: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    holders: list[torch.Tensor] = []
     for t, new in new_data:
         if torch._has_compatible_shallow_copy_type(t, new):
             old = t.data
             t.data = new
             undo.append(lambda t=t, old=old: setattr(t, "data", old))
+            holders.append(t)
+            continue
+        obj = _fresh(t, new)
+        if isinstance(t, torch.nn.Parameter) and _swappable(t, obj):
+            torch.utils.swap_tensors(t, obj)
+            undo.append(lambda t=t, obj=obj: torch.utils.swap_tensors(t, obj))
+            holders.append(t)
         else:
-            if isinstance(t, torch.nn.Parameter):
-                obj: torch.Tensor = _new_param(t, new)
-                obj.__dict__.update(t.__dict__)
-            elif type(t) is not torch.Tensor:
-                obj = torch.Tensor._make_subclass(type(t), new, t.requires_grad)
-            else:
-                obj = new.requires_grad_(t.requires_grad) if t.is_leaf else new
             replace[id(t)] = (t, obj)
-    if not replace:
-        return
+            holders.append(obj)
+
+    def hit(v: Any) -> Any:
+        found = replace.get(id(v))
+        return found[1] if found is not None and found[0] is v else None
 
     def repl(v: Any) -> Any:
-        hit = replace.get(id(v))
-        return hit[1] if hit is not None and hit[0] is v else None
-
-    def substitute(v: Any) -> Any:
-        """``v`` with replaced tensors, at any depth of lists, tuples and dicts (the containers
-        ``_iter_state_tensors`` walks); changed containers are new objects, so the only undo
-        needed is restoring the top-level value."""
-        if isinstance(v, torch.Tensor):
-            n = repl(v)
-            return v if n is None else n
-        if isinstance(v, (list, tuple)):
-            items = [substitute(x) for x in v]
-            return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
-        if isinstance(v, dict):
-            changed = {k: n for k, x in v.items() if (n := substitute(x)) is not x}
-            if not changed:
-                return v
-            new = copy.copy(v)
-            new.update(changed)
-            return new
-        return v
+        n = hit(v)
+        return v if n is None else n
 
     def set_item(d: Any, k: Any, v: Any) -> None:
         old = d[k]
         d[k] = v
         undo.append(lambda: d.__setitem__(k, old))
 
-    for old_t, new_t in replace.values():  # gradients of parameters
-        if isinstance(old_t, torch.nn.Parameter) and old_t.grad is not None:
-            g = repl(old_t.grad)
-            new_t.grad = g if g is not None else old_t.grad
-    for t, _ in new_data:
-        if isinstance(t, torch.nn.Parameter) and id(t) not in replace and t.grad is not None:
-            g = repl(t.grad)
-            if g is not None:
-                old_g = t.grad
-                t.grad = g
-                undo.append(lambda t=t, old_g=old_g: setattr(t, "grad", old_g))
+    for t, _ in new_data:  # each parameter (or its replacement) gets its moved gradient
+        g = grads.get(id(t))
+        p, new_g = repl(t), repl(g)
+        if g is not None and p.grad is not new_g:
+            old_g = p.grad
+            p.grad = new_g
+            undo.append(lambda p=p, old_g=old_g: setattr(p, "grad", old_g))
+    if not replace:
+        return holders
     for m in module.modules():
         for d in (m._parameters, m._buffers):
             for k, v in list(d.items()):
-                n = repl(v) if v is not None else None
-                if n is not None:
-                    set_item(d, k, n)
+                if v is not None and repl(v) is not v:
+                    set_item(d, k, repl(v))
     if optimizer is not None:
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
-                n = repl(p)
-                if n is not None:
-                    set_item(params, i, n)
+                if repl(p) is not p:
+                    set_item(params, i, repl(p))
         state = optimizer.state
         for p in list(state):
             st = state[p]
             for k, v in list(st.items()):
-                nv = substitute(v)
+                nv = replace_tensors(v, hit)
                 if nv is not v:
                     set_item(st, k, nv)
             n = repl(p)
-            if n is not None:
+            if n is not p:
                 state[n] = state.pop(p)
                 undo.append(lambda p=p, n=n: state.__setitem__(p, state.pop(n)))
+    return holders
 
 
 def memory_aware_deepcopy(module: torch.nn.Module) -> torch.nn.Module:
@@ -534,13 +613,7 @@ def memory_aware_deepcopy(module: torch.nn.Module) -> torch.nn.Module:
             if e.kind == "gradient":
                 new_of[id(t)] = view
                 continue
-            if isinstance(t, torch.nn.Parameter):
-                new_t: torch.Tensor = _new_param(t, view)
-            elif type(t) is not torch.Tensor:
-                new_t = torch.Tensor._make_subclass(type(t), view, t.requires_grad)
-            else:
-                new_t = view.requires_grad_(t.requires_grad) if t.is_leaf else view
-            new_of[id(t)] = new_t
+            new_of[id(t)] = _fresh(t, view, attrs=False)
         for e in entries:
             t = e.tensor
             if e.kind == "parameter" and t.grad is not None:

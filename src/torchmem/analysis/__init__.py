@@ -22,8 +22,8 @@ filter of PyTorch-internal frames live in :mod:`torchmem.analysis.frames`.
 
 Example:
     >>> import torchmem.analysis as analysis
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> snap = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[
     ...     {"action": "alloc", "addr": 0, "size": 64, "stream": 0, "frames": []},
     ...     {"action": "free_completed", "addr": 0, "size": 64, "stream": 0, "frames": []}]]})
     >>> analysis.peak(snap).devices[0].peak_allocated_bytes, analysis.oom(snap)

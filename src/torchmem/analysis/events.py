@@ -1,8 +1,8 @@
 """A snapshot's trace entries as rows with correct running totals of allocated and reserved bytes.
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> s = from_pytorch({"segments": [], "device_traces": [[
     ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
     ...     {"action": "free_completed", "addr": 0, "size": 100, "stream": 0, "frames": []}]]})
     >>> [(r.action, r.allocated_bytes) for r in events(s)]
@@ -65,8 +65,8 @@ def snapshot_trace(
     device index (one with no data raises :class:`~torchmem.errors.InvalidInputError`).
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "segment_alloc", "addr": 0, "size": 2097152, "stream": 0, "frames": []},
         ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
         ...     {"action": "free_requested", "addr": 0, "size": 100, "stream": 0, "frames": []},

@@ -1,8 +1,8 @@
 """Out-of-memory entries explained: a full device, or fragmentation of the allocator's cache.
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[{"action": "oom",
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> s = from_pytorch({"segments": [], "device_traces": [[{"action": "oom",
     ...     "device_free": 0, "size": 1024, "stream": 0, "frames": []}]]})
     >>> [o.verdict for o in oom(s)]
     ['device full']
@@ -61,8 +61,8 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
     """Explain every ``oom`` trace entry: requested, free, and fragmentation vs a full device.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [{"device": 0, "address": 0,
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [{"device": 0, "address": 0,
         ...     "total_size": 41943040, "stream": 0, "blocks": [
         ...       {"address": 0, "size": 10485760, "requested_size": 10485760, "state": "active_allocated"},
         ...       {"address": 10485760, "size": 10485760, "requested_size": 0, "state": "inactive"},

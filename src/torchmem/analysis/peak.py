@@ -4,8 +4,8 @@ The running total starts from the live set derived backwards from the end state 
 :mod:`torchmem.analysis.replay`), so traces that start mid-run are right.
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> snap = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[
     ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
     ...     {"action": "alloc", "addr": 512, "size": 50, "stream": 0, "frames": []},
     ...     {"action": "free_requested", "addr": 0, "size": 100, "stream": 0, "frames": []},
@@ -105,8 +105,8 @@ def snapshot_peak(
     with no segments or trace entries raises :class:`~torchmem.errors.InvalidInputError`.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 1024,
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 1024,
         ...     "stream": 0, "blocks": [
         ...         {"address": 0, "size": 512, "requested_size": 0, "state": "inactive"},
         ...         {"address": 512, "size": 512, "requested_size": 100, "state": "active_allocated"}]}],

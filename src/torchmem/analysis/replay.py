@@ -18,8 +18,8 @@ entry (:meth:`~DeviceReplay.live_at`) and the allocations with their lifetimes
 (:meth:`~DeviceReplay.lifetimes`, what the viewer draws).
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> snap = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[
     ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
     ...     {"action": "alloc", "addr": 512, "size": 50, "stream": 0, "frames": []},
     ...     {"action": "free_completed", "addr": 0, "size": 100, "stream": 0, "frames": []},
@@ -128,8 +128,8 @@ class Lifetimes:
         """Bytes live before the first entry and after each entry, from these lifetimes.
 
         Example:
-            >>> from torchmem.model.snapshot import Snapshot
-            >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+            >>> from torchmem.io.pytorch_snapshot import from_pytorch
+            >>> s = from_pytorch({"segments": [], "device_traces": [[
             ...     {"action": "alloc", "addr": 0, "size": 8, "stream": 0, "frames": []}]]})
             >>> DeviceReplay(s, 0).lifetimes().live_bytes()
             [0, 8]
@@ -148,8 +148,8 @@ class DeviceReplay:
     Results are computed on first use and kept; the snapshot must not change meanwhile.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "segment_alloc", "addr": 0, "size": 4096, "stream": 0, "frames": []},
         ...     {"action": "alloc", "addr": 0, "size": 100, "stream": 0, "frames": []},
         ...     {"action": "free_completed", "addr": 0, "size": 100, "stream": 0, "frames": []},
@@ -255,8 +255,8 @@ class DeviceReplay:
         stack), an alloc means it was not. Untouched addresses keep their end state.
 
         Example:
-            >>> from torchmem.model.snapshot import Snapshot
-            >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+            >>> from torchmem.io.pytorch_snapshot import from_pytorch
+            >>> s = from_pytorch({"segments": [], "device_traces": [[
             ...     {"action": "free_completed", "addr": 8, "size": 7, "stream": 0, "frames": []}]]})
             >>> DeviceReplay(s, 0).live_at(0), DeviceReplay(s, 0).live_at(1)
             ({8: (7, 0)}, {})
@@ -277,8 +277,8 @@ class DeviceReplay:
         entries in ``live``; returns the inconsistencies (an alloc whose address was not live).
 
         Example:
-            >>> from torchmem.model.snapshot import Snapshot
-            >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+            >>> from torchmem.io.pytorch_snapshot import from_pytorch
+            >>> s = from_pytorch({"segments": [], "device_traces": [[
             ...     {"action": "alloc", "addr": 8, "size": 7, "stream": 0, "frames": []}]]})
             >>> live = {8: (7, 0)}; DeviceReplay(s, 0).undo(live, 0), live
             (0, {})
@@ -304,8 +304,8 @@ class DeviceReplay:
         ``free_completed``, or the legacy ``free``) with no alloc before it.
 
         Example:
-            >>> from torchmem.model.snapshot import Snapshot
-            >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+            >>> from torchmem.io.pytorch_snapshot import from_pytorch
+            >>> s = from_pytorch({"segments": [], "device_traces": [[
             ...     {"action": "free_completed", "addr": 0, "size": 7, "stream": 0, "frames": []},
             ...     {"action": "alloc", "addr": 8, "size": 5, "stream": 0, "frames": []}]]})
             >>> lt = DeviceReplay(s, 0).lifetimes()
@@ -411,8 +411,8 @@ def initial_live(snap: Snapshot, device: int) -> Live:
     Derived backwards: active blocks at the end, minus allocations in the trace, plus frees.
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "free_completed", "addr": 512, "size": 7, "stream": 0, "frames": []}]]})
         >>> initial_live(s, 0)
         {512: (7, 0)}
@@ -430,8 +430,8 @@ def replay(snap: Snapshot, device: int, initial: Live | None = None) -> Live:
     snapshot's active blocks (checked on a real snapshot in the tests).
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
-        >>> s = Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "alloc", "addr": 0, "size": 7, "stream": 0, "frames": []}]]})
         >>> replay(s, 0, {})
         {0: (7, 0)}

@@ -1,7 +1,7 @@
 """Summaries of an event trace: peak, top operators/modules, categories, iterations (no torch).
 
 Everything here reads a :class:`~torchmem.model.trace.Trace` (from a live tracker's ``.trace``
-or from :func:`~torchmem.model.trace.load_trace`) and returns plain data.
+or from :func:`~torchmem.io.tmtrace.load_trace`) and returns plain data.
 
 Definitions:
   * *allocated*: the sum of the sizes of all storages an operator (or module) created.

@@ -3,13 +3,17 @@
 - :mod:`~torchmem.capture.storage`: storage identity, spans, overlap and deduplicated bytes.
 - :mod:`~torchmem.capture.census`: :func:`inspect_memory`, the census of modules, optimizers and
   live tensors.
-- :mod:`~torchmem.capture.tracker`: :func:`track`, the dispatch-mode tracker (ops, modules,
-  phases, categories, call sites).
+- :mod:`~torchmem.capture.tracker` (a package): :func:`track`, the dispatch-mode tracker (ops,
+  modules, phases, categories, call sites); its docstring is the contract the rest of torchmem
+  codes against, and it says which private module holds which part.
 - :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
 - :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
-  (PyTorch's CUDA allocator history; the tracker on other devices).
+  (PyTorch's CUDA allocator history; the tracker on other devices); :func:`start_recording` and
+  :func:`stop_recording` are aliases of ``record_history(...).start()`` and ``.stop()``.
 
-Everything here imports torch; the data it produces lives in :mod:`torchmem.model`.
+Everything here imports torch; the data it produces lives in :mod:`torchmem.model`, and it is
+written to files by :mod:`torchmem.io`. Nothing here prints reports: :mod:`torchmem.render` and
+the CLI do.
 
 Example:
     >>> import torch

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchmem._containers import tensors_with_paths
 from torchmem.capture.storage import _check_tensor, device_str, merge_spans
 from torchmem.errors import InvalidInputError, UnsupportedTensorError
 from torchmem.model.census import MemoryReport, StorageRecord, TensorRecord
@@ -217,17 +218,6 @@ def _add_module(c: Census, module: torch.nn.Module, prefix: str = "") -> None:
             c.add(prefix + name + ".grad", p.grad, "gradient")
 
 
-def _iter_state_tensors(value: Any, name: str) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        yield name, value
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _iter_state_tensors(v, f"{name}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _iter_state_tensors(v, f"{name}.{k}")
-
-
 def _add_optimizer(c: Census, optimizer: torch.optim.Optimizer) -> None:
     names: dict[int, str] = {}
     for g, group in enumerate(optimizer.param_groups):
@@ -244,7 +234,7 @@ def _add_optimizer(c: Census, optimizer: torch.optim.Optimizer) -> None:
         if pname is None:
             pname = f"#{j}"
         for key, value in st.items():
-            for name, t in _iter_state_tensors(value, f"state[{pname}].{key}"):
+            for name, t in tensors_with_paths(value, f"state[{pname}].{key}"):
                 c.add(name, t, "optimizer_state")
 
 

@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, save_trace
 from torchmem.model.events import Category, Event, EventKind, Phase
-from torchmem.model.trace import PathLike, Trace
+from torchmem.model.trace import Trace
 
 __all__ = ["track_lite", "LiteTracker"]
 
@@ -108,9 +110,7 @@ class LiteTracker:
             e, op, phase = stack.pop()
             if e.tag == _EventType.Allocation:
                 f = e.extra_fields
-                dev = str(f.device)
-                if dev == "cuda":
-                    dev = "cuda:0"
+                dev = device_name(f.device)
                 rows.append((e.start_time_ns, int(f.alloc_size), int(f.ptr), dev, op, phase))
                 continue
             name = e.name
@@ -170,7 +170,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> list(torchmem.LiteTracker().events())
+            >>> list(torchmem.capture.LiteTracker().events())
             []
         """
         return self.trace.events()
@@ -180,7 +180,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().peak()
+            >>> torchmem.capture.LiteTracker().peak()
             {}
         """
         return self.trace.peak()
@@ -190,7 +190,7 @@ class LiteTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.LiteTracker().live_bytes("cpu")
+            >>> torchmem.capture.LiteTracker().live_bytes("cpu")
             0
         """
         return self.trace.live_bytes(device)
@@ -200,9 +200,9 @@ class LiteTracker:
 
         Example:
             >>> import torchmem, tempfile, os
-            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.LiteTracker().save(p)
+            >>> p = os.path.join(tempfile.mkdtemp(), "l.tmtrace"); torchmem.capture.LiteTracker().save(p)
         """
-        self.trace.save(path)
+        save_trace(self.trace, path)
 
     def __len__(self) -> int:
         return len(self.trace)

@@ -5,8 +5,12 @@
   :func:`snapshot` reads ``torch.cuda.memory._snapshot()``.
 - CPU and other devices have no caching allocator and no allocator history; recording runs
   torchmem's dispatch-mode tracker (:func:`torchmem.track`) and the snapshot is built from its
-  events by :func:`~torchmem.model.snapshot.snapshot_from_events` (one segment per live
+  events by :func:`~torchmem.io.convert.snapshot_from_events` (one segment per live
   storage, synthetic addresses; the snapshot's ``notes`` say so).
+
+:func:`start_recording` and :func:`stop_recording` are aliases of ``record_history(...).start()``
+and ``.stop()``. Write a snapshot with ``torchmem.write_snapshot(path, torchmem.snapshot())``
+(:func:`~torchmem.io.snapshot_file.write_snapshot`); :func:`dump_snapshot` is deprecated.
 
 Example:
     >>> import torch, torchmem
@@ -32,9 +36,12 @@ from typing import Any
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
+from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import write_snapshot
-from torchmem.model.snapshot import CPU_NOTE, Snapshot
+from torchmem.model.snapshot import Snapshot
 
 __all__ = [
     "record_history",
@@ -60,11 +67,9 @@ def _resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise DeviceError(
-            f"record_history: unknown device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:1'"
-        ) from None
+        dev = torch.device(device_name(device))
+    except DeviceError as e:
+        raise DeviceError(f"record_history: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(
             f"record_history: device {device!r} was requested but CUDA is not available on this "
@@ -214,7 +219,7 @@ class record_history:
 
     def _cuda_snapshot(self) -> Snapshot:
         raw = torch.cuda.memory._snapshot(self.device)
-        snap = Snapshot.from_pytorch(raw)
+        snap = from_pytorch(raw)
         for i in range(torch.cuda.device_count()):
             snap.device_names.setdefault(i, f"cuda:{i}")
         return snap
@@ -255,19 +260,22 @@ class record_history:
 
 
 def _from_tracker(tracker: Any) -> Snapshot:
-    snap = Snapshot.from_trace(tracker)
+    snap = snapshot_from_trace(tracker)
     if CPU_NOTE not in snap.notes:
         snap.notes.append(CPU_NOTE)
     return snap
 
 
 def start_recording(*track_args: Any, **kwargs: Any) -> record_history:
-    """Start a recording (same arguments as :class:`record_history`) and return it.
+    """Alias of ``record_history(*track_args, **kwargs)`` followed by ``.start()``; returns it.
+
+    Takes the same arguments as :class:`record_history`. Prefer ``with record_history(...):``,
+    which stops the recording even when the block raises.
 
     Example:
         >>> rec = start_recording(device="cpu")
-        >>> stop_recording(rec).source.format
-        'torchmem-events'
+        >>> rec.active, stop_recording(rec).source.format
+        (True, 'torchmem-events')
     """
     rec = record_history(*track_args, **kwargs)
     rec.start()
@@ -275,7 +283,9 @@ def start_recording(*track_args: Any, **kwargs: Any) -> record_history:
 
 
 def stop_recording(rec: record_history | None = None) -> Snapshot:
-    """Stop ``rec`` (default: the innermost active recording) and return its final snapshot.
+    """Alias of ``rec.stop()`` (default ``rec``: the innermost active recording).
+
+    Returns the recording's final snapshot, as :meth:`record_history.stop` does.
 
     Example:
         >>> _ = start_recording(device="cpu")
@@ -286,7 +296,7 @@ def stop_recording(rec: record_history | None = None) -> Snapshot:
         if not _ACTIVE:
             raise InvalidInputError(
                 "stop_recording(): no recording is active; start one with "
-                "torchmem.start_recording() or 'with torchmem.record_history():'"
+                "torchmem.capture.start_recording() or 'with torchmem.record_history():'"
             )
         rec = _ACTIVE[-1]
     return rec.stop()
@@ -316,7 +326,7 @@ def snapshot(device: Any = None) -> Snapshot:
     dev = want or _resolve_device(None)
     if dev.type == "cuda":
         raw = torch.cuda.memory._snapshot(dev)
-        return Snapshot.from_pytorch(raw)
+        return from_pytorch(raw)
     raise InvalidInputError(
         "torchmem.snapshot(): nothing was recorded on CPU (it has no allocator state to read); "
         "wrap your code in 'with torchmem.record_history():' first"
@@ -451,27 +461,39 @@ def _add_text(t: Any, text: str) -> int:
     t.texts.append(text)
     return len(t.texts) - 1
 
+
 _take_snapshot = snapshot  # dump_snapshot's parameter shadows the function
 
 
 def dump_snapshot(
     path: str | os.PathLike[str], snapshot: Snapshot | None = None, format: str = "pickle"
 ) -> str:
-    """Write ``snapshot`` (default: :func:`torchmem.snapshot` now) to ``path``; returns the path.
+    """Deprecated: use ``torchmem.write_snapshot(path, torchmem.snapshot())``.
 
-    ``format="pickle"`` writes PyTorch's format with protocol 4 (PyTorch's viewer and
-    ``torch.cuda._memory_viz`` open it); ``format="json"`` writes torchmem's JSON. Taking the
-    default snapshot imports torch (see :mod:`torchmem.capture.recording`).
+    Writes ``snapshot`` (default: :func:`snapshot` now) to ``path`` with
+    :func:`~torchmem.io.snapshot_file.write_snapshot` and returns the path, after a
+    ``DeprecationWarning``.
 
     Example:
-        >>> import os, tempfile, torch, torchmem
+        >>> import os, tempfile, warnings, torch, torchmem
         >>> p = os.path.join(tempfile.mkdtemp(), "mem.pickle")
         >>> with torchmem.record_history(device="cpu"):
         ...     w = torch.empty(10)
-        ...     _ = dump_snapshot(p)
+        ...     with warnings.catch_warnings(record=True) as caught:
+        ...         warnings.simplefilter("always")
+        ...         _ = dump_snapshot(p)
+        >>> caught[0].category.__name__
+        'DeprecationWarning'
         >>> torchmem.load_snapshot(p).segments[0].total_size
         40
     """
+    warnings.warn(
+        "torchmem.capture.recording.dump_snapshot(path, snap) is deprecated; use "
+        "torchmem.write_snapshot(path, snap) (or torchmem.write_snapshot(path, "
+        "torchmem.snapshot()) for a snapshot taken now)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if snapshot is None:
         snapshot = _take_snapshot()
     write_snapshot(path, snapshot, format=format)

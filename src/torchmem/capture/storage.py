@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError, UnsupportedTensorError
 
 __all__ = [
@@ -95,21 +96,14 @@ def _check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
 def device_str(device: torch.device | str | torch.Tensor) -> str:
     """Canonical device name: ``'cpu'``, ``'cuda:0'``, ``'meta'`` (``'cuda'`` gets its index).
 
+    The rule is :func:`torchmem._device.device_name`'s.
+
     Example:
         >>> import torch
         >>> device_str(torch.zeros(1)), device_str("meta")
         ('cpu', 'meta')
     """
-    if isinstance(device, torch.Tensor):
-        device = device.device
-    d = torch.device(device)
-    if d.index is None and d.type not in ("cpu", "meta"):
-        try:
-            mod = getattr(torch, d.type)
-            return f"{d.type}:{mod.current_device()}"
-        except Exception:
-            return f"{d.type}:0"
-    return str(d)
+    return device_name(device)
 
 
 def resolve_device(device: torch.device | str | int) -> torch.device:
@@ -126,20 +120,15 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
         Traceback (most recent call last):
         torchmem.errors.DeviceError: unknown device 'gpu': ...
     """
-    if isinstance(device, torch.device):
-        d = device
-    elif isinstance(device, (str, int)) and not isinstance(device, bool):
+    if isinstance(device, (str, torch.device)):
+        d = torch.device(device_name(device))
+    elif isinstance(device, int) and not isinstance(device, bool):
         try:
             d = torch.device(device)
         except (RuntimeError, ValueError, TypeError) as e:
-            if isinstance(device, int):
-                raise DeviceError(
-                    f"device index {device} means an accelerator, but none is available on this "
-                    f"machine ({e}). Fix: pass 'cpu'"
-                ) from None
             raise DeviceError(
-                f"unknown device {device!r}: expected a device such as 'cpu', 'cuda', 'cuda:1' "
-                f"or 'meta' ({e})"
+                f"device index {device} means an accelerator, but none is available on this "
+                f"machine ({e}). Fix: pass 'cpu'"
             ) from None
     else:
         raise DeviceError(

@@ -2,7 +2,8 @@
 
 The attribute may be a module, an optimizer, a tensor, a mapping or sequence of tensors, a
 ``(module, optimizer)`` tuple, or a callable (called with no arguments) returning one of these.
-Every failure raises :class:`~torchmem.errors.ObjectLoadError` saying what was expected.
+Every failure raises :class:`~torchmem.errors.ObjectLoadError` saying what was expected, except
+a file that does not exist: :class:`~torchmem.errors.MissingFileError`, as everywhere.
 
 Example:
     >>> import tempfile, os
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchmem.errors import ObjectLoadError
+from torchmem.errors import MissingFileError, ObjectLoadError
 
 __all__ = ["load_object", "classify", "Target"]
 
@@ -47,7 +48,9 @@ def _split(spec: str) -> tuple[str, str]:
 
 def _load_file(path: str) -> Any:
     if not os.path.isfile(path):
-        raise ObjectLoadError(f"file {path!r} does not exist (from the spec before ':')")
+        raise MissingFileError(
+            f"file {path!r} does not exist (from the spec before ':')", path=path, kind="python"
+        )
     name = "_torchmem_user_" + str(abs(hash(os.path.abspath(path))))
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

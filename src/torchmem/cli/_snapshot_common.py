@@ -82,7 +82,7 @@ def load(path: str) -> Snapshot:
         >>> load("no/such/file.pickle")
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: no/such/file.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: no/such/file.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.io import load_snapshot
 

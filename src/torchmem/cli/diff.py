@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         ...                        all_frames=False))
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: nope.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: nope.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis.diff import snapshot_diff
     from torchmem.render.snapshot_text import render_diff

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         ...                        state=False, all_frames=False, output=None))
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis.flame import folded_stacks
     from torchmem.errors import InvalidInputError

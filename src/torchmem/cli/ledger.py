@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices(args: argparse.Namespace) -> list[str]:
+    from torchmem._device import device_selector
     from torchmem.devices import available_devices, normalize_device
 
     present = available_devices()
@@ -61,7 +62,7 @@ def _devices(args: argparse.Namespace) -> list[str]:
         return present
     out: list[str] = []
     for d in args.device:
-        if str(d).strip().lower() == "cuda":
+        if device_selector(d) == "cuda":  # every CUDA device
             cudas = [p for p in present if p.startswith("cuda:")]
             if not cudas:
                 raise DeviceError(

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         ...                        all_frames=False, device=None))
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis.peak import snapshot_peak
     from torchmem.render.snapshot_text import render_peak

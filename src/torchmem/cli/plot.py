@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
         >>> run(argparse.Namespace(trace="/no/such.tmtrace", output="x.png", device=None, title=None, x="event"))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+        torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
     """
     from torchmem.errors import InvalidInputError
-    from torchmem.model.trace import load_trace
+    from torchmem.io.tmtrace import load_trace
     from torchmem.render.plot import plot_timeline
 
     trace = load_trace(args.trace)

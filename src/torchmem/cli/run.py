@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Any
 
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, MissingFileError
 
 __all__ = ["add_arguments", "run"]
 
@@ -116,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.script and not args.example:
         if not os.path.isfile(args.script):
-            raise InvalidInputError(
-                f"script {args.script!r} not found; expected a path to a Python file"
+            raise MissingFileError(
+                f"script {args.script!r} not found; expected a path to a Python file",
+                path=args.script,
+                kind="script",
             )
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")

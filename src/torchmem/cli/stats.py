@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         >>> run(argparse.Namespace(file="missing.pickle", json=False))
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis.oom import oom_report
     from torchmem.analysis.stats import snapshot_stats

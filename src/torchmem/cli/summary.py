@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> int:
         >>> run(argparse.Namespace(trace="/no/such.tmtrace", json=False, top=5, device=None))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+        torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
     """
     from torchmem.analysis.summary import summarize_trace
     from torchmem.errors import InvalidInputError
-    from torchmem.model.trace import load_trace
+    from torchmem.io.tmtrace import load_trace
     from torchmem.render.summary import render_summary, summary_json
 
     trace = load_trace(args.trace)

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         ...                        tail=None, depth=1, all_frames=False))
         Traceback (most recent call last):
         ...
-        torchmem.errors.SnapshotFormatError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)
+        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis.events import snapshot_trace
     from torchmem.render.snapshot_text import render_trace

@@ -1,4 +1,4 @@
-"""``torchmem.MemoryTracker``: the API of ``torch.distributed._tools.memory_tracker.MemoryTracker``.
+"""``torchmem.compat.MemoryTracker``: the API of ``torch.distributed._tools.memory_tracker.MemoryTracker``.
 
 PyTorch's MemoryTracker reads ``torch.cuda.memory_allocated()`` after every operator, so it
 raises without a GPU and misses which storage belongs to what. This class keeps its methods
@@ -10,7 +10,7 @@ window, and ``summary`` reports bytes allocated per ``module.operator (phase)``.
 Example:
     >>> import torch, torchmem
     >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
-    >>> mt = torchmem.MemoryTracker()
+    >>> mt = torchmem.compat.MemoryTracker()
     >>> mt.start_monitor(net)
     >>> net(torch.randn(4, 8)).sum().backward()
     >>> mt.stop()
@@ -25,8 +25,9 @@ import sys
 from typing import IO, Any
 
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, load_trace, save_trace
 from torchmem.model.events import EventKind
-from torchmem.model.trace import PathLike, Trace, load_trace
+from torchmem.model.trace import Trace
 from torchmem.units import format_bytes
 
 __all__ = ["MemoryTracker"]
@@ -38,7 +39,7 @@ class MemoryTracker:
     Example:
         >>> import torch, torchmem, io
         >>> lin = torch.nn.Linear(4, 4)
-        >>> mt = torchmem.MemoryTracker(); mt.start_monitor(lin)
+        >>> mt = torchmem.compat.MemoryTracker(); mt.start_monitor(lin)
         >>> _ = lin(torch.randn(2, 4)); mt.stop()
         >>> buf = io.StringIO(); mt.summary(top=3, file=buf)
         >>> "Linear.aten::addmm (forward)" in buf.getvalue()
@@ -54,7 +55,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().start_monitor("not a module")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().start_monitor("not a module")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: start_monitor expects a torch.nn.Module...
@@ -69,7 +70,7 @@ class MemoryTracker:
             )
         if self._tracker is not None:
             raise InvalidInputError("start_monitor was called twice; call stop() first")
-        self._tracker = track(root_module, metadata={"producer": "torchmem.MemoryTracker"})
+        self._tracker = track(root_module, metadata={"producer": "torchmem.compat.MemoryTracker"})
         self._tracker.__enter__()
         self._trace = self._tracker.trace
 
@@ -78,7 +79,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().stop()
+            >>> torchmem.compat.MemoryTracker().stop()
         """
         if self._tracker is not None:
             tracker, self._tracker = self._tracker, None
@@ -96,7 +97,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().peak()  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().peak()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: nothing recorded yet; ...
@@ -108,7 +109,7 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> mt = torchmem.MemoryTracker()
+            >>> mt = torchmem.compat.MemoryTracker()
             >>> mt.summary()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
@@ -138,10 +139,10 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().show_traces("/no/such.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().show_traces("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+            torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
         """
         from torchmem.render.plot import plot_timeline
 
@@ -154,22 +155,22 @@ class MemoryTracker:
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().save_stats("/tmp/x.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().save_stats("/tmp/x.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             torchmem.errors.InvalidInputError: nothing recorded yet; ...
         """
-        self._need().save(os.fspath(path))
+        save_trace(self._need(), os.fspath(path))
 
     def load(self, path: PathLike) -> None:
         """Load a trace saved by :meth:`save_stats` (or any torchmem trace file).
 
         Example:
             >>> import torchmem
-            >>> torchmem.MemoryTracker().load("/no/such.tmtrace")  # doctest: +ELLIPSIS
+            >>> torchmem.compat.MemoryTracker().load("/no/such.tmtrace")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            torchmem.errors.TraceFormatError: /no/such.tmtrace: no such file; ...
+            torchmem.errors.MissingFileError: /no/such.tmtrace: no such file; ...
         """
         self._trace = load_trace(path)
 

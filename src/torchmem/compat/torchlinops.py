@@ -29,7 +29,7 @@ subset of the other's" by listing every element (O(numel), and only for tensors 
 ``view(-1)`` accepts). torchmem answers "do they view the same storage" in O(1), for any
 strides. They agree for a tensor and any view of it, and for unrelated tensors; they differ for
 two *disjoint* parts of one storage (``x[:5]`` and ``x[5:]``: torchlinops False, torchmem True;
-use :func:`torchmem.overlaps` to ask whether their bytes intersect) and for empty tensors
+use :func:`torchmem.capture.overlaps` to ask whether their bytes intersect) and for empty tensors
 (torchlinops True for any two empty tensors).
 
 Units: ``format_mode="GB"`` prints decimal units (kB/MB/GB, base 1000); ``"GiB"`` prints binary
@@ -38,9 +38,9 @@ units (KiB/MiB/GiB, base 1024). torchlinops' docstring had these swapped; its ou
 Example:
     >>> import io, torch, torchmem
     >>> x = torch.zeros(4, 4)
-    >>> torchmem.tensor_memory_span(x[1:, ::2]), torchmem.cdata(x) == torchmem.cdata(x.t())
+    >>> torchmem.compat.tensor_memory_span(x[1:, ::2]), torchmem.compat.cdata(x) == torchmem.compat.cdata(x.t())
     ((4, 14), True)
-    >>> torchmem.device_ordinal("cpu"), torchmem.get_device(1)
+    >>> torchmem.compat.device_ordinal("cpu"), torchmem.compat.get_device(1)
     (-1, device(type='cuda', index=1))
 """
 

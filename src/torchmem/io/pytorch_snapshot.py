@@ -1,84 +1,78 @@
-"""Normalise any unpickled PyTorch snapshot object into a :class:`~torchmem.model.snapshot.Snapshot`.
+"""PyTorch's memory snapshot format, both directions, without torch.
 
-Private: use :meth:`Snapshot.from_pytorch` or :func:`torchmem.load_snapshot`. Fast path for the
-trace entries (one ``itemgetter`` call per entry, stacks cached by the identity of the shared
-frame lists/dicts that PyTorch's pickles carry, which stay alive while the raw object is held).
+:func:`from_pytorch` normalises any unpickled PyTorch snapshot object (the modern dict with
+``device_traces``, the bare list of segments, 2.0-era blocks with ``history``, torchmem's JSON
+dict) into a :class:`~torchmem.model.snapshot.Snapshot`; :func:`to_pytorch_dict` gives the modern
+dict back, which ``torch.cuda._memory_viz`` and PyTorch's viewer read. Files are
+:mod:`torchmem.io.snapshot_file`.
+
+Reading is fast (the trace entries, a snapshot's bulk, are read column-wise by the private
+``torchmem.io._pytorch_traces``) and strict where a wrong value would mislead: sizes and
+addresses of segments and blocks must fit in 64 bits unsigned, and device indexes must be below
+:data:`DEVICE_INDEX_LIMIT`.
 
 Example:
-    >>> normalise({"segments": [], "device_traces": [[]]}, "x.pickle").num_trace_devices
-    1
+    >>> snap = from_pytorch({"segments": [], "device_traces": [[]]}, path="x.pickle")
+    >>> snap.num_trace_devices, to_pytorch_dict(snap)["device_traces"]
+    (1, [[]])
 """
 
 from __future__ import annotations
 
-from array import array
-from operator import itemgetter
 from typing import Any
 
 from torchmem.errors import SnapshotFormatError
+from torchmem.io._pytorch_traces import Interner, describe, origin_of, read_device_trace
+from torchmem.model.events import Category, Phase
 from torchmem.model.snapshot import (
-    ACTIONS,
     Block,
-    DeviceTrace,
     Frame,
     Segment,
     Snapshot,
     SourceInfo,
 )
 
-__all__ = ["normalise", "JSON_FORMAT_NAME"]
+__all__ = [
+    "from_pytorch",
+    "to_pytorch_dict",
+    "normalise",
+    "JSON_FORMAT_NAME",
+    "DEVICE_INDEX_LIMIT",
+]
 
+#: The ``format`` field of torchmem's JSON snapshot document.
 JSON_FORMAT_NAME = "torchmem-snapshot"
 
-_FULL = itemgetter("action", "addr", "size", "stream", "time_us", "frames")
+#: Device indexes must be below this. PyTorch's ``c10::DeviceIndex`` is 8 bits and torchmem's
+#: ``.tmtrace`` device column 16 bits, so an index of 2**16 or more can only be corruption (a
+#: size or an address read as a device).
+DEVICE_INDEX_LIMIT = 2**16
+_U64_MAX = 2**64 - 1
+_FIX = (
+    "the file is corrupt or was not written by PyTorch; re-create it with "
+    "torch.cuda.memory._dump_snapshot or torchmem.write_snapshot"
+)
+
+_CATEGORY_LABELS = tuple(c.label for c in Category)
+_PHASE_LABELS = tuple(p.label for p in Phase)
 
 
-def _what(obj: Any) -> str:
-    if isinstance(obj, dict):
-        keys = sorted(map(str, obj))[:8]
-        return f"a dict with keys {keys}"
-    if isinstance(obj, (list, tuple)):
-        return f"a {type(obj).__name__} of {len(obj)} items"
-    return f"a {type(obj).__name__}"
+def _u64(where: str, what: str, field: str, value: int) -> int:
+    if not 0 <= value <= _U64_MAX:
+        raise SnapshotFormatError(
+            f"{where}: {what}: {field} is {value}; expected a byte count or address from 0 to "
+            f"2**64-1; {_FIX}"
+        )
+    return value
 
 
-class _Ctx:
-    """Interning caches tied to one normalisation (raw object kept alive by the caller)."""
-
-    def __init__(self, snap: Snapshot, where: str) -> None:
-        self.snap = snap
-        self.where = where
-        self.frame_by_id: dict[int, Frame] = {}
-        self.stack_by_id: dict[int, int] = {}
-
-    def frame(self, f: Any) -> Frame:
-        fr = self.frame_by_id.get(id(f))
-        if fr is None:
-            try:
-                fr = self.snap.intern_frame(
-                    str(f.get("filename", "??")), int(f.get("line", 0) or 0), str(f.get("name", "??"))
-                )
-            except (AttributeError, TypeError, ValueError):
-                raise SnapshotFormatError(
-                    f"{self.where}: a frame should be a dict with filename, line and name, got "
-                    f"{_what(f)}"
-                ) from None
-            self.frame_by_id[id(f)] = fr
-        return fr
-
-    def stack(self, frames: Any) -> int:
-        if not frames:
-            return 0
-        sid = self.stack_by_id.get(id(frames))
-        if sid is None:
-            if not isinstance(frames, (list, tuple)):
-                raise SnapshotFormatError(
-                    f"{self.where}: 'frames' should be a list of frame dicts, got {_what(frames)}"
-                )
-            frame = self.frame
-            sid = self.snap.intern_stack([frame(f) for f in frames])
-            self.stack_by_id[id(frames)] = sid
-        return sid
+def _device(where: str, what: str, value: int) -> int:
+    if not 0 <= value < DEVICE_INDEX_LIMIT:
+        raise SnapshotFormatError(
+            f"{where}: {what}: device is {value}; expected a device index from 0 to "
+            f"{DEVICE_INDEX_LIMIT - 1}; {_FIX}"
+        )
+    return value
 
 
 def _state_of(b: dict[str, Any]) -> str:
@@ -93,18 +87,19 @@ def _state_of(b: dict[str, Any]) -> str:
     return "inactive"
 
 
-def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
+def _segments(ctx: Interner, raw: Any, features: set[str]) -> list[Segment]:
     where = ctx.where
     if not isinstance(raw, list):
-        raise SnapshotFormatError(f"{where}: 'segments' should be a list, got {_what(raw)}")
+        raise SnapshotFormatError(f"{where}: 'segments' should be a list, got {describe(raw)}")
     out: list[Segment] = []
     for i, s in enumerate(raw):
         if not isinstance(s, dict):
-            raise SnapshotFormatError(f"{where}: segment {i} should be a dict, got {_what(s)}")
+            raise SnapshotFormatError(f"{where}: segment {i} should be a dict, got {describe(s)}")
         try:
             addr = int(s["address"])
             total = int(s["total_size"])
             raw_blocks = s["blocks"]
+            device = int(s.get("device", 0) or 0)
         except KeyError as e:
             raise SnapshotFormatError(
                 f"{where}: segment {i} has no {e.args[0]!r} key (keys: {sorted(s)}); "
@@ -115,10 +110,13 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
                 f"{where}: segment {i}: address and total_size should be integers, got "
                 f"{s.get('address')!r} and {s.get('total_size')!r}"
             ) from None
+        _u64(where, f"segment {i}", "address", addr)
+        _u64(where, f"segment {i}", "total_size", total)
+        _device(where, f"segment {i}", device)
         blocks: list[Block] = []
         cur = addr
         try:
-            for b in raw_blocks:
+            for j, b in enumerate(raw_blocks):
                 baddr = b.get("address")
                 if baddr is None:
                     baddr = cur
@@ -138,10 +136,16 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
                     fr = ()
                 if req is None:
                     req = size
+                what = f"segment {i} block {j}"
+                baddr = _u64(where, what, "address", int(baddr))
+                _u64(where, what, "size", size)
+                req = _u64(where, what, "requested_size", int(req))
                 cur = baddr + size
-                blocks.append(
-                    Block(int(baddr), size, int(req), _state_of(b), ctx.snap.stacks[ctx.stack(fr)])
-                )
+                block = Block(baddr, size, req, _state_of(b), ctx.snap.stacks[ctx.stack(fr)])
+                if "category" in b or "phase" in b or "module" in b:
+                    block.category, block.phase, block.module = origin_of(b)
+                    features.update(("category", "phase", "module"))
+                blocks.append(block)
         except SnapshotFormatError:
             raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
@@ -152,7 +156,7 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
         pool = s.get("segment_pool_id", (0, 0))
         out.append(
             Segment(
-                int(s.get("device", 0) or 0),
+                device,
                 addr,
                 total,
                 stream=int(s.get("stream", 0) or 0),
@@ -172,183 +176,6 @@ def _segments(ctx: _Ctx, raw: Any, features: set[str]) -> list[Segment]:
     return out
 
 
-def _fast_columns(
-    ctx: _Ctx,
-    t: DeviceTrace,
-    entries: list[Any],
-    codes: dict[str, int],
-    has_cc: bool,
-    has_um: bool,
-    features: set[str],
-) -> bool:
-    """Column-at-a-time normalisation (C-speed ``map`` over ``itemgetter``) for the common case.
-
-    Returns False (and changes nothing) when an entry lacks a key or has an unknown action, in
-    which case the caller falls back to the entry-at-a-time loop.
-    """
-    try:
-        acts = array("B", map(codes.__getitem__, map(itemgetter("action"), entries)))
-        if codes["oom"] in acts:
-            return False
-        addrs = array("Q", map(itemgetter("addr"), entries))
-        sizes = array("Q", map(itemgetter("size"), entries))
-        streams = array("q", map(itemgetter("stream"), entries))
-        times = array("q", map(itemgetter("time_us"), entries))
-        frame_lists = list(map(itemgetter("frames"), entries))
-        cc = list(map(itemgetter("compile_context"), entries)) if has_cc else None
-        um = list(map(itemgetter("user_metadata"), entries)) if has_um else None
-    except (KeyError, TypeError, OverflowError):
-        return False
-    cache = ctx.stack_by_id
-    stack = ctx.stack
-    for k, fl in dict(zip(map(id, frame_lists), frame_lists)).items():
-        if k not in cache:
-            cache[k] = stack(fl)
-    t.actions = acts
-    t.addrs = addrs
-    t.sizes = sizes
-    t.streams = streams
-    t.times = times
-    t.stack_ids = array("I", map(cache.__getitem__, map(id, frame_lists)))
-    del frame_lists
-    texts: dict[Any, int] = {}
-    for col, name in ((cc, "compile_contexts"), (um, "user_metadata")):
-        if col is None:
-            continue
-        for v in dict.fromkeys(col):
-            if v not in texts:
-                texts[v] = len(texts)
-        setattr(t, name, array("I", map(texts.__getitem__, col)))
-    t.texts = [str(x) for x in texts]
-    t.has_time = True
-    features.add("time_us")
-    if has_cc:
-        features.add("compile_context")
-    if has_um:
-        features.add("user_metadata")
-    return True
-
-
-def _trace(ctx: _Ctx, dev: int, entries: Any, features: set[str]) -> DeviceTrace:
-    where = ctx.where
-    if not isinstance(entries, list):
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}] should be a list of trace entries, got {_what(entries)}"
-        )
-    t = ctx.snap.new_trace(dev)
-    if not entries:
-        return t
-    first = entries[0]
-    if not isinstance(first, dict):
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}][0] should be a dict, got {_what(first)}"
-        )
-    has_cc = "compile_context" in first
-    has_um = "user_metadata" in first
-    texts: dict[str, int] = {}
-    cc_col = array("I") if has_cc else None
-    um_col = array("I") if has_um else None
-    codes = {name: i for i, name in enumerate(ACTIONS)}
-    if _fast_columns(ctx, t, entries, codes, has_cc, has_um, features):
-        return t
-    oom = codes["oom"]
-    acts: list[int] = []
-    addrs: list[int] = []
-    sizes: list[int] = []
-    streams: list[int] = []
-    times: list[int] = []
-    sids: list[int] = []
-    a_app, ad_app, s_app, st_app, t_app, sid_app = (
-        acts.append,
-        addrs.append,
-        sizes.append,
-        streams.append,
-        times.append,
-        sids.append,
-    )
-    stack_by_id = ctx.stack_by_id
-    stack = ctx.stack
-    full = _FULL
-    has_time = True
-    i = 0
-    try:
-        for i, e in enumerate(entries):  # noqa: B007 - i is reported on error
-            try:
-                a, addr, size, stream, tm, fr = full(e)
-            except KeyError:
-                a = e["action"]
-                addr = e.get("addr")
-                if addr is None:
-                    addr = e.get("device_free", 0)
-                size = e["size"]
-                stream = e.get("stream", 0)
-                tm = e.get("time_us")
-                if tm is None:
-                    has_time = False
-                    tm = -1
-                fr = e.get("frames")
-            code = codes.get(a)
-            if code is None:
-                code = t.action_code(str(a))
-                codes[a] = code
-            if code == oom and "device_free" in e:
-                addr = e["device_free"]
-            a_app(code)
-            ad_app(addr)
-            s_app(size)
-            st_app(stream)
-            t_app(tm)
-            if fr:
-                sid = stack_by_id.get(id(fr))
-                if sid is None:
-                    sid = stack(fr)
-                sid_app(sid)
-            else:
-                sid_app(0)
-            if cc_col is not None:
-                c = e.get("compile_context", "")
-                k = texts.get(c)
-                if k is None:
-                    k = texts[c] = len(texts)
-                cc_col.append(k)
-            if um_col is not None:
-                c = e.get("user_metadata", "")
-                k = texts.get(c)
-                if k is None:
-                    k = texts[c] = len(texts)
-                um_col.append(k)
-    except SnapshotFormatError:
-        raise
-    except (KeyError, TypeError, AttributeError) as e:
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}][{i}] is malformed ({type(e).__name__}: {e}); "
-            "expected a dict with action, addr (or device_free), size, stream and frames"
-        ) from None
-    try:
-        t.actions = array("B", acts)
-        t.addrs = array("Q", addrs)
-        t.sizes = array("Q", sizes)
-        t.streams = array("q", streams)
-        t.times = array("q", times)
-        t.stack_ids = array("I", sids)
-    except (OverflowError, TypeError) as e:
-        raise SnapshotFormatError(
-            f"{where}: device_traces[{dev}] has a value that is not a 64-bit integer ({e}); "
-            "expected integer addr/size/stream/time_us"
-        ) from None
-    t.has_time = has_time
-    t.compile_contexts = cc_col
-    t.user_metadata = um_col
-    t.texts = list(texts)
-    if has_time:
-        features.add("time_us")
-    if has_cc:
-        features.add("compile_context")
-    if has_um:
-        features.add("user_metadata")
-    return t
-
-
 def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = None) -> Snapshot:
     """Normalise a raw snapshot object; errors name ``path`` and what was wrong.
 
@@ -361,9 +188,18 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
         ...
         torchmem.errors.SnapshotFormatError: x.pickle: expected a PyTorch memory snapshot (a dict with 'segments' and 'device_traces', or a list of segments), got a int
     """
+    try:
+        return _normalise(obj, path, pickle_protocol)
+    except SnapshotFormatError as e:
+        if e.path is None:
+            e.path = path
+        raise
+
+
+def _normalise(obj: Any, path: str | None, pickle_protocol: int | None) -> Snapshot:
     where = path or "<snapshot>"
     snap = Snapshot()
-    ctx = _Ctx(snap, where)
+    ctx = Interner(snap, where)
     features: set[str] = set()
     fmt = "dict"
     meta: dict[str, Any] = {}
@@ -389,15 +225,15 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
     else:
         raise SnapshotFormatError(
             f"{where}: expected a PyTorch memory snapshot (a dict with 'segments' and "
-            f"'device_traces', or a list of segments), got {_what(obj)}"
+            f"'device_traces', or a list of segments), got {describe(obj)}"
         )
     snap.segments = _segments(ctx, raw_segments, features)
     if not isinstance(raw_traces, list):
         raise SnapshotFormatError(
-            f"{where}: 'device_traces' should be a list (one list per device), got {_what(raw_traces)}"
+            f"{where}: 'device_traces' should be a list (one list per device), got {describe(raw_traces)}"
         )
     for dev, entries in enumerate(raw_traces):
-        _trace(ctx, dev, entries, features)
+        read_device_trace(ctx, dev, entries, features)
     snap.num_trace_devices = max(snap.num_trace_devices, len(raw_traces))
     if isinstance(obj, dict):
         settings = obj.get("allocator_settings")
@@ -425,3 +261,140 @@ def normalise(obj: Any, path: str | None = None, pickle_protocol: int | None = N
         path=path, format=fmt, pickle_protocol=pickle_protocol, features=tuple(sorted(features))
     )
     return snap
+
+
+def from_pytorch(obj: Any, *, path: str | None = None) -> Snapshot:
+    """Normalise an unpickled PyTorch snapshot (dict or list of segments) or our JSON dict.
+
+    Raises :class:`~torchmem.errors.SnapshotFormatError` naming ``path`` and what was wrong.
+
+    Example:
+        >>> from_pytorch([]).source.format
+        'list'
+        >>> from_pytorch([{"device": 0, "address": 0, "total_size": -5, "blocks": []}],
+        ...              path="bad.pickle")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.SnapshotFormatError: bad.pickle: segment 0: total_size is -5; expected ...
+    """
+    return normalise(obj, path)
+
+
+def to_pytorch_dict(snapshot: Snapshot) -> dict[str, Any]:
+    """PyTorch's modern snapshot format (what ``torch.cuda.memory._snapshot()`` returns).
+
+    Keys: ``segments`` (with ``blocks`` carrying ``address`` and ``frames``),
+    ``device_traces`` (one list per device index, entries with ``action``, ``addr`` /
+    ``device_free``, ``size``, ``stream``, ``frames`` and ``time_us`` when known), plus
+    ``allocator_settings`` / ``external_annotations`` when known. Frames and stacks are shared
+    objects (as in PyTorch's output), so do not mutate them in place. A ``torchmem`` key holds
+    device names and notes; PyTorch's tools ignore it.
+
+    Entries and blocks that know where their allocation came from also carry ``category``,
+    ``phase`` (labels) and ``module``: extra keys that PyTorch's tools ignore and
+    :func:`from_pytorch` reads back.
+
+    Example:
+        >>> d = to_pytorch_dict(Snapshot())
+        >>> sorted(d)
+        ['device_traces', 'segments', 'torchmem']
+        >>> snap = from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 512,
+        ...     "blocks": [{"size": 512, "state": "active_allocated", "category": "gradient"}]}]})
+        >>> to_pytorch_dict(snap)["segments"][0]["blocks"][0]["category"]
+        'gradient'
+    """
+    frame_dicts: dict[Frame, dict[str, Any]] = {}
+
+    def fd(f: Frame) -> dict[str, Any]:
+        d = frame_dicts.get(f)
+        if d is None:
+            d = frame_dicts[f] = {"filename": f.filename, "line": f.line, "name": f.name}
+        return d
+
+    stack_lists: list[list[dict[str, Any]] | None] = [None] * len(snapshot.stacks)
+
+    def sl(idx: int) -> list[dict[str, Any]]:
+        lst = stack_lists[idx]
+        if lst is None:
+            lst = stack_lists[idx] = [fd(f) for f in snapshot.stacks[idx]]
+        return lst
+
+    segs = []
+    for s in snapshot.segments:
+        blocks = [
+            {
+                "address": b.address,
+                "size": b.size,
+                "requested_size": b.requested_size,
+                "state": b.state,
+                "frames": sl(snapshot.intern_stack(b.frames)),
+                **b.origin(),
+            }
+            for b in s.blocks
+        ]
+        segs.append(
+            {
+                "device": s.device,
+                "address": s.address,
+                "total_size": s.total_size,
+                "allocated_size": s.allocated_size,
+                "active_size": s.active_size,
+                "requested_size": s.requested_size,
+                "stream": s.stream,
+                "segment_type": s.segment_type,
+                "segment_pool_id": tuple(s.segment_pool_id),
+                "is_expandable": s.is_expandable,
+                "frames": sl(snapshot.intern_stack(s.frames)),
+                "blocks": blocks,
+            }
+        )
+    traces: list[list[dict[str, Any]]] = []
+    for dev in range(snapshot.num_trace_devices):
+        t = snapshot.traces.get(dev)
+        entries: list[dict[str, Any]] = []
+        traces.append(entries)
+        if t is None:
+            continue
+        names = t.action_names
+        oom = names.index("oom")
+        has_time = t.has_time
+        ccs = t.compile_contexts
+        ums = t.user_metadata
+        cats, phases, mods = t.categories, t.phases, t.modules
+        texts = t.texts
+        for i, (a, addr, size, stream, tm, sid) in enumerate(
+            zip(t.actions, t.addrs, t.sizes, t.streams, t.times, t.stack_ids)
+        ):
+            e: dict[str, Any] = {"action": names[a]}
+            if a == oom:
+                e["device_free"] = addr
+            else:
+                e["addr"] = addr
+            e["size"] = size
+            e["stream"] = stream
+            if has_time:
+                e["time_us"] = tm
+            if ccs is not None:
+                e["compile_context"] = texts[ccs[i]]
+            if ums is not None:
+                e["user_metadata"] = texts[ums[i]]
+            if cats is not None and phases is not None and mods is not None:
+                if cats[i] >= 0:
+                    e["category"] = _CATEGORY_LABELS[cats[i]]
+                if phases[i] >= 0:
+                    e["phase"] = _PHASE_LABELS[phases[i]]
+                if mods[i] >= 0:
+                    e["module"] = texts[mods[i]]
+            e["frames"] = sl(sid)
+            entries.append(e)
+    out: dict[str, Any] = {"segments": segs, "device_traces": traces}
+    if snapshot.allocator_settings is not None:
+        out["allocator_settings"] = snapshot.allocator_settings
+    if snapshot.external_annotations is not None:
+        out["external_annotations"] = snapshot.external_annotations
+    out["torchmem"] = {
+        "device_names": {str(k): v for k, v in sorted(snapshot.device_names.items())},
+        "notes": list(snapshot.notes),
+        "source_format": snapshot.source.format,
+    }
+    return out

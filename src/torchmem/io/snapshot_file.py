@@ -32,10 +32,17 @@ import os
 import pickle
 import pickletools
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import IO, Any
 
-from torchmem.errors import InvalidInputError, SnapshotFormatError, UnsafePickleError
-from torchmem.io.pytorch_snapshot import JSON_FORMAT_NAME, normalise
+from torchmem.errors import (
+    InvalidInputError,
+    MissingFileError,
+    SnapshotFormatError,
+    UnsafePickleError,
+)
+from torchmem.io.convert import snapshot_from_trace
+from torchmem.io.pytorch_snapshot import JSON_FORMAT_NAME, normalise, to_pytorch_dict
+from torchmem.io.tmtrace import PathLike, is_tmtrace, load_trace
 from torchmem.model.snapshot import Snapshot
 
 __all__ = [
@@ -47,9 +54,6 @@ __all__ = [
     "PathLike",
     "PICKLE_PROTOCOL",
 ]
-
-PathLike = Union[str, "os.PathLike[str]"]
-
 
 class SafeUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` (the C implementation) that refuses every global and persistent id.
@@ -112,17 +116,28 @@ def load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
         >>> load_raw(io.BytesIO(pickle.dumps([], protocol=2)))
         ([], '<stream>', 2)
     """
+    try:
+        return _load_raw(source)
+    except SnapshotFormatError as e:
+        if e.path is None and isinstance(source, (str, os.PathLike)):
+            e.path = os.fspath(source)
+        raise
+
+
+def _load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         try:
             f: IO[bytes] = open(name, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
-            raise SnapshotFormatError(
+            raise MissingFileError(
                 f"{name}: no such file; expected the path of a memory snapshot "
-                "(from torch.cuda.memory._dump_snapshot or torchmem.dump_snapshot)"
+                "(from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)",
+                path=name,
+                kind="snapshot",
             ) from None
         except OSError as e:
-            raise SnapshotFormatError(f"{name}: cannot open: {e.strerror}") from None
+            raise SnapshotFormatError(f"{name}: cannot open: {e.strerror}", path=name) from None
         close = True
     else:
         f = source
@@ -182,11 +197,12 @@ def load_snapshot(source: PathLike | IO[bytes]) -> Snapshot:
     """Load a memory snapshot file (any PyTorch version, any pickle protocol, or our JSON).
 
     A torchmem tracker trace file (``.tmtrace``) is accepted too and converted with
-    :func:`~torchmem.model.snapshot.snapshot_from_events`.
+    :func:`~torchmem.io.convert.snapshot_from_trace`.
 
     Returns a normalised :class:`~torchmem.model.snapshot.Snapshot`. Errors
     (:class:`~torchmem.errors.SnapshotFormatError`, :class:`~torchmem.errors.UnsafePickleError`)
-    name the file and what was wrong.
+    name the file and what was wrong; a missing file raises
+    :class:`~torchmem.errors.MissingFileError`.
 
     Example:
         >>> snap = load_snapshot("tests/data/DeComFL__memory.pickle")  # doctest: +SKIP
@@ -198,10 +214,8 @@ def load_snapshot(source: PathLike | IO[bytes]) -> Snapshot:
         ...
         torchmem.errors.SnapshotFormatError: <stream>: the pickle ends early (it starts with bytes b'\\x80\\x04\\x95'); the file is truncated -- copy it again
     """
-    if isinstance(source, (str, os.PathLike)) and _is_tmtrace(source):
-        from torchmem.model.trace import load_trace
-
-        snap = Snapshot.from_trace(load_trace(source))
+    if isinstance(source, (str, os.PathLike)) and is_tmtrace(source):
+        snap = snapshot_from_trace(load_trace(source))
         snap.source.path = os.fspath(source)
         return snap
     # Building millions of small containers triggers the cyclic GC over and over for nothing
@@ -218,14 +232,6 @@ def load_snapshot(source: PathLike | IO[bytes]) -> Snapshot:
             gc.enable()
     snap.source.path = path
     return snap
-
-
-def _is_tmtrace(path: PathLike) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(8) == b"TMTRACE\0"
-    except OSError:
-        return False
 
 
 def _scan_opcodes(path: PathLike) -> set[str]:
@@ -254,7 +260,7 @@ def to_json_dict(snapshot: Snapshot) -> dict[str, Any]:
         >>> to_json_dict(Snapshot())["format"]
         'torchmem-snapshot'
     """
-    return {"format": JSON_FORMAT_NAME, "version": 1, "snapshot": snapshot.to_pytorch_dict()}
+    return {"format": JSON_FORMAT_NAME, "version": 1, "snapshot": to_pytorch_dict(snapshot)}
 
 
 def write_snapshot(path: str | os.PathLike[str], snapshot: Snapshot, format: str = "pickle") -> None:
@@ -284,7 +290,7 @@ def write_snapshot(path: str | os.PathLike[str], snapshot: Snapshot, format: str
     try:
         if format == "pickle":
             with open(tmp, "wb") as f:
-                pickle.dump(snapshot.to_pytorch_dict(), f, protocol=PICKLE_PROTOCOL)
+                pickle.dump(to_pytorch_dict(snapshot), f, protocol=PICKLE_PROTOCOL)
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(to_json_dict(snapshot), f, separators=(",", ":"))

@@ -64,7 +64,8 @@ def ledger_metrics(ledger: Any, usage: Optional[UsageSource] = None) -> dict[str
     ``device_process_bytes`` when the source knows the device.
 
     Example:
-        >>> from torchmem import Ledger, DeviceUsage
+        >>> from torchmem import Ledger
+        >>> from torchmem.devices import DeviceUsage
         >>> class Fixed:
         ...     def usage(self, device):
         ...         return DeviceUsage(device, total=1000, used=250) if device == "cpu" else None

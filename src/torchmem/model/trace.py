@@ -1,75 +1,43 @@
-"""Column-wise event traces and the ``.tmtrace`` file format (plain data, no torch).
+"""Column-wise event traces (plain data, no torch, no file I/O).
 
 A :class:`Trace` holds an event stream as parallel typed arrays (the stdlib :mod:`array`
 module), one entry per event, plus string tables for devices, operator/module names and stacks.
-Holding an event costs 45 bytes (see :data:`BYTES_PER_EVENT`), and reading a file is a handful of
-``array.frombytes`` calls, so a million events load in well under a second.
+Holding an event costs 45 bytes (see :data:`BYTES_PER_EVENT`). The ``.tmtrace`` file format that
+stores these columns is in :mod:`torchmem.io.tmtrace`.
 
 The tracker (:mod:`torchmem.capture`) appends to a Trace while it records; consumers (summaries,
 plots, snapshot conversion, the viewer) read one with :meth:`Trace.events` or the columns.
 
-File format, version 1 (all integers little-endian)::
-
-    offset  size  content
-    0       8     magic  b"TMTRACE\\0"
-    8       4     uint32 format version (1)
-    12      4     uint32 header length H
-    16      H     header: UTF-8 JSON object
-                    {"format": "torchmem-trace", "version": 1, "count": N,
-                     "columns": [[name, typecode, itemsize], ...],   # order of the data below
-                     "devices": ["cpu", "cuda:0", ...],               # device column indexes this
-                     "strings": ["", "aten::mm", "encoder.0", ...],  # op/module columns index this;
-                                                                      # index 0 means "none"
-                     "stacks": [["file.py:12:fn", ...], ...],         # stack column indexes this;
-                                                                      # -1 means "no stack"
-                     "metadata": {...}}                               # free-form (torch version...)
-    16+H    ...   one block per column, N * itemsize bytes each, in header order
-    end-8   8     trailer magic b"TMTREND\\0" (detects truncation)
-
 Columns (typecode, bytes): kind (B,1) time_ns (q,8) device (H,2) nbytes (q,8) storage (q,8)
 op (I,4) module (I,4) phase (B,1) category (B,1) step (I,4) stack (i,4). ``seq`` is the row
 index. Codes of kind/phase/category are :class:`~torchmem.model.events.EventKind`,
-:class:`~torchmem.model.events.Phase` and :class:`~torchmem.model.events.Category`. No pickle
-anywhere; a reader needs only ``json`` and fixed-width integers.
+:class:`~torchmem.model.events.Phase` and :class:`~torchmem.model.events.Category`; ``op`` and
+``module`` index :attr:`Trace.strings` (index 0 is ``""``, meaning "none"), ``stack`` indexes
+:attr:`Trace.stacks` (-1 means "no stack").
 
 Example:
-    >>> import tempfile, os
     >>> from torchmem.model.events import EventKind, Category
     >>> tr = Trace()
     >>> tr.append(EventKind.ALLOC, 0, "cpu", 4096, 1, op="aten::mm", category=Category.ACTIVATION)
     0
     >>> tr.append(EventKind.FREE, 5, "cpu", 4096, 1, op="aten::mm")
     1
-    >>> path = os.path.join(tempfile.mkdtemp(), "t.tmtrace")
-    >>> tr.save(path)
-    >>> back = Trace.load(path)
-    >>> len(back), back.peak(), [e.kind.label for e in back.events()]
+    >>> len(tr), tr.peak(), [e.kind.label for e in tr.events()]
     (2, {'cpu': 4096}, ['alloc', 'free'])
 """
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-import sys
 from array import array
 from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-from torchmem.errors import TraceFormatError
+from torchmem.errors import InvalidInputError
 from torchmem.model.events import Category, Event, EventKind, Phase
 
-__all__ = ["Trace", "load_trace", "FORMAT_VERSION", "COLUMNS", "BYTES_PER_EVENT", "MAGIC"]
+__all__ = ["Trace", "COLUMNS", "BYTES_PER_EVENT"]
 
-PathLike = Union[str, "os.PathLike[str]"]
-
-MAGIC = b"TMTRACE\0"
-TRAILER = b"TMTREND\0"
-FORMAT_VERSION = 1
-
-#: (column name, array typecode, item size in bytes) in file order.
+#: (column name, array typecode, item size in bytes), in the order files store them.
 COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("kind", "B", 1),
     ("time_ns", "q", 8),
@@ -96,7 +64,8 @@ _CATS = tuple(Category)
 
 
 class Trace:
-    """An event stream held column-wise; the result of a tracking run or of :func:`load_trace`.
+    """An event stream held column-wise; the result of a tracking run or of
+    :func:`torchmem.io.tmtrace.load_trace`.
 
     ``storage`` ids are unique within the trace. Categories of allocations may be refined after
     they are appended (see :meth:`set_category`), e.g. an activation freed within its phase
@@ -211,6 +180,37 @@ class Trace:
         self.step.append(int(step))
         self.stack.append(self.intern_stack(stack))
         return len(self.kind) - 1
+
+    def set_tables(
+        self,
+        devices: Sequence[str],
+        strings: Sequence[str],
+        stacks: Sequence[Sequence[str]],
+    ) -> None:
+        """Replace the device, string and stack tables (a reader fills the columns, then this).
+
+        ``strings[0]`` must be ``""``: index 0 of the ``op`` and ``module`` columns means "none".
+
+        Example:
+            >>> t = Trace(); t.set_tables(["cpu"], ["", "aten::mm"], [["a.py:1:f"]])
+            >>> t.intern("aten::mm"), t.intern_device("cpu"), t.intern_stack(["a.py:1:f"])
+            (1, 0, 0)
+            >>> t.set_tables([], ["aten::mm"], [])
+            Traceback (most recent call last):
+            ...
+            torchmem.errors.InvalidInputError: expected a string table that starts with "" (index 0 means no name), got ['aten::mm']; fix: put "" first
+        """
+        if not strings or strings[0] != "":
+            raise InvalidInputError(
+                'expected a string table that starts with "" (index 0 means no name), got '
+                f'{list(strings[:3])}; fix: put "" first'
+            )
+        self.devices = list(devices)
+        self.strings = list(strings)
+        self.stacks = [tuple(s) for s in stacks]
+        self._device_index = {d: i for i, d in enumerate(self.devices)}
+        self._string_index = {s: i for i, s in enumerate(self.strings)}
+        self._stack_index = {s: i for i, s in enumerate(self.stacks)}
 
     def set_category(self, seq: int, category: Category | int) -> None:
         """Change the category recorded for event ``seq``.
@@ -352,143 +352,3 @@ class Trace:
             0
         """
         return len(self) * BYTES_PER_EVENT
-
-    # ---- files ----------------------------------------------------------------------------
-    def save(self, path: PathLike) -> None:
-        """Write the trace to ``path`` in the ``.tmtrace`` format (see the module docstring).
-
-        Example:
-            >>> import tempfile, os
-            >>> p = os.path.join(tempfile.mkdtemp(), "empty.tmtrace")
-            >>> Trace().save(p); len(Trace.load(p))
-            0
-        """
-        header = {
-            "format": "torchmem-trace",
-            "version": FORMAT_VERSION,
-            "count": len(self),
-            "columns": [list(c) for c in COLUMNS],
-            "devices": self.devices,
-            "strings": self.strings,
-            "stacks": [list(s) for s in self.stacks],
-            "metadata": self.metadata,
-        }
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        tmp = f"{os.fspath(path)}.part"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<II", FORMAT_VERSION, len(blob)))
-            f.write(blob)
-            for name, _, _ in COLUMNS:
-                col: array[Any] = getattr(self, name)
-                if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
-                    col = array(col.typecode, col)
-                    col.byteswap()
-                col.tofile(f)
-            f.write(TRAILER)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: PathLike) -> Trace:
-        """Read a ``.tmtrace`` file; raises :class:`~torchmem.errors.TraceFormatError` naming
-        the file and the problem if it is truncated, from another version or not a trace.
-
-        Example:
-            >>> import tempfile, os
-            >>> p = os.path.join(tempfile.mkdtemp(), "junk.tmtrace")
-            >>> _ = open(p, "w").write("hello")
-            >>> Trace.load(p)  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            torchmem.errors.TraceFormatError: ...junk.tmtrace: not a torchmem trace file ...
-        """
-        name = os.fspath(path)
-        try:
-            data = Path(name).read_bytes()
-        except FileNotFoundError:
-            raise TraceFormatError(
-                f"{name}: no such file; expected a trace written by 'torchmem run' or "
-                "tracker.save(path)"
-            ) from None
-        except IsADirectoryError:
-            raise TraceFormatError(f"{name}: is a directory, expected a .tmtrace file") from None
-        if data[:8] != MAGIC:
-            raise TraceFormatError(
-                f"{name}: not a torchmem trace file (it does not start with {MAGIC!r}); "
-                "expected a file written by 'torchmem run' or tracker.save(path)"
-            )
-        if len(data) < 16:
-            raise TraceFormatError(f"{name}: truncated: the file ends inside its 16-byte preamble")
-        version, hlen = struct.unpack_from("<II", data, 8)
-        if version != FORMAT_VERSION:
-            raise TraceFormatError(
-                f"{name}: trace format version {version}, but this torchmem reads version "
-                f"{FORMAT_VERSION}; upgrade torchmem (or re-record the trace with this version)"
-            )
-        if 16 + hlen > len(data):
-            raise TraceFormatError(
-                f"{name}: truncated: header needs {hlen} bytes but only {len(data) - 16} remain"
-            )
-        try:
-            header = json.loads(data[16 : 16 + hlen].decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise TraceFormatError(f"{name}: corrupt header ({e})") from None
-        if not isinstance(header, dict) or header.get("format") != "torchmem-trace":
-            raise TraceFormatError(f"{name}: header is not a torchmem-trace header")
-        try:
-            count = int(header["count"])
-            columns = [tuple(c) for c in header["columns"]]
-            devices = [str(d) for d in header["devices"]]
-            strings = [str(s) for s in header["strings"]]
-            stacks = [tuple(str(f) for f in s) for s in header["stacks"]]
-            metadata = dict(header.get("metadata") or {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceFormatError(f"{name}: header is missing or has a bad field ({e})") from None
-        if columns != [tuple(c) for c in COLUMNS]:
-            raise TraceFormatError(
-                f"{name}: unexpected column layout {columns}; expected {list(COLUMNS)}"
-            )
-        need = 16 + hlen + count * BYTES_PER_EVENT + len(TRAILER)
-        if len(data) < need or data[need - len(TRAILER) : need] != TRAILER:
-            raise TraceFormatError(
-                f"{name}: truncated or corrupt: {count} events need {need} bytes with the "
-                f"end marker, the file has {len(data)} bytes"
-            )
-        tr = cls(metadata)
-        pos = 16 + hlen
-        mv = memoryview(data)
-        for cname, _code, size in COLUMNS:
-            col: array[Any] = getattr(tr, cname)
-            col.frombytes(mv[pos : pos + count * size])
-            if sys.byteorder != "little":  # pragma: no cover
-                col.byteswap()
-            pos += count * size
-        tr.devices = devices
-        tr.strings = strings if strings and strings[0] == "" else ["", *strings]
-        tr.stacks = stacks
-        tr._device_index = {d: i for i, d in enumerate(devices)}
-        tr._string_index = {s: i for i, s in enumerate(tr.strings)}
-        tr._stack_index = {s: i for i, s in enumerate(stacks)}
-        if count and (
-            max(tr.device) >= max(len(devices), 1)
-            or max(tr.op) >= len(tr.strings)
-            or max(tr.module) >= len(tr.strings)
-            or max(tr.kind) > 2
-            or max(tr.phase) >= len(_PHASES)
-            or max(tr.category) >= len(_CATS)
-            or max(tr.stack) >= len(stacks)
-        ):
-            raise TraceFormatError(f"{name}: corrupt: an event refers to a table entry that is missing")
-        return tr
-
-
-def load_trace(path: PathLike) -> Trace:
-    """Read a trace file written by ``torchmem run`` or ``tracker.save(path)``.
-
-    Example:
-        >>> load_trace("/no/such/file.tmtrace")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.TraceFormatError: /no/such/file.tmtrace: no such file; ...
-    """
-    return Trace.load(path)

@@ -38,14 +38,9 @@ import torch
 from torch import nn
 
 from torchmem.errors import InvalidInputError
-from torchmem.transfer.engine import (
-    DEFAULT_CHUNK_BYTES,
-    StagingBuffers,
-    _chunk_size,
-    _LiveBytes,
-    move_storages,
-    transfer,
-)
+from torchmem.transfer.engine import transfer
+from torchmem.transfer.pipeline import move_storages
+from torchmem.transfer.staging import DEFAULT_CHUNK_BYTES, StagingBuffers, _chunk_size, _LiveBytes
 from torchmem.transfer.streams import DeviceLike, DeviceSpec, use_stream
 from torchmem.units import format_bytes
 

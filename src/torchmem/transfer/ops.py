@@ -38,12 +38,8 @@ import torch
 from torch import nn
 
 from torchmem.errors import InvalidInputError
-from torchmem.transfer.engine import (
-    DEFAULT_CHUNK_BYTES,
-    StagingBuffers,
-    _chunk_size,
-    _transfer,
-)
+from torchmem.transfer.engine import _transfer
+from torchmem.transfer.staging import DEFAULT_CHUNK_BYTES, StagingBuffers, _chunk_size
 from torchmem.transfer.streams import (
     DeviceLike,
     DeviceSpec,
@@ -187,7 +183,7 @@ def adjoint_of(op: Any) -> Any:
         >>> adjoint_of(abs)
         Traceback (most recent call last):
         ...
-        torchmem.errors.InvalidInputError: abs has no adjoint (no .H or .adjoint()). Fix: wrap it as torchmem.LinearOp(fn, adjoint=fn_adjoint).
+        torchmem.errors.InvalidInputError: abs has no adjoint (no .H or .adjoint()). Fix: wrap it as torchmem.transfer.LinearOp(fn, adjoint=fn_adjoint).
     """
     if isinstance(op, Operator):
         return op.H
@@ -199,7 +195,7 @@ def adjoint_of(op: Any) -> Any:
         return adj()
     raise InvalidInputError(
         f"{_short(op, _MAX_DEPTH)} has no adjoint (no .H or .adjoint()). Fix: wrap it as "
-        "torchmem.LinearOp(fn, adjoint=fn_adjoint)."
+        "torchmem.transfer.LinearOp(fn, adjoint=fn_adjoint)."
     )
 
 

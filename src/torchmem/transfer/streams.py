@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from torchmem.capture.storage import device_str
+from torchmem._device import device_name
 from torchmem.errors import DeviceError, InvalidInputError
 
 __all__ = [
@@ -56,14 +56,7 @@ def canonical_device(device: DeviceLike) -> torch.device:
     """
     if isinstance(device, DeviceSpec):
         return device.device
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise DeviceError(
-            f"expected a device such as 'cpu', 'meta', 'cuda:0' or a torch.device, got {device!r} "
-            f"({e}). Fix: pass a valid device string."
-        ) from None
-    return torch.device(device_str(d))
+    return torch.device(device_name(device))
 
 
 def is_accelerator(device: DeviceLike) -> bool:

@@ -10,8 +10,8 @@ page (:mod:`torchmem.render.viewer.html`), whose JavaScript decodes it with the 
 built-in ``DecompressionStream``.
 
 Example:
-    >>> from torchmem.model.snapshot import Snapshot
-    >>> snap = Snapshot.from_pytorch({"segments": [{"device": 0, "address": 4096,
+    >>> from torchmem.io.pytorch_snapshot import from_pytorch
+    >>> snap = from_pytorch({"segments": [{"device": 0, "address": 4096,
     ...          "total_size": 2048, "stream": 0, "segment_type": "small", "blocks": [
     ...             {"address": 4096, "size": 512, "requested_size": 500,
     ...              "state": "active_allocated", "frames": []},
@@ -43,6 +43,8 @@ from torchmem.analysis.peak import snapshot_peak
 from torchmem.analysis.replay import DeviceReplay
 from torchmem.analysis.stats import snapshot_stats
 from torchmem.errors import InvalidInputError
+from torchmem.io.convert import snapshot_from_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.model.snapshot import Snapshot
 from torchmem.model.trace import Trace
 
@@ -88,9 +90,10 @@ ProgressFn = Callable[[str], None]
 def as_snapshot(source: Any) -> Snapshot:
     """The :class:`~torchmem.model.snapshot.Snapshot` the viewer shows for ``source``.
 
-    ``source`` is a Snapshot or a :class:`~torchmem.model.trace.Trace` (converted with
-    :meth:`Snapshot.from_trace <torchmem.model.snapshot.Snapshot.from_trace>`); the viewer
-    never opens files: load one with :func:`torchmem.io.load_snapshot`.
+    ``source`` is a Snapshot, a :class:`~torchmem.model.trace.Trace` (converted with
+    :func:`torchmem.io.convert.snapshot_from_trace`) or PyTorch's own snapshot dict
+    (``torch.cuda.memory._snapshot()``); the viewer never opens files: load one with
+    :func:`torchmem.io.load_snapshot`.
 
     Example:
         >>> as_snapshot(Trace()).segments
@@ -103,14 +106,16 @@ def as_snapshot(source: Any) -> Snapshot:
     if isinstance(source, Snapshot):
         return source
     if isinstance(source, Trace):
-        return Snapshot.from_trace(source)
+        return snapshot_from_trace(source)
+    if isinstance(source, list) or (isinstance(source, Mapping) and "segments" in source):
+        return from_pytorch(source)
     got = type(source).__name__
     if isinstance(source, Mapping):
         got = f"a dict with keys {sorted(map(str, source))[:8]}"
     raise InvalidInputError(
-        "the viewer expected a memory snapshot (a torchmem Snapshot or Trace), "
-        f"got {got}; fix: load a file with torchmem.io.load_snapshot(path), or convert "
-        "PyTorch's dict (torch.cuda.memory._snapshot()) with Snapshot.from_pytorch(d)"
+        "the viewer expected a memory snapshot (a torchmem Snapshot or Trace, or PyTorch's "
+        f"torch.cuda.memory._snapshot() dict), got {got}; fix: load a file with "
+        "torchmem.io.load_snapshot(path)"
     )
 
 
@@ -411,7 +416,7 @@ def iter_frames(payload: Mapping[str, Any], stack_id: int) -> Iterable[list[Any]
     """Frames ``[name, filename, line]`` of one interned stack, innermost first.
 
     Example:
-        >>> p = build_payload(Snapshot.from_pytorch({"segments": [], "device_traces": [[
+        >>> p = build_payload(from_pytorch({"segments": [], "device_traces": [[
         ...     {"action": "alloc", "addr": 0, "size": 8, "stream": 0,
         ...      "frames": [{"name": "f", "filename": "a.py", "line": 1}]}]]}))
         >>> list(iter_frames(p, 1))

@@ -1,0 +1,261 @@
+"""The tracker's hot path: the dispatch mode and the per-operator and per-free callbacks.
+
+These run for every operator and every free while a tracker is active, so they are built once
+per run by :meth:`_HotPath._make_hot_paths` as closures over local bindings (the trace's column
+``append`` methods, the live-storage map, the per-device counters) instead of methods that look
+attributes up on every call; the closures share those bindings, so they stay together in one
+function. Events that need more (stacks, listeners, marks) go through the general path,
+``_Recorder._record``.
+
+Example:
+    >>> import torch, torchmem
+    >>> with torchmem.track() as tr:
+    ...     a = torch.ones(4); a = a.add_(1); b = a.view(2, 2); del a, b
+    >>> [(e.kind.label, e.op) for e in tr.events()]   # in-place ops and views allocate nothing
+    [('alloc', 'aten::ones'), ('free', None)]
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchmem.capture.tracker._hooks import _Hooks
+from torchmem.capture.tracker._phases import _graph_task_id
+from torchmem.capture.tracker._recorder import (
+    _ALLOC,
+    _FREE,
+    _P_BWD,
+    _PROVISIONAL,
+    _TEMP,
+    _perf_ns,
+    _SRef,
+)
+
+__all__: list[str] = []
+
+_strided = torch.strided
+
+
+class _Mode(TorchDispatchMode):
+    """Sees every operator; reports non-aliasing outputs to the tracker."""
+
+    def __init__(self, tracker: _HotPath) -> None:
+        super().__init__()
+        self._on_outputs = tracker._on_outputs
+        self._ops = tracker._ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        info = self._ops.get(func)
+        if info is None or info:
+            self._on_outputs(func, out, info)
+        return out
+
+
+class _HotPath(_Hooks):
+    """Builds the callbacks the dispatch mode and the storages' weak references call."""
+
+    def _make_hot_paths(self) -> None:
+        """Build the per-operator and per-free callbacks as closures over local bindings:
+        they run for every allocation and free, so they avoid attribute lookups."""
+        tr = self.trace
+        live = self._live
+        live_get = live.get
+        dev_cache = self._dev_cache
+        live_dev = self._live_dev
+        peak_dev = self._peak_dev
+        cat_col = tr.category
+        a_kind, a_time, a_dev, a_nb, a_sid = (
+            tr.kind.append, tr.time_ns.append, tr.device.append, tr.nbytes.append,
+            tr.storage.append,
+        )
+        a_op, a_mod, a_phase, a_cat, a_step, a_stack = (
+            tr.op.append, tr.module.append, tr.phase.append, tr.category.append,
+            tr.step.append, tr.stack.append,
+        )
+        kind_col = tr.kind
+        fw_names = self._fw_names
+        t0 = self._t0
+        perf = _perf_ns
+        task = _graph_task_id
+        strided = _strided
+        Tensor = torch.Tensor
+        SRef = _SRef
+        provisional = _PROVISIONAL
+        me = self
+
+        pending = self._pending
+        main_thread = self._thread
+        get_ident = threading.get_ident
+
+        def on_free(ref: _SRef) -> None:
+            if get_ident() != main_thread:
+                # freed on another thread (a data-loader or autograd worker): record it on the
+                # tracking thread at its next event, so two threads never interleave appends
+                pending.append((ref, perf() - t0))
+                return
+            if pending:
+                drain()
+            free(ref, perf() - t0)
+
+        def drain() -> None:
+            while pending:
+                ref, when = pending.popleft()
+                free(ref, when)
+
+        def free(ref: _SRef, when: int) -> None:
+            key = ref.key
+            if live_get(key) is not ref or not me._active:
+                return
+            del live[key]
+            seq = ref.seq
+            if ref.region == me._region_id:
+                cat = _TEMP
+                cat_col[seq] = cat
+            else:
+                cat = cat_col[seq]
+            if task() != -1:
+                phase = _P_BWD
+                mod = me._bw_module()
+            else:
+                phase = me._phase
+                mod = fw_names[-1] if fw_names else 0
+            dev = ref.dev
+            nbytes = ref.nbytes
+            if me._slow:
+                me._record(_FREE, dev, nbytes, seq + 1, 0, mod, phase, cat, None)
+                return
+            a_kind(_FREE)
+            a_time(when)
+            a_dev(dev)
+            a_nb(nbytes)
+            a_sid(seq + 1)
+            a_op(0)
+            a_mod(mod)
+            a_phase(phase)
+            a_cat(cat)
+            a_step(me._step)
+            a_stack(-1)
+            live_dev[dev] -= nbytes
+
+        def on_outputs(func: Any, out: Any, info: Any) -> None:
+            if info is None:
+                info = me._op_info(func)
+                if not info:
+                    return
+            if pending:
+                drain()
+            if isinstance(out, Tensor):
+                tensors: Iterable[Any] = (out,)
+            elif isinstance(out, (tuple, list)):
+                tensors = _flatten(out)
+            else:
+                return
+            if info < 0:  # in-place / out=: only a resized storage is news
+                for t in tensors:
+                    if t.layout is strided:
+                        s = t.untyped_storage()
+                        ref = live_get(s._cdata)
+                        if ref is not None and s.nbytes() != ref.nbytes:
+                            me._resized(ref, s, t.device, -info)
+                return
+            tid = task()
+            if tid != -1:
+                phase = _P_BWD
+                if tid != me._bw_task:
+                    me._begin_backward(tid)
+                module = me._bw_module()
+            else:
+                phase = me._phase
+                if phase != me._cur:
+                    me._end_region(phase)
+                module = fw_names[-1] if fw_names else 0
+            cat = provisional[phase]
+            region = me._region_id
+            slow = me._slow
+            for t in tensors:
+                if t.layout is not strided:
+                    continue
+                s = t.untyped_storage()
+                key = s._cdata
+                if key in live:
+                    continue
+                if slow:
+                    me._add_storage(s, t.device, info, module, phase, cat)
+                    continue
+                nbytes = s.nbytes()
+                device = t.device
+                dev = dev_cache.get(device)
+                if dev is None:
+                    dev = me._dev_index(device)
+                # make the weak reference first: creating it can run the garbage collector,
+                # whose frees append FREE events, so the sequence number is read after it
+                ref = SRef(s, on_free)
+                seq = len(kind_col)
+                ref.key = key
+                ref.seq = seq
+                ref.dev = dev
+                ref.nbytes = nbytes
+                ref.region = region
+                live[key] = ref
+                a_kind(_ALLOC)
+                a_time(perf() - t0)
+                a_dev(dev)
+                a_nb(nbytes)
+                a_sid(seq + 1)
+                a_op(info)
+                a_mod(module)
+                a_phase(phase)
+                a_cat(cat)
+                a_step(me._step)
+                a_stack(-1)
+                v = live_dev[dev] + nbytes
+                live_dev[dev] = v
+                if v > peak_dev[dev]:
+                    peak_dev[dev] = v
+
+        self._on_free_cb = on_free
+        self._on_outputs = on_outputs
+        self._drain = drain
+
+    def _op_info(self, func: Any) -> int:
+        """String index of an operator whose outputs are new storages, 0 if they alias."""
+        schema = func._schema
+        # lift_fresh returns (an alias of) a tensor built from Python data outside the
+        # dispatcher (torch.tensor(...)): its storage is new to us
+        fresh = schema.name.startswith("aten::lift_fresh") or (
+            not func.is_view and all(r.alias_info is None for r in schema.returns)
+        )
+        if fresh:
+            info = self.trace.intern(schema.name)
+        elif not func.is_view and any(
+            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
+        ):
+            # in-place / out= operators allocate nothing, unless they resize their output's
+            # storage (resize_, out= into a too-small tensor): negative = "check the size"
+            info = -self.trace.intern(schema.name)
+        else:
+            info = 0
+        self._ops[func] = info
+        return info
+
+    def _resized(self, ref: _SRef, s: torch.UntypedStorage, device: torch.device, op: int) -> None:
+        """A live storage changed size in place: record a free of the old size and an
+        allocation of the new one (a new storage id for the same storage)."""
+        self._on_free_cb(ref)
+        phase, module = self._phase_now(), self._cur_module()
+        self._add_storage(s, device, op, module, phase, self.trace.category[ref.seq])
+
+
+def _flatten(out: Any) -> Iterator[Any]:
+    for x in out:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (tuple, list)):
+            yield from _flatten(x)
+

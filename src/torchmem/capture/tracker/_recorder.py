@@ -1,0 +1,277 @@
+"""A tracker's state and its general recording path: events, devices, listeners, call sites.
+
+:class:`_Recorder` holds every field a :class:`~torchmem.capture.tracker.Tracker` has (its
+``__init__`` is the tracker's) and appends events to the tracker's
+:class:`~torchmem.model.trace.Trace` one at a time: marks, the initial state, and every event
+when stacks or listeners are on. The per-operator fast path is in ``_hotpath``; phases and
+categories in ``_phases``; module and optimizer hooks in ``_hooks``.
+
+Example:
+    >>> import torchmem
+    >>> with torchmem.track(listeners=[lambda e, s: print(e.kind.label, e.op)]) as tr:
+    ...     _ = tr.mark("here")
+    mark here
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+import weakref
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+from types import CodeType
+from typing import Any, Optional
+
+import torch
+
+from torchmem.capture.storage import device_str
+from torchmem.capture.tracker._sites import call_site
+from torchmem.errors import InvalidInputError
+from torchmem.model.events import Category, Event, EventKind, Phase
+from torchmem.model.trace import Trace
+
+__all__ = ["Listener"]
+
+#: ``fn(event, storage_or_None)``: called for every event a tracker records.
+Listener = Callable[[Event, Optional[torch.UntypedStorage]], None]
+
+_ALLOC = int(EventKind.ALLOC)
+_FREE = int(EventKind.FREE)
+_MARK = int(EventKind.MARK)
+_P_OTHER, _P_FWD, _P_BWD, _P_OPT = (int(p) for p in Phase)
+_C = Category
+_PROVISIONAL = {
+    _P_OTHER: int(_C.OTHER),
+    _P_FWD: int(_C.ACTIVATION),
+    _P_BWD: int(_C.TEMPORARY),
+    _P_OPT: int(_C.TEMPORARY),
+}
+_TEMP = int(_C.TEMPORARY)
+_perf_ns = time.perf_counter_ns
+
+
+class _SRef(weakref.ref):  # type: ignore[type-arg]
+    """Weak reference to a live storage carrying what the free event needs."""
+
+    __slots__ = ("key", "seq", "dev", "nbytes", "region")
+
+    key: int
+    seq: int  # of the ALLOC event; the trace's storage id is seq + 1
+    region: int
+    dev: int
+    nbytes: int
+
+
+def _ignore(*_: Any) -> None:
+    return None
+
+
+class _Recorder:
+    """A tracker's state, its listeners and the general path that records one event."""
+
+    def __init__(
+        self,
+        *targets: Any,
+        stacks: bool = False,
+        stack_depth: int = 8,
+        listeners: Iterable[Listener] = (),
+        modules: bool = True,
+        step_marker: str = "optimizer",
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        if step_marker not in ("optimizer", "manual"):
+            raise InvalidInputError(
+                f"step_marker must be 'optimizer' or 'manual', got {step_marker!r}; use 'manual' "
+                "and call tracker.step() yourself when optimizer.step() is not your iteration"
+            )
+        if not isinstance(stack_depth, int) or stack_depth < 1:
+            raise InvalidInputError(f"stack_depth must be an int >= 1, got {stack_depth!r}")
+        self._modules_in: list[torch.nn.Module] = []
+        self._optims_in: list[torch.optim.Optimizer] = []
+        for i, t in enumerate(targets):
+            if isinstance(t, torch.nn.Module):
+                self._modules_in.append(t)
+            elif isinstance(t, torch.optim.Optimizer):
+                self._optims_in.append(t)
+            else:
+                raise InvalidInputError(
+                    f"track() argument {i} must be a torch.nn.Module or torch.optim.Optimizer, "
+                    f"got {type(t).__name__}; pass tensors' owners, or nothing to track all ops"
+                )
+        self.stacks = bool(stacks)
+        self.stack_depth = stack_depth
+        self.module_attribution = bool(modules)
+        self.step_marker = step_marker
+        self._listeners: list[Listener] = list(listeners)
+        self.trace = Trace(
+            {
+                "producer": "torchmem.track",
+                "torch_version": torch.__version__,
+                "stacks": self.stacks,
+                **(metadata or {}),
+            }
+        )
+        self._ops: dict[Any, Any] = {}
+        self._live: dict[int, _SRef] = {}
+        self._region_id = 0  # allocations freed in the region they were made in are temporaries
+        self._live_dev: list[int] = []
+        self._peak_dev: list[int] = []
+        self._dev_cache: dict[torch.device, int] = {}
+        self._step = 0
+        self._phase = _P_OTHER  # the non-backward phase (forward/optimizer/other)
+        self._cur = _P_OTHER  # phase of the current region
+        self._bw_task = -1
+        # graph tasks whose end callback is queued: a reentrant backward (checkpointing with
+        # use_reentrant=True) runs inside the outer one, whose phase must not end with it
+        self._bw_tasks: set[int] = set()
+        self._fw_names: list[int] = []  # interned module names (trace string indexes)
+        self._fw_mods: list[torch.nn.Module] = []
+        # backward attribution: the autograd sequence number where the innermost running
+        # module changed (sorted) and that module's interned name, recorded in forward
+        self._seq_bounds = array("q")
+        self._seq_owner = array("I")
+        self._bw_last = 0
+        self._names: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        self._optims: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._clock_opt: weakref.ref[torch.optim.Optimizer] | None = None
+        self._skip_code: dict[CodeType, bool] = {}
+        self._t0 = 0
+        self._active = False
+        self._used = False
+        self._thread = threading.get_ident()
+        self._exit: list[Callable[[], None]] = []
+        self._on_free_cb: Callable[[Any], None] = _ignore
+        self._drain: Callable[[], None] = _ignore
+        self._pending: deque[tuple[_SRef, int]] = deque()
+        self._on_outputs: Callable[[Any, Any, Any], None] = _ignore
+        self.listener_errors: list[BaseException] = []
+        self._slow = self.stacks or bool(self._listeners)
+        self._params: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> parameter, for .grad
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(event, storage_or_None)`` for every event recorded from now on.
+
+        Example:
+            >>> import torchmem
+            >>> with torchmem.track() as tr:
+            ...     got = []; tr.add_listener(lambda e, s: got.append(e.op)); _ = tr.mark("m")
+            >>> got
+            ['m']
+        """
+        if not callable(fn):
+            raise InvalidInputError(f"a listener must be callable, got {type(fn).__name__}")
+        self._listeners.append(fn)
+        self._slow = True
+
+    def remove_listener(self, fn: Listener) -> None:
+        """Stop calling ``fn`` (no error if it was not registered).
+
+        Example:
+            >>> import torchmem
+            >>> f = lambda e, s: None
+            >>> tr = torchmem.Tracker(listeners=[f]); tr.remove_listener(f); tr.remove_listener(f)
+        """
+        try:
+            self._listeners.remove(fn)
+        except ValueError:
+            pass
+        self._slow = self.stacks or bool(self._listeners)
+
+    def _dev_index(self, device: torch.device) -> int:
+        i = self._dev_cache.get(device)
+        if i is None:
+            i = self.trace.intern_device(device_str(device))
+            while len(self._live_dev) <= i:
+                self._live_dev.append(0)
+                self._peak_dev.append(0)
+            self._dev_cache[device] = i
+        return i
+
+    def _stack(self) -> int:
+        """Intern the call site of the event being recorded (the caller of ``_record``)."""
+        return self.trace.intern_stack(
+            call_site(sys._getframe(2), self._skip_code, self.stack_depth)
+        )
+
+    def _record(
+        self,
+        kind: int,
+        dev: int,
+        nbytes: int,
+        sid: int,
+        op: int,
+        module: int,
+        phase: int,
+        cat: int,
+        storage: torch.UntypedStorage | None,
+    ) -> int:
+        """Append one event (general path: marks, initial state, stacks, listeners).
+
+        ``sid=-1`` means "this event's own sequence number + 1" (a new storage). Everything
+        that can allocate Python objects (and so run the garbage collector, whose frees call
+        back into the tracker) happens before the appends, so the columns stay aligned.
+        """
+        tr = self.trace
+        stack = self._stack() if self.stacks else -1
+        now = _perf_ns() - self._t0 if kind != _ALLOC or self._active else 0
+        seq = len(tr.kind)
+        tr.kind.append(kind)
+        tr.time_ns.append(now)
+        tr.device.append(dev)
+        tr.nbytes.append(nbytes)
+        tr.storage.append(seq + 1 if sid < 0 else sid)
+        tr.op.append(op)
+        tr.module.append(module)
+        tr.phase.append(phase)
+        tr.category.append(cat)
+        tr.step.append(self._step)
+        tr.stack.append(stack)
+        if kind == _ALLOC:
+            v = self._live_dev[dev] + nbytes
+            self._live_dev[dev] = v
+            if v > self._peak_dev[dev]:
+                self._peak_dev[dev] = v
+        elif kind == _FREE:
+            self._live_dev[dev] -= nbytes
+        elif not tr.devices:
+            self._dev_index(torch.device("cpu"))
+        if self._listeners:
+            ev = tr.event(seq)
+            for fn in list(self._listeners):
+                try:
+                    fn(ev, storage)
+                except Exception as e:  # a broken listener must not break the user's op
+                    self.listener_errors.append(e)
+                    self.remove_listener(fn)
+                    warnings.warn(
+                        f"torchmem: listener {fn!r} raised {type(e).__name__}: {e}; removed",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+        return seq
+
+    def _add_storage(
+        self, s: torch.UntypedStorage, device: torch.device, op: int, module: int,
+        phase: int, cat: int,
+    ) -> int:
+        """Record a new live storage (general path); returns the ALLOC's sequence number."""
+        key = s._cdata
+        if key in self._live:
+            return -1
+        nbytes = s.nbytes()
+        dev = self._dev_cache.get(device)
+        if dev is None:
+            dev = self._dev_index(device)
+        ref = _SRef(s, self._on_free_cb)
+        ref.key = key
+        ref.seq = -1
+        ref.dev = dev
+        ref.nbytes = nbytes
+        ref.region = self._region_id
+        self._live[key] = ref
+        seq = ref.seq = self._record(_ALLOC, dev, nbytes, -1, op, module, phase, cat, s)
+        return seq

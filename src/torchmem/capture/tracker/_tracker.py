@@ -1,0 +1,232 @@
+"""The :class:`Tracker` and :func:`track`: the public face, read API and lifecycle of a run.
+
+See :mod:`torchmem.capture.tracker` for the contract other parts of torchmem code against.
+
+Example:
+    >>> import torch, torchmem
+    >>> with torchmem.track() as tr:
+    ...     x = torch.zeros(10)
+    >>> len(tr), tr.peak()
+    (1, {'cpu': 40})
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torchmem.capture.storage import device_str
+from torchmem.capture.tracker._hotpath import _HotPath, _Mode
+from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
+from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, save_trace
+from torchmem.model.events import Event
+
+__all__ = ["Tracker", "track"]
+
+
+class Tracker(_HotPath):
+    """Records storage allocations and frees with operator, module, phase and category.
+
+    Create it with :func:`track` (the constructor takes the same arguments). Between
+    ``__enter__`` and ``__exit__`` it is active; after the block its results stay readable
+    (:meth:`events`, :meth:`peak`, :meth:`save`).
+
+    Example:
+        >>> import torch, torchmem
+        >>> seen = []
+        >>> with torchmem.track(listeners=[lambda e, s: seen.append(e.kind.label)]) as tr:
+        ...     x = torch.ones(1000)                 # 4000 bytes
+        ...     _ = tr.mark("here")
+        ...     del x
+        >>> seen, tr.peak()
+        (['alloc', 'mark', 'free'], {'cpu': 4000})
+    """
+
+    def mark(self, name: str) -> int:
+        """Record a MARK event named ``name``; returns its sequence number.
+
+        Example:
+            >>> import torchmem
+            >>> with torchmem.track() as tr:
+            ...     _ = tr.mark("epoch-1")
+            >>> [e.op for e in tr.events()]
+            ['epoch-1']
+        """
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"a mark name must be a non-empty str, got {name!r}")
+        self._drain()
+        return self._record(_MARK, 0, 0, 0, self.trace.intern(name), self._cur_module(), self._cur, 0, None)
+
+    def events(self) -> Iterator[Event]:
+        """All events recorded so far, in sequence order (final categories).
+
+        Example:
+            >>> import torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     y = torch.zeros(4) + 1
+            >>> [(e.kind.label, e.op, e.nbytes) for e in tr.events()][:2]
+            [('alloc', 'aten::zeros', 16), ('alloc', 'aten::add', 16)]
+        """
+        return self.trace.events()
+
+    def peak(self) -> dict[str, int]:
+        """Peak live bytes per device since the start (initial state included).
+
+        Example:
+            >>> import torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     a = torch.zeros(100); del a; b = torch.zeros(50)
+            >>> tr.peak()
+            {'cpu': 400}
+        """
+        return dict(zip(self.trace.devices, self._peak_dev))
+
+    def live_bytes(self, device: str | None = None) -> Any:
+        """Bytes of tracked storages alive now: a dict per device, or an int for ``device``.
+
+        Example:
+            >>> import torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     a = torch.zeros(100)
+            ...     tr.live_bytes("cpu")
+            400
+        """
+        per = dict(zip(self.trace.devices, self._live_dev))
+        if device is not None:
+            return per.get(device_str(device), 0)
+        return per
+
+    def save(self, path: PathLike) -> None:
+        """Write the events recorded so far to a ``.tmtrace`` file (see
+        :mod:`torchmem.io.tmtrace` for the format).
+
+        Example:
+            >>> import tempfile, os, torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     _ = torch.zeros(8)
+            >>> p = os.path.join(tempfile.mkdtemp(), "t.tmtrace"); tr.save(p)
+            >>> torchmem.load_trace(p).peak()
+            {'cpu': 32}
+        """
+        self.trace.metadata["peak"] = self.peak()
+        save_trace(self.trace, path)
+
+    def __len__(self) -> int:
+        return len(self.trace)
+
+    def __enter__(self) -> Tracker:
+        if self._active or self._used:
+            raise InvalidInputError(
+                "this Tracker was already used; call torchmem.track(...) again for a new run"
+            )
+        self._used = True
+        self._thread = threading.get_ident()
+        self._t0 = time.perf_counter_ns()
+        self._make_hot_paths()
+        self.trace.metadata["start_unix_ns"] = time.time_ns()
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._active:
+                self._drain()
+                self._end_region(_P_OTHER)
+        finally:
+            self._active = False
+            self._uninstall()
+
+    def _install(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim_module
+
+        for root in self._modules_in:
+            base = type(root).__name__
+            for name, m in root.named_modules():
+                if m not in self._names:
+                    self._names[m] = self.trace.intern(f"{base}.{name}" if name else base)
+        for o in self._optims_in:
+            self._optims.add(o)
+            for group in o.param_groups:
+                self._note_params(group["params"])
+        for root in self._modules_in:
+            self._note_params(root.parameters())
+        self._capture_initial()
+        if self.module_attribution:
+            h1 = nn_module.register_module_forward_pre_hook(self._fw_pre)
+            self._exit.append(h1.remove)
+            h2 = nn_module.register_module_forward_hook(self._fw_post, always_call=True)
+            self._exit.append(h2.remove)
+        h3 = optim_module.register_optimizer_step_pre_hook(self._opt_pre)
+        self._exit.append(h3.remove)
+        h4 = optim_module.register_optimizer_step_post_hook(self._opt_post)
+        self._exit.append(h4.remove)
+        mode = _Mode(self)
+        mode.__enter__()
+        self._exit.append(lambda: mode.__exit__(None, None, None))
+
+    def _uninstall(self) -> None:
+        errors = []
+        while self._exit:
+            fn = self._exit.pop()
+            try:
+                fn()
+            except Exception as e:  # keep removing the rest
+                errors.append(e)
+        self._live.clear()  # drops the weak references: no callback after exit
+        self._fw_names.clear()
+        self._fw_mods.clear()
+        del self._seq_bounds[:], self._seq_owner[:]
+        if errors:
+            raise errors[0]
+
+
+def track(
+    *modules_and_optimizers: Any,
+    stacks: bool = False,
+    stack_depth: int = 8,
+    listeners: Iterable[Listener] = (),
+    modules: bool = True,
+    step_marker: str = "optimizer",
+    metadata: dict[str, Any] | None = None,
+) -> Tracker:
+    """Track every storage created while the block runs; yields a :class:`Tracker`.
+
+    Args:
+        modules_and_optimizers: modules and optimizers whose parameters, buffers, gradients and
+            optimizer state are counted from the start (ALLOC events at time 0) and whose
+            submodules get path names (``"Net.encoder.0"``). Everything else that runs is
+            tracked too.
+        stacks: record a short Python stack (innermost last, torch/torchmem frames skipped)
+            with every event; ``stack_depth`` frames at most.
+        listeners: callables ``fn(event, storage_or_None)`` called for every event.
+        modules: attribute events to modules (global module hooks); ``False`` skips the hooks.
+        step_marker: ``"optimizer"`` (a step marker after each step of the first optimizer seen)
+            or ``"manual"`` (call ``tracker.step()``).
+        metadata: extra JSON-able metadata stored in the trace file.
+
+    Example:
+        >>> import torch, torchmem
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> with torchmem.track(net) as tr:
+        ...     net(torch.randn(3, 4)).sum().backward()
+        >>> sorted({e.module for e in tr.events() if e.phase.label == "backward" and e.module})
+        ['Sequential.0', 'Sequential.1', 'Sequential.2']
+    """
+    return Tracker(
+        *modules_and_optimizers,
+        stacks=stacks,
+        stack_depth=stack_depth,
+        listeners=listeners,
+        modules=modules,
+        step_marker=step_marker,
+        metadata=metadata,
+    )
