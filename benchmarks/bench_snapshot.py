@@ -115,8 +115,8 @@ def generate(path: str, n_events: int, seed: int = 0, segments: int = 1000) -> N
 
 
 def _ours(path: str) -> tuple[float, float, int]:
-    from torchmem.analysis.peak import snapshot_peak
-    from torchmem.analysis.stats import snapshot_stats
+    from torchmem.analysis._peak import snapshot_peak
+    from torchmem.analysis._stats import snapshot_stats
     from torchmem.io.snapshot_file import load_snapshot
 
     t0, c0 = time.perf_counter(), time.process_time()

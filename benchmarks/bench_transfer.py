@@ -43,13 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from torchmem import (  # noqa: E402
-    StagingBuffers,
-    chunked_transfer,
-    format_bytes,
-    offload_forward,
-    storage_bytes,
-)
+from torchmem import chunked_transfer, format_bytes, offload_forward, storage_bytes  # noqa: E402
+from torchmem.transfer import StagingBuffers  # noqa: E402
 
 MiB = 1 << 20
 

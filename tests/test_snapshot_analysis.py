@@ -12,14 +12,14 @@ import pytest
 from torch.cuda import _memory_viz
 
 import snapshot_synth as synth
-from torchmem.analysis.diff import snapshot_diff
-from torchmem.analysis.events import snapshot_trace
-from torchmem.analysis.flame import folded_stacks
+from torchmem.analysis._diff import snapshot_diff
+from torchmem.analysis._events import snapshot_trace
+from torchmem.analysis._flame import folded_stacks
+from torchmem.analysis._oom import oom_report
+from torchmem.analysis._peak import snapshot_peak
+from torchmem.analysis._stats import snapshot_stats
 from torchmem.analysis.frames import stack_key
-from torchmem.analysis.oom import oom_report
-from torchmem.analysis.peak import snapshot_peak
 from torchmem.analysis.replay import initial_live, replay
-from torchmem.analysis.stats import snapshot_stats
 from torchmem.errors import InvalidInputError
 from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot

@@ -66,7 +66,7 @@ def test_cpu_snapshot_opens_in_memory_viz_functions(tmp_path: Path) -> None:
     html = _memory_viz.trace_plot(data)
     assert "Active Memory Timeline" in html and len(html) > 1000
     ours = load_snapshot(path)
-    from torchmem.analysis.peak import snapshot_peak
+    from torchmem.analysis._peak import snapshot_peak
 
     assert snapshot_peak(ours).devices[0].end_allocated_bytes == expected_total
 

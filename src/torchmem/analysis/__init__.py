@@ -4,17 +4,21 @@ Snapshot analyses take a :class:`~torchmem.model.snapshot.Snapshot` (load one wi
 :func:`torchmem.io.load_snapshot`); :func:`summarize` takes a :class:`~torchmem.model.trace.Trace`.
 Every result has ``to_dict()`` for JSON; :mod:`torchmem.render` turns them into text.
 
-============  ==================================================  ===========================
-function      what it answers                                     module (long name)
-============  ==================================================  ===========================
-stats         allocator statistics at the end, per device/pool    stats (``snapshot_stats``)
-peak          the peak of allocated bytes and what was live then  peak (``snapshot_peak``)
-diff          what grew and shrank between two snapshots          diff (``snapshot_diff``)
-events        the trace with running allocated/reserved totals    events (``snapshot_trace``)
-flame         folded stacks for flame-graph tools                 flame (``folded_stacks``)
-oom           out-of-memory entries explained                     oom (``oom_report``)
-summarize     a tracker trace's peak, top ops/modules, leaks      summary (``summarize_trace``)
-============  ==================================================  ===========================
+============  ==================================================  ============================
+function      what it answers                                     0.1 name (forwarded to 0.3)
+============  ==================================================  ============================
+stats         allocator statistics at the end, per device/pool    ``torchmem.snapshot_stats``
+peak          the peak of allocated bytes and what was live then  ``torchmem.snapshot_peak``
+diff          what grew and shrank between two snapshots          ``torchmem.snapshot_diff``
+events        the trace with running allocated/reserved totals    ``torchmem.snapshot_trace``
+flame         folded stacks for flame-graph tools                 ``torchmem.folded_stacks``
+oom           out-of-memory entries explained                     ``torchmem.oom_report``
+summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
+============  ==================================================  ============================
+
+Each snapshot analysis is implemented in a private module of its own (``_stats``, ``_peak``,
+``_diff``, ``_events``, ``_flame``, ``_oom``), so that the names above are the functions and
+nothing else; use them from this namespace.
 
 Everything that replays a snapshot's trace over time goes through one engine,
 :mod:`torchmem.analysis.replay` (the HTML viewer's payload uses it too); stack keys and the
@@ -32,13 +36,13 @@ Example:
 
 from __future__ import annotations
 
-from torchmem.analysis.diff import DiffRow, SnapshotDiff, diff
-from torchmem.analysis.events import TraceRow, events
-from torchmem.analysis.flame import flame
+from torchmem.analysis._diff import DiffRow, SnapshotDiff, diff
+from torchmem.analysis._events import TraceRow, events
+from torchmem.analysis._flame import flame
+from torchmem.analysis._oom import OomEvent, oom
+from torchmem.analysis._peak import DevicePeak, PeakReport, peak
+from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
 from torchmem.analysis.frames import StackGroup
-from torchmem.analysis.oom import OomEvent, oom
-from torchmem.analysis.peak import DevicePeak, PeakReport, peak
-from torchmem.analysis.stats import DeviceStats, PoolStats, SnapshotStats, stats
 from torchmem.analysis.summary import IterationStat, TraceSummary, summarize
 
 __all__ = [

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: nope.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
-    from torchmem.analysis.diff import snapshot_diff
+    from torchmem.analysis._diff import snapshot_diff
     from torchmem.render.snapshot_text import render_diff
 
     a = load(args.before)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
-    from torchmem.analysis.flame import folded_stacks
+    from torchmem.analysis._flame import folded_stacks
     from torchmem.errors import InvalidInputError
 
     snap = load(args.file)

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
-    from torchmem.analysis.peak import snapshot_peak
+    from torchmem.analysis._peak import snapshot_peak
     from torchmem.render.snapshot_text import render_peak
 
     snap = load(args.file)

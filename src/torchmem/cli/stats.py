@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
-    from torchmem.analysis.oom import oom_report
-    from torchmem.analysis.stats import snapshot_stats
+    from torchmem.analysis._oom import oom_report
+    from torchmem.analysis._stats import snapshot_stats
     from torchmem.render.snapshot_text import render_oom, render_stats
 
     snap = load(args.file)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
-    from torchmem.analysis.events import snapshot_trace
+    from torchmem.analysis._events import snapshot_trace
     from torchmem.render.snapshot_text import render_trace
 
     snap = load(args.file)

@@ -4,7 +4,7 @@ Every function returns a ``str`` (or yields lines); bytes are formatted here, at
 :func:`torchmem.units.format_bytes`.
 
 Example:
-    >>> from torchmem.analysis.stats import SnapshotStats, DeviceStats
+    >>> from torchmem.analysis._stats import SnapshotStats, DeviceStats
     >>> print(render_stats(SnapshotStats([DeviceStats(0, "cuda:0", reserved_bytes=2097152)])).splitlines()[0])
     cuda:0  (device 0)
 """
@@ -24,10 +24,10 @@ def _b(n: int) -> str:
 
 
 def render_stats(stats: Any) -> str:
-    """Render :class:`~torchmem.analysis.stats.SnapshotStats`.
+    """Render :class:`~torchmem.analysis._stats.SnapshotStats`.
 
     Example:
-        >>> from torchmem.analysis.stats import SnapshotStats
+        >>> from torchmem.analysis._stats import SnapshotStats
         >>> render_stats(SnapshotStats([]))
         'no devices in this snapshot (no segments and no trace entries)\\n'
     """
@@ -98,10 +98,10 @@ def _groups(title: str, groups: Iterable[Any], total: int) -> list[str]:
 
 
 def render_peak(report: Any) -> str:
-    """Render :class:`~torchmem.analysis.peak.PeakReport`.
+    """Render :class:`~torchmem.analysis._peak.PeakReport`.
 
     Example:
-        >>> from torchmem.analysis.peak import PeakReport, DevicePeak
+        >>> from torchmem.analysis._peak import PeakReport, DevicePeak
         >>> print(render_peak(PeakReport([DevicePeak(0, "cuda:0", 1024, 3, None, 0, 512, 4)])).splitlines()[0])
         cuda:0: peak allocated 1.00 KiB after trace entry 3 of 4 (start 0 B, end 512 B)
     """
@@ -125,10 +125,10 @@ def render_peak(report: Any) -> str:
 
 
 def render_diff(diff: Any, top: int | None = 20) -> str:
-    """Render :class:`~torchmem.analysis.diff.SnapshotDiff`.
+    """Render :class:`~torchmem.analysis._diff.SnapshotDiff`.
 
     Example:
-        >>> from torchmem.analysis.diff import SnapshotDiff
+        >>> from torchmem.analysis._diff import SnapshotDiff
         >>> render_diff(SnapshotDiff([], {}))
         'no differences in allocated blocks\\n'
     """
@@ -158,10 +158,10 @@ def render_diff(diff: Any, top: int | None = 20) -> str:
 
 
 def render_trace(rows: Iterable[Any]) -> Iterator[str]:
-    """Yield one line per :class:`~torchmem.analysis.events.TraceRow`.
+    """Yield one line per :class:`~torchmem.analysis._events.TraceRow`.
 
     Example:
-        >>> from torchmem.analysis.events import TraceRow
+        >>> from torchmem.analysis._events import TraceRow
         >>> next(render_trace([TraceRow(0, 0, 5, "alloc", 4096, 512, 0, 512, 2097152, "m.py:1:f")]))
         '      0  dev 0  t=5             alloc          addr=0x1000         512 B  alloc 512 B  reserved 2.00 MiB  m.py:1:f'
     """
@@ -175,7 +175,7 @@ def render_trace(rows: Iterable[Any]) -> Iterator[str]:
 
 
 def render_oom(events: Iterable[Any]) -> str:
-    """Render :func:`~torchmem.analysis.oom.oom_report` results.
+    """Render :func:`~torchmem.analysis._oom.oom_report` results.
 
     Example:
         >>> render_oom([])

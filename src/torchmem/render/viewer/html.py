@@ -32,6 +32,12 @@ from torchmem.render.viewer.payload import ProgressFn, build_payload, encode_pay
 __all__ = ["render_html", "write_viewer"]
 
 
+#: The page's script, in order: one IIFE split by concern (decoding and shared state, the
+#: timeline, the allocator state history with the segments and stats tabs, the wiring). The
+#: parts are concatenated as they are, so the page carries one script.
+_SCRIPTS = ("viewer-core.js", "viewer-timeline.js", "viewer-state.js", "viewer-wiring.js")
+
+
 def _asset(name: str) -> str:
     return (importlib.resources.files("torchmem.render.viewer") / "assets" / name).read_text("utf-8")
 
@@ -56,7 +62,7 @@ def render_html(
     # Only the template's own placeholders are replaced; the data is base64 (no '<' possible).
     return (
         page.replace("/*__CSS__*/", _asset("viewer.css"))
-        .replace("/*__JS__*/", _asset("viewer.js"))
+        .replace("/*__JS__*/", "".join(_asset(name) for name in _SCRIPTS))
         .replace("__PAYLOAD__", data)
         .replace("__TITLE__", t)
     )

@@ -38,10 +38,10 @@ from collections.abc import Iterable, Mapping
 from itertools import compress
 from typing import Any, Callable
 
-from torchmem.analysis.oom import oom_report
-from torchmem.analysis.peak import snapshot_peak
+from torchmem.analysis._oom import oom_report
+from torchmem.analysis._peak import snapshot_peak
+from torchmem.analysis._stats import snapshot_stats
 from torchmem.analysis.replay import DeviceReplay
-from torchmem.analysis.stats import snapshot_stats
 from torchmem.errors import InvalidInputError
 from torchmem.io.convert import snapshot_from_trace
 from torchmem.io.pytorch_snapshot import from_pytorch
