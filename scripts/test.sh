@@ -22,7 +22,7 @@ fi
 
 echo "== ruff"
 python -m ruff check src tests benchmarks
-echo "== import-linter (layers, torch-free core, no cycles; contracts in pyproject.toml)"
+echo "== import-linter (layers, torch-free core, producers never render, no cycles; see pyproject.toml)"
 lint-imports --no-logo
 echo "== mypy"
 python -m mypy
