@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from torchmem._containers import iter_tensors
 from torchmem.capture.tracker._phases import _graph_task_id, _Phases
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
 
@@ -70,7 +70,7 @@ class _Hooks(_Phases):
             if not self._fw_mods:
                 if self._phase == _P_OTHER:
                     # tensors made outside any phase and fed to the outermost module: inputs
-                    self._reclassify(_tensors_in(args), _C.INPUT, int(_C.OTHER))
+                    self._reclassify(iter_tensors(args), _C.INPUT, int(_C.OTHER))
                 if self._phase != _P_OPT:
                     self._phase = _P_FWD
         self._fw_names.append(idx)
@@ -113,16 +113,3 @@ class _Hooks(_Phases):
         clock = self._clock_opt() if self._clock_opt is not None else None
         if self.step_marker == "optimizer" and clock is opt:
             self.step()
-
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x)
-

@@ -18,12 +18,13 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchmem._containers import iter_items
 from torchmem.capture.tracker._hooks import _Hooks
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import (
@@ -153,7 +154,7 @@ class _HotPath(_Hooks):
             if isinstance(out, Tensor):
                 tensors: Iterable[Any] = (out,)
             elif isinstance(out, (tuple, list)):
-                tensors = _flatten(out)
+                tensors = iter_items(out)
             else:
                 return
             if info < 0:  # in-place / out=: only a resized storage is news
@@ -250,12 +251,3 @@ class _HotPath(_Hooks):
         self._on_free_cb(ref)
         phase, module = self._phase_now(), self._cur_module()
         self._add_storage(s, device, op, module, phase, self.trace.category[ref.seq])
-
-
-def _flatten(out: Any) -> Iterator[Any]:
-    for x in out:
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, (tuple, list)):
-            yield from _flatten(x)
-
