@@ -89,6 +89,8 @@ def storages_of(obj: Any) -> list[Pair]:
 
 
 def _gather(obj: Any, out: list[Pair], depth: int) -> None:
+    # Not torchmem._containers: this walk is the ledger's input contract (modules, optimizers and
+    # sets count, nesting is bounded, anything else is refused by name), not a container walk.
     if depth > 64:
         raise InvalidInputError(
             "expected objects nested at most 64 levels deep, got deeper nesting (a cycle?); "
