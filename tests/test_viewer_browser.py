@@ -285,6 +285,34 @@ def test_zoom_pan_and_range_filter(browser: Any, tmp_path: Path) -> None:
         p.close()
 
 
+def test_a_redraw_never_overwrites_a_range_being_typed(browser: Any, tmp_path: Path) -> None:
+    """A redraw (here a window resize) while the user types a range keeps what was typed; applying
+    it then shows exactly that range, and zooming afterwards shows the view again."""
+    p = Page(browser, write_viewer(load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle"),
+                                   tmp_path / "r.html"))
+    try:
+        page = p.page
+        n = p.js("window.__torchmem.stats()")["events"]
+        draws = p.js("window.__torchmem._tl.draws")
+        page.fill("#range-from", "1234")
+        page.evaluate("window.dispatchEvent(new Event('resize'))")
+        p.settle()
+        assert p.js("window.__torchmem._tl.draws") > draws  # the timeline did redraw
+        assert page.input_value("#range-from") == "1234"
+        assert int(page.input_value("#range-to")) == n
+        page.click("#range-apply")
+        p.settle()
+        assert f"events 1234–{n} of {n}" in page.inner_text("#timeline-summary")
+        box = page.locator("#timeline").bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.wheel(0, -200)
+        p.settle()
+        assert int(page.input_value("#range-from")) > 1234  # the fields follow the view again
+        p.check_offline_and_clean()
+    finally:
+        p.close()
+
+
 def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
     import torch
 

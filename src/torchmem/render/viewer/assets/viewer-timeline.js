@@ -1,6 +1,6 @@
   // ---------------------------------------------------------------- timeline
   const tl = { canvas: $('timeline'), x0: 0, x1: 1, ml: 78, mr: 12, mt: 10, mb: 30, pick: null, W: 0, H: 0,
-    ymax: 1, colEvent: null, pending: false };
+    ymax: 1, colEvent: null, pending: false, rangeEdited: false };
   // The view [x0, x1] is in event positions (mode 'event') or microseconds (mode 'time').
   tl.mode = 'event';
   function posOfTime(t) {  // states whose last event happened at or before t
@@ -18,6 +18,7 @@
     if (mode === 'time') { tl.x0 = timeOfPos(a); tl.x1 = Math.max(timeOfPos(b), tl.x0 + 1); }
     else { tl.x0 = posOfTime(a); tl.x1 = Math.max(posOfTime(b), tl.x0 + 2); }
     tl.mode = mode;
+    tl.rangeEdited = false;  // the fields switch unit: show the view in the new one
     modeLabels();
     scheduleTimeline();
   }
@@ -115,8 +116,10 @@
     api._tl = { bands, columns: W, drawMs: ms, draws: api._tl.draws + 1, ymax };
     if (api.firstDrawMs === null) api.firstDrawMs = performance.now() - T_START + (performance.timeOrigin ? 0 : 0);
     const from = Math.max(0, Math.floor(toPos(x0))), to = Math.min(n, Math.ceil(toPos(x1)));
-    if (timeMode) { $('range-from').value = (x0 / 1e6).toFixed(6); $('range-to').value = (x1 / 1e6).toFixed(6); }
-    else { $('range-from').value = from; $('range-to').value = to; }
+    if (!tl.rangeEdited) {  // a redraw never overwrites a range the user is typing
+      if (timeMode) { $('range-from').value = (x0 / 1e6).toFixed(6); $('range-to').value = (x1 / 1e6).toFixed(6); }
+      else { $('range-from').value = from; $('range-to').value = to; }
+    }
     let peak = 0, peakAt = 0;
     for (let p = from; p <= to; p++) if (d.total[p] > peak) { peak = d.total[p]; peakAt = p; }
     $('timeline-summary').innerHTML = 'events ' + from + '&ndash;' + to + ' of ' + n + ' &middot; ' + d.n_allocs + ' allocations (' + d.n_pre +
@@ -191,6 +194,7 @@
     let x0 = Math.max(lo, Math.min(a, b)), x1 = Math.min(hi, Math.max(a, b));
     if (x1 - x0 < minSpan) { const m = (x0 + x1) / 2; x0 = Math.max(lo, m - minSpan / 2); x1 = Math.min(hi, x0 + minSpan); }
     tl.x0 = x0; tl.x1 = x1;
+    tl.rangeEdited = false;  // the fields show the new view again
     scheduleTimeline();
   }
   function tlPickAt(clientX, clientY) {
@@ -253,7 +257,10 @@
     });
     $('range-reset').addEventListener('click', reset);
     $('xmode').addEventListener('change', () => setMode($('xmode').value));
-    for (const id of ['range-from', 'range-to']) $(id).addEventListener('keydown', (ev) => { if (ev.key === 'Enter') $('range-apply').click(); });
+    for (const id of ['range-from', 'range-to']) {
+      $(id).addEventListener('keydown', (ev) => { if (ev.key === 'Enter') $('range-apply').click(); });
+      $(id).addEventListener('input', () => { tl.rangeEdited = true; });
+    }
     window.addEventListener('resize', () => { if (activeTab === 'timeline') scheduleTimeline(); if (activeTab === 'state') drawState(); });
   }
 
