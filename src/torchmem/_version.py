@@ -1,3 +1,3 @@
 """torchmem's version string (single source for packaging and ``torchmem --version``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
