@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "torchmem"
-CORE = ("model", "io", "analysis", "render")
+CORE = ("model", "io", "analysis", "render", "sim")
 CORE_MODULES = ("units", "errors", "_device")
 
 

@@ -84,7 +84,7 @@ NAMESPACES: dict[str, list[str]] = {
     ],
     "torchmem.errors": [
         "DeviceError", "FileFormatError", "InvalidInputError", "MissingFileError", "MoveError",
-        "ObjectLoadError", "SnapshotFormatError", "TorchmemError", "TraceFormatError",
+        "ObjectLoadError", "SimulatedOutOfMemoryError", "SnapshotFormatError", "TorchmemError", "TraceFormatError",
         "TransferError", "UnsafePickleError", "UnsupportedTensorError",
     ],
     "torchmem.examples": [
@@ -112,6 +112,9 @@ NAMESPACES: dict[str, list[str]] = {
     ],
     "torchmem.render.viewer": [
         "build_payload", "encode_payload", "render_html", "write_viewer",
+    ],
+    "torchmem.sim": [
+        "CachingAllocator", "ReplayResult", "replay", "round_size", "segment_size",
     ],
     "torchmem.transfer": [
         "Chain", "DEFAULT_CHUNK_BYTES", "DeviceSpec", "Identity", "LinearOp", "OffloadResult",

@@ -19,6 +19,7 @@ Tree::
     │                               SnapshotFormatError) no such file, for every kind of input
     ├── MoveError                  (also a RuntimeError) a move/copy failed; the module is unchanged
     ├── TransferError              (also a RuntimeError) a device transfer failed
+    ├── SimulatedOutOfMemoryError  (also a RuntimeError) the allocator simulator ran out of memory
     └── ObjectLoadError            (also a ValueError)  ``path.py:factory`` / ``pkg.mod:attr`` specs
 
 A missing input file raises :class:`MissingFileError` everywhere (snapshots, traces, the viewer,
@@ -51,6 +52,7 @@ __all__ = [
     "MissingFileError",
     "MoveError",
     "TransferError",
+    "SimulatedOutOfMemoryError",
     "ObjectLoadError",
 ]
 
@@ -199,6 +201,15 @@ class TransferError(TorchmemError, RuntimeError):
 
     Example:
         >>> issubclass(TransferError, TorchmemError)
+        True
+    """
+
+
+class SimulatedOutOfMemoryError(TorchmemError, RuntimeError):
+    """:class:`torchmem.sim.CachingAllocator` could not place a request within its capacity.
+
+    Example:
+        >>> issubclass(SimulatedOutOfMemoryError, RuntimeError)
         True
     """
 
