@@ -39,12 +39,7 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
         >>> [t.numel() for t in iter_tensors((torch.ones(1), [torch.ones(2), {"k": torch.ones(3)}], 5))]
         [1, 2, 3]
     """
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        yield from iter_items(value)
-    elif isinstance(value, dict):
-        yield from iter_items(value.values())
+    return iter_items((value,))
 
 
 def iter_items(items: Any) -> Iterator[torch.Tensor]:
