@@ -214,3 +214,14 @@ def test_calling_the_transfer_namespace_forwards_the_01_function() -> None:
         y = torchmem.transfer(x, "cpu")  # type: ignore[operator]
     assert torch.equal(y, torchmem.transfer.transfer(x, "cpu"))
     assert torchmem.transfer.ToDevice is torchmem.ToDevice
+
+
+def test_every_public_namespace_is_an_attribute_after_import_torchmem() -> None:
+    """``import torchmem; torchmem.sim...`` works for every public subpackage and module, found
+    on disk (so a new namespace cannot be forgotten in a list)."""
+    import pkgutil
+
+    names = [m.name for m in pkgutil.iter_modules(torchmem.__path__) if not m.name.startswith("_")]
+    assert {"analysis", "capture", "io", "model", "render", "sim", "transfer"} <= set(names)
+    for name in names:
+        assert getattr(torchmem, name) is importlib.import_module(f"torchmem.{name}")

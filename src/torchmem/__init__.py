@@ -9,6 +9,7 @@ what it is (see ``ARCHITECTURE.md``):
 ``torchmem.io``             file formats: snapshots (every PyTorch version) and ``.tmtrace``
 ``torchmem.analysis``       pure functions over traces and snapshots (peak, diff, oom, ...)
 ``torchmem.render``         text tables, timeline plots, the offline HTML viewer
+``torchmem.sim``            PyTorch's CUDA caching allocator, simulated (no torch, no GPU)
 ``torchmem.ledger``         allocate/free accounting, auto-GC policy, monitoring figures
 ``torchmem.devices``        device capacity and usage polling
 ``torchmem.transfer``       ``ToDevice`` and pipelined transfers between devices
@@ -32,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -181,12 +183,6 @@ _MOVED: dict[str, tuple[str, str]] = {
     "transfer_stream": ("torchmem.transfer", "transfer_stream"),
 }
 
-#: Namespaces reachable as attributes after ``import torchmem`` (imported on first use).
-_NAMESPACES = frozenset(
-    {"analysis", "capture", "cli", "compat", "devices", "errors", "examples", "io", "ledger",
-     "model", "move", "render", "transfer", "units"}
-)
-
 #: The release that drops the forwarded 0.1 names.
 REMOVAL_RELEASE = "0.3"
 
@@ -199,8 +195,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
-    if name in _NAMESPACES:
-        return importlib.import_module(f"torchmem.{name}")
+    if not name.startswith("_") and importlib.util.find_spec(f"torchmem.{name}") is not None:
+        return importlib.import_module(f"torchmem.{name}")  # a namespace, imported on first use
     moved = _MOVED.get(name)
     if moved is not None:
         where, new_name = moved
