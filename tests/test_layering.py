@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "torchmem"
 CORE = ("model", "io", "analysis", "render", "sim")
-CORE_MODULES = ("units", "errors", "_device")
+CORE_MODULES = ("units", "errors", "_device", "_lazy")
 
 
 def _lint_imports(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -120,3 +120,20 @@ def test_the_checker_sees_a_torch_import(tmp_path: Path) -> None:
     p = tmp_path / "x.py"
     p.write_text("import os\nfrom torch.utils import weak\n")
     assert "torch.utils" in _imports(p)
+
+
+def test_a_producer_module_loads_only_what_it_imports() -> None:
+    """``torchmem.capture`` exports lazily: the ledger, move and transfer import
+    ``capture.storage`` and must not pay for the tracker, the recorder or the census."""
+    code = (
+        "import sys, torchmem.capture.storage, torchmem.ledger\n"
+        "heavy = ('tracker', 'recording', 'census', 'lite')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:3] in "
+        "[['torchmem', 'capture', h] for h in heavy]))\n"
+        "from torchmem.capture import track\n"
+        "print('torchmem.capture.tracker' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[]", "True"]

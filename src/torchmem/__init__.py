@@ -37,6 +37,7 @@ import importlib.util
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from torchmem._lazy import MISSING, load_export
 from torchmem._version import __version__
 
 if TYPE_CHECKING:  # the same names, statically, so that type checkers see real types
@@ -190,10 +191,8 @@ __all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
+    value = load_export(globals(), _EXPORTS, name)
+    if value is not MISSING:
         return value
     if not name.startswith("_") and importlib.util.find_spec(f"torchmem.{name}") is not None:
         return importlib.import_module(f"torchmem.{name}")  # a namespace, imported on first use

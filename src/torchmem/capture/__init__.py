@@ -26,29 +26,52 @@ Example:
 
 from __future__ import annotations
 
-from torchmem.capture.census import inspect_memory
-from torchmem.capture.lite import LiteTracker, track_lite
-from torchmem.capture.recording import (
-    is_oom_error,
-    oom_guard,
-    record_history,
-    snapshot,
-    start_recording,
-    stop_recording,
-)
-from torchmem.capture.storage import (
-    Span,
-    overlaps,
-    same_storage,
-    storage_bytes,
-    storage_id,
-    storage_nbytes,
-    storage_of,
-    storage_ref,
-    tensor_span,
-    unique_bytes,
-)
-from torchmem.capture.tracker import Listener, Tracker, track
+from typing import TYPE_CHECKING, Any
+
+from torchmem._lazy import MISSING, load_export
+
+if TYPE_CHECKING:  # the same names, statically, for type checkers
+    from torchmem.capture.census import inspect_memory
+    from torchmem.capture.lite import LiteTracker, track_lite
+    from torchmem.capture.recording import (
+        is_oom_error,
+        oom_guard,
+        record_history,
+        snapshot,
+        start_recording,
+        stop_recording,
+    )
+    from torchmem.capture.storage import (
+        Span,
+        overlaps,
+        same_storage,
+        storage_bytes,
+        storage_id,
+        storage_nbytes,
+        storage_of,
+        storage_ref,
+        tensor_span,
+        unique_bytes,
+    )
+    from torchmem.capture.tracker import Listener, Tracker, track
+
+# name -> the module that defines it; imported on first use, so that importing one module of
+# this package (capture.storage, which the ledger, move and transfer use) loads nothing else.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(["inspect_memory"], "torchmem.capture.census"),
+    **dict.fromkeys(["LiteTracker", "track_lite"], "torchmem.capture.lite"),
+    **dict.fromkeys(
+        ["is_oom_error", "oom_guard", "record_history", "snapshot", "start_recording",
+         "stop_recording"],
+        "torchmem.capture.recording",
+    ),
+    **dict.fromkeys(
+        ["Span", "overlaps", "same_storage", "storage_bytes", "storage_id", "storage_nbytes",
+         "storage_of", "storage_ref", "tensor_span", "unique_bytes"],
+        "torchmem.capture.storage",
+    ),
+    **dict.fromkeys(["Listener", "Tracker", "track"], "torchmem.capture.tracker"),
+}
 
 __all__ = [
     "LiteTracker",
@@ -74,3 +97,14 @@ __all__ = [
     "track_lite",
     "unique_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    value = load_export(globals(), _EXPORTS, name)
+    if value is MISSING:
+        raise AttributeError(f"module 'torchmem.capture' has no attribute {name!r}")
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
