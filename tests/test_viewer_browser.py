@@ -268,6 +268,9 @@ def test_zoom_pan_and_range_filter(browser: Any, tmp_path: Path) -> None:
         t0 = min(times)
         lo_s, hi_s = (times[n // 4] - t0) / 1e6, (times[n // 2] - t0) / 1e6
         page.select_option("#xmode", "time")
+        # Let the redraw that the mode switch scheduled run first: it rewrites the fields, and a
+        # redraw between fill()'s select-all and its typing would append to the old text.
+        p.settle()
         page.fill("#range-from", f"{lo_s:.6f}")
         page.fill("#range-to", f"{hi_s:.6f}")
         page.click("#range-apply")
