@@ -1,0 +1,29 @@
+"""Will it fit? Estimate a training step's GPU memory on a machine without that GPU.
+
+- :func:`estimate`: run ``build(batch_size)`` and its ``step()`` under fake tensors through a
+  simulation of PyTorch's CUDA caching allocator; returns an :class:`Estimate`.
+- :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
+  capability, the source of each figure), or a GPU from a byte size.
+
+Example:
+    >>> import torch
+    >>> from torchmem.fit import estimate
+    >>> def build(batch):
+    ...     net = torch.nn.Linear(512, 512)
+    ...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ...     x = torch.randn(batch, 512)
+    ...     def step():
+    ...         net(x).sum().backward(); opt.step(); opt.zero_grad()
+    ...     return step
+    >>> e = estimate(build, gpu="T4", batch_size=32)
+    >>> e.fits, e.by_category["parameters"] == (512 * 512 + 512) * 4
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
+from torchmem.fit._estimate import Estimate, OOMSite
+from torchmem.fit._search import estimate
+
+__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "OOMSite", "estimate", "gpu"]

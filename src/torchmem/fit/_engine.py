@@ -1,0 +1,406 @@
+"""One fake run of a user's training step through the simulated caching allocator.
+
+``build(batch_size)`` runs under fake tensors (no memory is allocated) with CUDA redirected to
+the fake device (:mod:`torchmem.fit._env`), inside :func:`torchmem.track`: the tracker sees every
+storage birth (operator outputs, with operator, module, phase and Python stack) and every death
+(a weak reference on the storage fires as soon as PyTorch drops it; fake storages die as
+promptly as real ones). A tracker listener sends each birth to
+:meth:`~torchmem.sim.CachingAllocator.malloc` and each death to
+:meth:`~torchmem.sim.CachingAllocator.free`, in program order, on an allocator with the GPU's
+usable capacity. A thin dispatch mode on top adds what CUDA does and a CPU run never shows:
+the cuBLAS workspace of each (thread, stream) at its first GEMM (backward runs on autograd's
+own thread, so a training step has two) and, when :mod:`torchmem.fit._cuda` is present, its
+kernels' transient workspaces.
+
+The first allocation the simulator cannot satisfy is the out-of-memory point: its operator,
+module and stack are kept and the run stops there.
+
+Example:
+    >>> import torch
+    >>> def build(batch):
+    ...     net = torch.nn.Linear(256, 256)
+    ...     x = torch.randn(batch, 256)
+    ...     return lambda: net(x).sum().backward()
+    >>> est = run_once(build, 8, "T4")
+    >>> est.fits, est.peak_requested_bytes >= 2 * (256 * 256 + 256) * 4
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchmem.capture import track
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
+from torchmem.fit._catalog import GPU, gpu as _gpu
+from torchmem.fit._env import fake_cuda
+from torchmem.fit._estimate import Estimate, OOMSite
+from torchmem.model.events import Category, EventKind
+from torchmem.sim import CachingAllocator
+
+__all__ = ["run_once", "BuildFn"]
+
+BuildFn = Callable[[int], Callable[[], Any]]
+
+_ALLOC, _FREE = EventKind.ALLOC, EventKind.FREE
+
+#: cuBLAS workspace per (thread, stream) when torchmem.fit._cuda is absent: 32 MiB on compute
+#: capability 9.x and newer, 8 MiB + 128 KiB before (aten/src/ATen/cuda/CublasHandlePool.cpp,
+#: getChosenWorkspaceSize; seen as 8,519,680-byte blocks in ../shared/data/gpu-truth.md).
+_WS_HOPPER = 32 << 20
+_WS_OLDER = (8 << 20) + (128 << 10)
+
+_GEMM_NAMES = (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation", "_scaled_mm",
+)
+_GEMMS = {getattr(torch.ops.aten, n) for n in _GEMM_NAMES if hasattr(torch.ops.aten, n)}
+
+#: Category label -> report key.
+_KEYS = {
+    Category.PARAMETER: "parameters",
+    Category.BUFFER: "parameters",
+    Category.GRADIENT: "gradients",
+    Category.OPTIMIZER_STATE: "optimizer_state",
+    Category.ACTIVATION: "activations",
+    Category.TEMPORARY: "temporaries",
+    Category.INPUT: "inputs",
+    Category.OTHER: "other",
+}
+_REPORT_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                "inputs", "other", "workspace")
+
+
+class _Abort(BaseException):
+    """Stops the user's step at the simulated out-of-memory point (not an Exception, so user
+    code's ``except Exception`` does not swallow it)."""
+
+
+def _emulation(cc: tuple[int, int]) -> Any:
+    """hC2's CudaEmulation when torchmem.fit._cuda exists, else None."""
+    try:
+        mod = importlib.import_module("torchmem.fit._cuda")
+    except ImportError:
+        return None
+    return mod.CudaEmulation(cc)
+
+
+class _State:
+    """The simulator, the storages it holds, and the running peaks."""
+
+    def __init__(self, sim: CachingAllocator, emu: Any, cc: tuple[int, int]) -> None:
+        self.sim = sim
+        self.emu = emu
+        self.addr: dict[int, int] = {}
+        self.live_req = 0
+        self.peak_req = 0
+        self.peak_req_seq = -1
+        self.ws_at_peak = 0
+        self.peak_alloc = 0
+        self.frag_at_peak = 0
+        self.peak_res = 0
+        self.ws_bytes = 0
+        self.ws_keys: set[object] = set()
+        self.oom: OOMSite | None = None
+        self.phase = "other"
+        if emu is not None:
+            self.ws_size = int(emu.gemm_workspace_bytes)
+        else:
+            self.ws_size = _WS_HOPPER if cc >= (9, 0) else _WS_OLDER
+
+    def _peaks(self) -> None:
+        sim = self.sim
+        a = sim.allocated_bytes
+        if a > self.peak_alloc:
+            self.peak_alloc = a
+            self.frag_at_peak = sim.reserved_bytes - a
+        if sim.reserved_bytes > self.peak_res:
+            self.peak_res = sim.reserved_bytes
+
+    def _malloc(self, nbytes: int, ev: Any, op: str | None, label: str) -> int | None:
+        try:
+            addr = self.sim.malloc(nbytes)
+        except SimulatedOutOfMemoryError as e:
+            self.oom = OOMSite(
+                requested_bytes=nbytes,
+                op=op,
+                module=getattr(ev, "module", None),
+                phase=getattr(getattr(ev, "phase", None), "label", self.phase),
+                stack=tuple(getattr(ev, "stack", None) or ()),
+                allocated_bytes=self.sim.allocated_bytes,
+                reserved_bytes=self.sim.reserved_bytes,
+                message=f"{label}: {e}",
+            )
+            return None
+        self._peaks()
+        return addr
+
+    def listener(self, ev: Any, storage: Any) -> None:
+        kind = ev.kind
+        if kind == _ALLOC:
+            n = ev.nbytes
+            self.live_req += n
+            if self.live_req > self.peak_req:
+                self.peak_req = self.live_req
+                self.peak_req_seq = ev.seq
+                self.ws_at_peak = self.ws_bytes
+            self.phase = ev.phase.label
+            if n == 0 or self.oom is not None:
+                return
+            addr = self._malloc(n, ev, ev.op, "tensor storage")
+            if addr is not None:
+                self.addr[ev.storage] = addr
+        elif kind == _FREE:
+            self.live_req -= ev.nbytes
+            addr = self.addr.pop(ev.storage, None)
+            if addr is not None:
+                self.sim.free(addr)
+
+    def after_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if func.overloadpacket in _GEMMS:
+            key: object = (
+                "autograd" if torch._C._current_autograd_node() is not None
+                else threading.get_ident()
+            )
+            if key not in self.ws_keys:
+                self.ws_keys.add(key)
+                if self._malloc(self.ws_size, None, str(func), "cuBLAS workspace") is not None:
+                    self.ws_bytes += self.ws_size
+        if self.emu is not None and self.oom is None:
+            for nbytes, label in self.emu.transients(func, args, kwargs, out):
+                addr = self._malloc(int(nbytes), None, str(func), str(label))
+                if addr is None:
+                    break
+                self.sim.free(addr)
+
+
+class _SimMode(TorchDispatchMode):
+    """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point."""
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        st = self.state
+        if st.oom is None:
+            st.after_op(func, args, kwargs, out)
+        if st.oom is not None:
+            raise _Abort()
+        return out
+
+
+def _make_sim(capacity: int, alloc_conf: str | None) -> CachingAllocator:
+    if alloc_conf is None:
+        return CachingAllocator(capacity)
+    if not isinstance(alloc_conf, str):
+        raise InvalidInputError(
+            f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
+            f"'expandable_segments:True', got {type(alloc_conf).__name__}"
+        )
+    try:
+        return CachingAllocator(capacity, config=alloc_conf)  # type: ignore[call-arg]
+    except TypeError:
+        raise InvalidInputError(
+            f"alloc_conf {alloc_conf!r} cannot be simulated: this torchmem.sim has no allocator "
+            "settings yet; fix: leave alloc_conf out (default settings)"
+        ) from None
+
+
+def _source_of(fn: Any) -> tuple[str | None, int | None]:
+    try:
+        return inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+    except (TypeError, OSError):
+        return None, None
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_frame(exc: BaseException, prefer: set[str]) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if fr.filename in prefer:
+            return fr
+    for fr in reversed(frames):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_OWN_DIR) and "<frozen" not in f:
+            return fr
+    return frames[-1] if frames else None
+
+
+def _hint(exc: BaseException) -> str:
+    name = type(exc).__name__
+    text = str(exc)
+    if name == "DataDependentOutputException" or "_local_scalar_dense" in text:
+        return (" This reads a tensor's value (.item(), int(t), bool(t), .tolist(), an `if` on a "
+                "tensor), which fake tensors do not have; fix: use Python numbers for control "
+                "flow while estimating, or move that code out of build/step")
+    if name == "DynamicOutputShapeException":
+        return (" The output's shape depends on tensor values (nonzero, boolean-mask indexing, "
+                "unique, ...), which fake tensors do not have; fix: use fixed-shape operations "
+                "(torch.where, masked_fill) or move that code out of build/step")
+    if ".numpy()" in text or "data pointer" in text or "tensor subclasses" in text:
+        return (" Fake tensors have no data (.numpy(), data pointers, printing values); fix: "
+                "keep such code out of build/step while estimating")
+    return ""
+
+
+def _user_error(exc: BaseException, what: str, fns: list[Any]) -> InvalidInputError:
+    prefer = {f for f in (_source_of(fn)[0] for fn in fns) if f}
+    fr = _user_frame(exc, prefer)
+    where = f" at {fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "") if fr else ""
+    return InvalidInputError(
+        f"{what} raised {type(exc).__name__}{where}: {str(exc).strip()[:500]}.{_hint(exc)}"
+        " (torchmem runs it under fake tensors; set TORCHMEM_DEBUG=1 for the full traceback)"
+    )
+
+
+def run_once(
+    build: BuildFn,
+    batch_size: int,
+    gpu: str | int | GPU = "H100-80GB",
+    *,
+    steps: int = 2,
+    alloc_conf: str | None = None,
+    keep_snapshot: bool = False,
+) -> Estimate:
+    """Build and run ``steps`` steps of ``build(batch_size)`` on a fake ``gpu``; one estimate.
+
+    Example:
+        >>> import torch
+        >>> def build(batch):
+        ...     x = torch.zeros(batch, 1024)            # 4 KiB per row
+        ...     return lambda: x + 1
+        >>> e = run_once(build, 4, "T4", steps=1)
+        >>> e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes
+        (32768, 32768, 2097152)
+    """
+    if not callable(build):
+        raise InvalidInputError(
+            f"build must be a function build(batch_size) -> step, got {type(build).__name__}"
+        )
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise InvalidInputError(f"steps must be an int >= 1, got {steps!r}")
+    card = _gpu(gpu)
+    from torch._subclasses import FakeTensorMode
+
+    sim = _make_sim(card.usable_bytes, alloc_conf)
+    emu = _emulation(card.compute_capability)
+    st = _State(sim, emu, card.compute_capability)
+
+    def counters() -> tuple[int, int, int, int]:
+        return sim.allocated_bytes, sim.reserved_bytes, st.peak_alloc, st.peak_res
+
+    tracker = track(stacks=True, listeners=[st.listener])
+    step: Any = None
+    failure: InvalidInputError | None = None
+    with tracker:
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
+            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters
+        ):
+            emu_ctx = emu if emu is not None else _Null()
+            with emu_ctx, _SimMode(st):
+                try:
+                    try:
+                        step = build(batch_size)
+                    except _Abort:
+                        raise
+                    except Exception as e:
+                        if st.oom is None:
+                            failure = _user_error(e, f"build({batch_size})", [build])
+                            failure.__cause__ = e
+                    if failure is None and st.oom is None and not callable(step):
+                        file, line = _source_of(build)
+                        at = f" (defined at {file}:{line})" if file else ""
+                        failure = InvalidInputError(
+                            f"build({batch_size}){at} returned {type(step).__name__}, expected a "
+                            "zero-argument step() callable that runs one training iteration; "
+                            "fix: end build with `return step`"
+                        )
+                    for _ in range(steps):
+                        if failure is not None or st.oom is not None:
+                            break
+                        try:
+                            step()
+                        except _Abort:
+                            raise
+                        except Exception as e:
+                            if st.oom is None:
+                                failure = _user_error(e, "step()", [step, build])
+                                failure.__cause__ = e
+                except _Abort:
+                    pass
+                finally:
+                    step = None
+    if failure is not None:
+        raise failure
+    if tracker.listener_errors:
+        raise TorchmemError(
+            f"internal error in the estimate's allocator feed: {tracker.listener_errors[0]!r}"
+        )
+    return _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _result(
+    card: GPU, batch_size: int, steps: int, alloc_conf: str | None, st: _State, tracker: Any,
+    keep_snapshot: bool,
+) -> Estimate:
+    by_cat = dict.fromkeys(_REPORT_KEYS, 0)
+    by_mod: dict[str, int] = {}
+    if st.peak_req_seq >= 0:
+        live: dict[int, tuple[int, str, str]] = {}
+        for ev in tracker.events():
+            if ev.seq > st.peak_req_seq:
+                break
+            if ev.kind == _ALLOC:
+                live[ev.storage] = (ev.nbytes, _KEYS.get(ev.category, "other"), ev.module or "")
+            elif ev.kind == _FREE:
+                live.pop(ev.storage, None)
+        for n, key, mod in live.values():
+            by_cat[key] += n
+            name = mod or "(outside any module)"
+            by_mod[name] = by_mod.get(name, 0) + n
+    by_cat["workspace"] = st.ws_at_peak
+    top = dict(sorted(by_mod.items(), key=lambda kv: -kv[1])[:15])
+    snap = None
+    if keep_snapshot and hasattr(st.sim, "snapshot"):
+        snap = st.sim.snapshot()
+    return Estimate(
+        gpu=card.name,
+        batch_size=batch_size,
+        fits=st.oom is None,
+        capacity_bytes=card.total_bytes,
+        overhead_bytes=card.context_bytes,
+        peak_requested_bytes=st.peak_req,
+        peak_allocated_bytes=st.peak_alloc,
+        peak_reserved_bytes=st.peak_res,
+        by_category=by_cat,
+        by_module=top,
+        oom=st.oom,
+        fragmentation_bytes=st.frag_at_peak,
+        workspace_bytes=st.ws_bytes,
+        overhead={"cuda_context": card.context_bytes},
+        steps=steps,
+        alloc_conf=alloc_conf,
+        compute_capability=card.compute_capability,
+        snapshot=snap,
+    )

@@ -1,0 +1,157 @@
+"""The result of an estimate: :class:`Estimate` (plain data, JSON via :meth:`Estimate.to_dict`).
+
+Example:
+    >>> e = Estimate(gpu="T4", batch_size=8, fits=True, capacity_bytes=100, overhead_bytes=10,
+    ...              peak_requested_bytes=40, peak_allocated_bytes=50, peak_reserved_bytes=60)
+    >>> e.headroom_bytes, list(e.to_dict())[:4]
+    (30, ['fits', 'peak_requested_bytes', 'peak_allocated_bytes', 'peak_reserved_bytes'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Estimate", "OOMSite"]
+
+
+@dataclass
+class OOMSite:
+    """The allocation that would run out of memory: size, operator, module, phase, stack.
+
+    Example:
+        >>> OOMSite(1024, "aten::mm", "Net.fc", "forward", ("train.py:12 step",)).to_dict()["op"]
+        'aten::mm'
+    """
+
+    requested_bytes: int
+    op: str | None
+    module: str | None
+    phase: str
+    stack: tuple[str, ...] = ()
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form.
+
+        Example:
+            >>> sorted(OOMSite(1, None, None, "other").to_dict())[:3]
+            ['allocated_bytes', 'message', 'module']
+        """
+        return {
+            "requested_bytes": self.requested_bytes,
+            "op": self.op,
+            "module": self.module,
+            "phase": self.phase,
+            "stack": list(self.stack),
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "message": self.message,
+        }
+
+
+@dataclass
+class Estimate:
+    """Will it fit? The figures of one simulated run (or of the largest fitting batch).
+
+    Bytes are ints. ``capacity_bytes`` is the GPU's total memory, ``overhead_bytes`` the CUDA
+    context (outside PyTorch's allocator), so the simulated allocator had
+    ``capacity_bytes - overhead_bytes``. ``peak_requested_bytes`` is the peak sum of live
+    tensor storages (exact), ``peak_allocated_bytes`` the peak of allocator blocks (rounded
+    requests, cuBLAS workspaces included), ``peak_reserved_bytes`` the peak of cudaMalloc'd
+    segments. ``by_category`` and ``by_module`` are the storages live at the peak of requested
+    bytes (plus ``workspace``, the library workspaces live then). ``fragmentation_bytes`` is
+    reserved minus allocated at the peak of allocated bytes. ``oom`` says where it would run out
+    of memory (``None`` when it fits).
+
+    Example:
+        >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
+        ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
+        >>> e.usable_bytes, e.to_dict()["oom"]
+        (8, None)
+    """
+
+    gpu: str
+    batch_size: int | None
+    fits: bool
+    capacity_bytes: int
+    overhead_bytes: int
+    peak_requested_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    by_category: dict[str, int] = field(default_factory=dict)
+    by_module: dict[str, int] = field(default_factory=dict)
+    oom: OOMSite | None = None
+    max_batch_size: int | None = None
+    fragmentation_bytes: int = 0
+    workspace_bytes: int = 0
+    overhead: dict[str, int] = field(default_factory=dict)
+    steps: int = 2
+    alloc_conf: str | None = None
+    compute_capability: tuple[int, int] = (9, 0)
+    searched: bool = False
+    probes: list[tuple[int, bool]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    snapshot: Any = None
+
+    @property
+    def usable_bytes(self) -> int:
+        """What the simulated allocator had: capacity minus the CUDA context.
+
+        Example:
+            >>> Estimate("x", 1, True, 100, 30, 0, 0, 0).usable_bytes
+            70
+        """
+        return self.capacity_bytes - self.overhead_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Usable bytes left at the peak of reserved memory (negative: short by that much).
+
+        Example:
+            >>> Estimate("x", 1, True, 100, 30, 0, 0, 50).headroom_bytes
+            20
+        """
+        return self.usable_bytes - self.peak_reserved_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form: the documented keys first, then extras.
+
+        Example:
+            >>> d = Estimate("x", 4, True, 100, 30, 1, 2, 3).to_dict()
+            >>> list(d)[:8]  # doctest: +NORMALIZE_WHITESPACE
+            ['fits', 'peak_requested_bytes', 'peak_allocated_bytes', 'peak_reserved_bytes',
+             'capacity_bytes', 'overhead_bytes', 'by_category', 'oom']
+        """
+        d: dict[str, Any] = {
+            "fits": self.fits,
+            "peak_requested_bytes": self.peak_requested_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "by_category": dict(self.by_category),
+            "oom": None if self.oom is None else self.oom.to_dict(),
+        }
+        if self.searched:
+            d["max_batch_size"] = self.max_batch_size
+        d.update(
+            gpu=self.gpu,
+            compute_capability=list(self.compute_capability),
+            batch_size=self.batch_size,
+            steps=self.steps,
+            alloc_conf=self.alloc_conf,
+            usable_bytes=self.usable_bytes,
+            headroom_bytes=self.headroom_bytes,
+            fragmentation_bytes=self.fragmentation_bytes,
+            workspace_bytes=self.workspace_bytes,
+            overhead=dict(self.overhead),
+            by_module=dict(self.by_module),
+        )
+        if self.searched:
+            d["probes"] = [{"batch_size": b, "fits": f} for b, f in self.probes]
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
