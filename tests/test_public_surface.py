@@ -38,6 +38,8 @@ TOP_LEVEL = [
     "chunked_transfer",
     "format_bytes",
     "inspect_memory",
+    "estimate",
+    "Estimate",
     "load_snapshot",
     "load_trace",
     "memory_aware_deepcopy",
@@ -89,6 +91,9 @@ NAMESPACES: dict[str, list[str]] = {
     ],
     "torchmem.examples": [
         "TiedLM", "build_example", "example_input", "list_examples", "train_step",
+    ],
+    "torchmem.fit": [
+        "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "OOMSite", "estimate", "gpu",
     ],
     "torchmem.io": [
         "from_pytorch", "load_snapshot", "load_trace", "save_trace", "snapshot_from_events",

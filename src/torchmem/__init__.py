@@ -10,6 +10,7 @@ what it is (see ``ARCHITECTURE.md``):
 ``torchmem.analysis``       pure functions over traces and snapshots (peak, diff, oom, ...)
 ``torchmem.render``         text tables, timeline plots, the offline HTML viewer
 ``torchmem.sim``            PyTorch's CUDA caching allocator, simulated (no torch, no GPU)
+``torchmem.fit``            will it fit? ``estimate`` a training step on a GPU you do not have
 ``torchmem.ledger``         allocate/free accounting, auto-GC policy, monitoring figures
 ``torchmem.devices``        device capacity and usage polling
 ``torchmem.transfer``       ``ToDevice`` and pipelined transfers between devices
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         MissingFileError,
         TorchmemError,
     )
+    from torchmem.fit import Estimate, estimate
     from torchmem.io import load_snapshot, load_trace, write_snapshot
     from torchmem.ledger import Ledger
     from torchmem.model import MemoryReport, Snapshot, Trace
@@ -110,6 +112,9 @@ _EXPORTS: dict[str, str] = {
     "load_snapshot": "torchmem.io",
     "write_snapshot": "torchmem.io",
     "write_viewer": "torchmem.render",
+    # will it fit?
+    "estimate": "torchmem.fit",
+    "Estimate": "torchmem.fit",
     # the ledger and devices
     "Ledger": "torchmem.ledger",
     "available_devices": "torchmem.devices",

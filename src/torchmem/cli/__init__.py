@@ -5,7 +5,8 @@ Only the chosen subcommand's module is imported, so ``torchmem stats`` does not 
 
 Exit codes: 0 success; 1 an unexpected internal error; 2 bad usage or bad input (a
 :class:`~torchmem.errors.TorchmemError`, or a file that cannot be read or written); 130
-interrupted. ``torchmem run`` passes on the exit code of the user's script.
+interrupted. ``torchmem run`` passes on the exit code of the user's script; ``torchmem
+estimate`` exits 3 when the step does not fit.
 
 Example:
     >>> from torchmem.cli import main
@@ -42,6 +43,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "flame": ("torchmem.cli.flame", "folded stacks of a snapshot for flame-graph tools"),
     "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
     "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
+    "estimate": ("torchmem.cli.estimate", "will a training step fit on a GPU? (fake run, no GPU needed)"),
 }
 
 

@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmem.capture import track
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
-from torchmem.fit._catalog import GPU, gpu as _gpu
+from torchmem.fit._catalog import GPU
+from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, OOMSite
 from torchmem.model.events import Category, EventKind
@@ -144,20 +145,22 @@ class _State:
         return addr
 
     def listener(self, ev: Any, storage: Any) -> None:
+        if self.oom is not None:  # the run stops at the first out-of-memory point
+            return
         kind = ev.kind
         if kind == _ALLOC:
             n = ev.nbytes
+            self.phase = ev.phase.label
+            if n:
+                addr = self._malloc(n, ev, ev.op, "tensor storage")
+                if addr is None:
+                    return
+                self.addr[ev.storage] = addr
             self.live_req += n
             if self.live_req > self.peak_req:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
                 self.ws_at_peak = self.ws_bytes
-            self.phase = ev.phase.label
-            if n == 0 or self.oom is not None:
-                return
-            addr = self._malloc(n, ev, ev.op, "tensor storage")
-            if addr is not None:
-                self.addr[ev.storage] = addr
         elif kind == _FREE:
             self.live_req -= ev.nbytes
             addr = self.addr.pop(ev.storage, None)

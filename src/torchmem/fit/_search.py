@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchmem.errors import InvalidInputError
-from torchmem.fit._catalog import GPU, gpu as _gpu
+from torchmem.fit._catalog import GPU
+from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._engine import BuildFn, run_once
 from torchmem.fit._estimate import Estimate
 

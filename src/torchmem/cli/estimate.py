@@ -1,0 +1,221 @@
+"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a training step fit?
+
+``build(batch_size)`` (in a file or an importable module) builds the model, optimizer and data
+and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
+simulation of PyTorch's CUDA caching allocator (see :func:`torchmem.estimate`). Nothing is
+allocated and no GPU is needed. ``--max-batch-size`` searches for the largest batch that fits
+(progress on stderr). ``-o estimate.pickle`` writes the simulated run as a PyTorch memory
+snapshot (for ``torchmem view``/``stats``/``peak``), atomically, only when the estimate
+succeeds.
+
+Example:
+    >>> from torchmem.cli import main
+    >>> main(["estimate", "--list-gpus"])  # doctest: +ELLIPSIS
+    A100-40GB ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from torchmem.errors import InvalidInputError
+
+__all__ = ["add_arguments", "run", "render_text"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``torchmem estimate``.
+
+    Example:
+        >>> import argparse; p = argparse.ArgumentParser(); add_arguments(p)
+        >>> ns = p.parse_args(["train.py:build", "--gpu", "T4", "--batch-size", "8"])
+        >>> ns.gpu, ns.batch_size, ns.steps
+        ('T4', 8, 2)
+    """
+    parser.add_argument(
+        "spec", nargs="?",
+        help="the build function: path/to/file.py:build or package.module:build; "
+             "build(batch_size) returns a zero-argument step()",
+    )
+    parser.add_argument("--gpu", default="H100-80GB",
+                        help="a GPU from the catalog (see --list-gpus) or a size such as "
+                             "'23.5 GiB' (default H100-80GB)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help="the batch size passed to build (default 1)")
+    group.add_argument("--max-batch-size", action="store_true",
+                       help="search for the largest batch size that fits")
+    parser.add_argument("--steps", type=int, default=2, metavar="N",
+                        help="training steps to run (default 2: the second sees optimizer "
+                             "state and cached blocks)")
+    parser.add_argument("--alloc-conf", default=None, metavar="CONF",
+                        help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
+                             "'expandable_segments:True'")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    parser.add_argument("-o", "--output", default=None, metavar="PICKLE",
+                        help="also write the simulated run as a PyTorch memory snapshot")
+    parser.add_argument("--list-gpus", action="store_true", help="list the GPU catalog and exit")
+
+
+def _fmt(n: int) -> str:
+    from torchmem.units import format_bytes
+
+    return format_bytes(n)
+
+
+def render_text(est: Any, file: Any = None) -> None:
+    """Print an :class:`~torchmem.fit.Estimate` as tables (rich; plain text when piped).
+
+    Example:
+        >>> from torchmem.fit import Estimate
+        >>> render_text(Estimate("T4", 8, True, 100 << 20, 10 << 20, 1 << 20, 2 << 20, 4 << 20),
+        ...             file=sys.stdout)  # doctest: +ELLIPSIS
+        T4, batch 8: FITS ...
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
+    verdict = "FITS" if est.fits else "DOES NOT FIT"
+    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
+    con.print(f"{est.gpu}{batch}: {verdict} (headroom {_fmt(est.headroom_bytes)} of "
+              f"{_fmt(est.usable_bytes)} usable)")
+    if est.searched:
+        con.print(f"largest batch that fits: {est.max_batch_size} "
+                  f"({len(est.probes)} probes: "
+                  + ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes) + ")")
+    t = Table(title="memory", show_header=True)
+    t.add_column("line")
+    t.add_column("bytes", justify="right")
+    t.add_column("what it is")
+    t.add_row("GPU total", _fmt(est.capacity_bytes), "cudaMemGetInfo total of the card")
+    t.add_row("CUDA context", _fmt(est.overhead_bytes),
+              "driver + kernels, outside PyTorch's allocator (per GPU generation, approximate)")
+    t.add_row("usable", _fmt(est.usable_bytes), "what cudaMalloc can get: the simulated capacity")
+    t.add_row("peak requested", _fmt(est.peak_requested_bytes), "sum of live tensor storages")
+    t.add_row("peak allocated", _fmt(est.peak_allocated_bytes),
+              "allocator blocks (rounded requests + workspaces)")
+    t.add_row("peak reserved", _fmt(est.peak_reserved_bytes), "cudaMalloc'd segments")
+    t.add_row("fragmentation", _fmt(est.fragmentation_bytes),
+              "reserved but unallocated at the peak of allocated")
+    t.add_row("cuBLAS workspaces", _fmt(est.workspace_bytes),
+              "one block per (thread, stream) doing GEMMs; inside allocated")
+    con.print(t)
+    c = Table(title="live at the peak, by category", show_header=True)
+    c.add_column("category")
+    c.add_column("bytes", justify="right")
+    for k, v in est.by_category.items():
+        if v:
+            c.add_row(k, _fmt(v))
+    con.print(c)
+    if est.by_module:
+        m = Table(title="live at the peak, by module (top 15)", show_header=True)
+        m.add_column("module")
+        m.add_column("bytes", justify="right")
+        for k, v in est.by_module.items():
+            m.add_row(k, _fmt(v))
+        con.print(m)
+    if est.oom is not None:
+        o = est.oom
+        con.print(f"out of memory at: {o.op or '?'} in module {o.module or '(none)'} "
+                  f"({o.phase}), requesting {_fmt(o.requested_bytes)} with "
+                  f"{_fmt(o.allocated_bytes)} allocated, {_fmt(o.reserved_bytes)} reserved")
+        for line in o.stack:
+            con.print(f"    {line}")
+    for note in est.notes:
+        con.print(f"note: {note}")
+
+
+def _check_output(path: str) -> None:
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(out_dir):
+        raise InvalidInputError(
+            f"-o/--output {path!r} cannot be written: expected a file path in an existing "
+            "folder; create the folder or pass another path"
+        )
+    from torchmem.sim import CachingAllocator
+
+    if not hasattr(CachingAllocator, "snapshot"):
+        raise InvalidInputError(
+            "-o needs the allocator simulator's snapshot support, which this torchmem lacks; "
+            "fix: run without -o"
+        )
+
+
+def _write_atomic(path: str, snapshot: Any) -> None:
+    from torchmem.io import write_snapshot
+
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".torchmem-estimate-", suffix=".pickle", dir=folder)
+    os.close(fd)
+    try:
+        write_snapshot(tmp, snapshot)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the build function, estimate, print; exit code 0 when it fits, 3 when it does not.
+
+    Example:
+        >>> run(argparse.Namespace(list_gpus=False, spec=None))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: expected a build function ...
+    """
+    from torchmem.fit import GPUS, estimate, gpu
+
+    if getattr(args, "list_gpus", False):
+        for g in GPUS.values():
+            print(f"{g.name:<10} {g.total_bytes / 2**30:7.2f} GiB total  "
+                  f"{g.usable_bytes / 2**30:7.2f} GiB usable  sm_{g.compute_capability[0]}"
+                  f"{g.compute_capability[1]}  {g.marketed}; source: {g.source}")
+        return 0
+    if not args.spec:
+        raise InvalidInputError(
+            "expected a build function, e.g. 'torchmem estimate train.py:build --gpu H100-80GB'; "
+            "build(batch_size) returns a zero-argument step()"
+        )
+    card = gpu(args.gpu)  # unknown names fail before the user's file runs
+    if args.steps < 1:
+        raise InvalidInputError(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise InvalidInputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.output:
+        _check_output(args.output)
+
+    from torchmem.cli._objects import load_object
+
+    build = load_object(args.spec, call=False)
+    if not callable(build):
+        raise InvalidInputError(
+            f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
+            "returning a zero-argument step()"
+        )
+
+    def say(msg: str) -> None:
+        print(f"torchmem estimate: {msg}", file=sys.stderr, flush=True)
+
+    est = estimate(
+        build, card, args.batch_size, max_batch_size=args.max_batch_size, steps=args.steps,
+        alloc_conf=args.alloc_conf, progress=say, keep_snapshot=bool(args.output),
+    )
+    if args.output:
+        if est.snapshot is None:
+            raise InvalidInputError("the simulator returned no snapshot; nothing was written")
+        _write_atomic(args.output, est.snapshot)
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        render_text(est)
+    if args.max_batch_size:
+        return 0 if est.max_batch_size else 3
+    return 0 if est.fits else 3
