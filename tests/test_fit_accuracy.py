@@ -139,7 +139,28 @@ def transformer(batch: int, ckpt: bool = False, accumulate: int = 1, set_to_none
     return step
 
 
+def scaled(batch: int):
+    """fp16-style training with a GradScaler and trunc_normal_ init (both read tensor values on
+    a real run: the estimate must take their usual path)."""
+    dev = _dev()
+    net = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128)).to(dev)
+    for m in net:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+    opt = torch.optim.AdamW(net.parameters())
+    scaler = torch.amp.GradScaler(dev)
+    x = torch.randn(batch, 128, device=dev)
+
+    def step():
+        scaler.scale(net(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return step
+
+
 MODELS = {
+    "gradscaler+trunc_normal": scaled,
     "mlp": mlp,
     "cnn": cnn,
     "transformer": transformer,

@@ -12,6 +12,9 @@ the target GPU. For user code written for CUDA this module makes that work:
   ``is_bf16_supported()`` follows it; ``synchronize``, ``set_device``, ``manual_seed`` do
   nothing; ``empty_cache()`` empties the *simulated* cache; ``memory_allocated()``,
   ``memory_reserved()`` and their ``max_`` forms read the simulator;
+- ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
+  ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
+  was inf/NaN: the estimate follows the usual path, finite gradients;
 - everything is restored on exit.
 
 Example:
@@ -71,6 +74,26 @@ def _fake_apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.n
         if b is not None:
             self._buffers[k] = fn(b)
     return self
+
+
+def _fake_trunc_normal(
+    tensor: torch.Tensor, mean: float, std: float, a: float, b: float,
+    generator: Any = None,
+) -> torch.Tensor:
+    """``nn.init.trunc_normal_`` without rejection sampling, whose loop reads tensor values
+    (``mask.any()``), which fake tensors do not have. In place, like the real one; the real
+    one's short-lived masks (during ``build``) are not simulated."""
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+
+def _fake_maybe_opt_step(
+    self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``GradScaler`` steps the optimizer when no gradient was inf/NaN, which it learns with
+    ``.item()``; fake gradients have no values, so the estimate takes the common path (finite
+    gradients: the optimizer steps and its state is allocated)."""
+    return optimizer.step(*args, **kwargs)
 
 
 class _CudaToCpu(TorchFunctionMode):
@@ -134,15 +157,24 @@ def fake_cuda(
     }
     saved = {k: getattr(cuda, k) for k in patches if hasattr(cuda, k)}
     module_apply = torch.nn.Module._apply
+    init = torch.nn.init
+    trunc = init._no_grad_trunc_normal_
+    from torch.amp.grad_scaler import GradScaler
+
+    opt_step = GradScaler._maybe_opt_step
     mode = _CudaToCpu()
     try:
         for k, v in patches.items():
             setattr(cuda, k, v)
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
+        init._no_grad_trunc_normal_ = _fake_trunc_normal
+        GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
         with mode:
             yield
     finally:
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
+        init._no_grad_trunc_normal_ = trunc
+        GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])
