@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
 
@@ -79,7 +80,9 @@ def segment_size(rounded: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "small", "requested", "allocated", "prev", "next")
+    __slots__ = (
+        "addr", "size", "stream", "small", "requested", "allocated", "prev", "next", "expandable",
+    )
 
     def __init__(self, addr: int, size: int, stream: int, small: bool) -> None:
         self.addr = addr
@@ -88,6 +91,7 @@ class _Block:
         self.small = small
         self.requested = 0
         self.allocated = False
+        self.expandable = False
         self.prev: _Block | None = None
         self.next: _Block | None = None
 
@@ -125,6 +129,7 @@ class CachingAllocator:
         self._free_blocks: dict[int, _Block] = {}
         self._active: dict[int, _Block] = {}
         self._next_address = _BASE_ADDRESS
+        self._seeded: list[tuple[int, int]] = []  # (start, end) of seeded segments
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -213,6 +218,60 @@ class CachingAllocator:
                     kept.append(key)
             self._free[small] = kept
 
+    def add_segment(
+        self,
+        address: int,
+        size: int,
+        stream: int,
+        blocks: Sequence[tuple[int, int, int]],
+        *,
+        small: bool,
+        expandable: bool = False,
+    ) -> list[int]:
+        """Seed a segment that already exists (a mid-run state, e.g. from a snapshot).
+
+        ``blocks`` are ``(offset, size, requested)`` covering the segment in address order;
+        ``requested == 0`` marks a free block (it enters the pool), ``> 0`` an allocated block
+        of that requested size. Returns the addresses of the allocated blocks, in order. No
+        event is recorded: the segment was there before the simulation started. Segments the
+        simulator creates later never overlap a seeded one.
+
+        Example:
+            >>> a = CachingAllocator()
+            >>> a.add_segment(1 << 30, 2 << 20, 0, [(0, 1024, 1000), (1024, (2 << 20) - 1024, 0)],
+            ...               small=True)
+            [1073741824]
+            >>> a.allocated_bytes, a.reserved_bytes, a.malloc(512) - (1 << 30)
+            (1024, 2097152, 1024)
+        """
+        self._check_segment(address, size, stream, blocks)
+        made: list[_Block] = []
+        allocated: list[int] = []
+        prev: _Block | None = None
+        for offset, bsize, requested in blocks:
+            block = _Block(address + offset, bsize, stream, small)
+            block.expandable = expandable
+            block.prev = prev
+            if prev is not None:
+                prev.next = block
+            made.append(block)
+            prev = block
+            if requested > 0:
+                block.allocated = True
+                block.requested = requested
+        for block in made:
+            if block.allocated:
+                self._active[block.addr] = block
+                self.allocated_bytes += block.size
+                allocated.append(block.addr)
+            else:
+                self._insert_free(block)
+        self.reserved_bytes += size
+        self._seeded.append((address, address + size))
+        self._seeded.sort()
+        self._next_address = max(self._next_address, address + size)
+        return allocated
+
     def layout(self) -> list[tuple[int, int, int, list[tuple[int, int, bool]]]]:
         """The segments, by address: ``(address, size, stream, [(offset, size, allocated)])``.
 
@@ -234,6 +293,71 @@ class CachingAllocator:
         return out
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _check_segment(
+        self, address: int, size: int, stream: int, blocks: Sequence[tuple[int, int, int]]
+    ) -> None:
+        """Validate :meth:`add_segment`'s arguments; raise InvalidInputError saying what is wrong."""
+        where = f"add_segment(address={address!r}, size={size!r})"
+        if not isinstance(address, int) or address < 0 or address % MIN_BLOCK_SIZE:
+            raise InvalidInputError(
+                f"{where}: address must be a non-negative multiple of {MIN_BLOCK_SIZE}, got "
+                f"{address!r}; pass the segment's address from the snapshot"
+            )
+        if not isinstance(size, int) or size < MIN_BLOCK_SIZE or size % MIN_BLOCK_SIZE:
+            raise InvalidInputError(
+                f"{where}: size must be a positive multiple of {MIN_BLOCK_SIZE} bytes, got {size!r}"
+            )
+        if not isinstance(stream, int) or stream < 0:
+            raise InvalidInputError(f"{where}: stream must be an int >= 0, got {stream!r}")
+        if not blocks:
+            raise InvalidInputError(
+                f"{where}: blocks is empty; give (offset, size, requested) tuples covering the "
+                "segment"
+            )
+        expected_offset = 0
+        prev_free = False
+        for i, item in enumerate(blocks):
+            if len(item) != 3:
+                raise InvalidInputError(
+                    f"{where}: block {i} must be (offset, size, requested), got {item!r}"
+                )
+            offset, bsize, requested = item
+            if offset != expected_offset:
+                raise InvalidInputError(
+                    f"{where}: block {i} starts at offset {offset}, expected {expected_offset}: "
+                    "blocks must cover the segment in order without gaps or overlaps"
+                )
+            if bsize < MIN_BLOCK_SIZE or bsize % MIN_BLOCK_SIZE:
+                raise InvalidInputError(
+                    f"{where}: block {i} size must be a positive multiple of {MIN_BLOCK_SIZE} "
+                    f"bytes, got {bsize}"
+                )
+            if requested < 0 or requested > bsize:
+                raise InvalidInputError(
+                    f"{where}: block {i} requested size must be 0 (free) or 1..{bsize} (the "
+                    f"block's size), got {requested}"
+                )
+            if requested == 0 and prev_free:
+                raise InvalidInputError(
+                    f"{where}: blocks {i - 1} and {i} are both free; the allocator always merges "
+                    "free neighbours, so give them as one free block"
+                )
+            prev_free = requested == 0
+            expected_offset += bsize
+        if expected_offset != size:
+            raise InvalidInputError(
+                f"{where}: the blocks cover {expected_offset} bytes, not the segment's {size}"
+            )
+        for start, end in self._segment_ranges():
+            if address < end and start < address + size:
+                raise InvalidInputError(
+                    f"{where}: overlaps the existing segment [{start:#x}, {end:#x}); seeded "
+                    "segments must not overlap"
+                )
+
+    def _segment_ranges(self) -> list[tuple[int, int]]:
+        return [(addr, addr + size) for addr, size, _, _ in self.layout()]
 
     def _segment_address(self, size: int) -> int:
         """Where the next new segment of ``size`` bytes starts (a subclass may choose)."""
