@@ -215,7 +215,6 @@ class CachingAllocator:
         self.events: list[Event] = []
         self.reserved_bytes = 0
         self.allocated_bytes = 0
-        self.active_bytes = 0
         self.max_allocated_bytes = 0
         self.max_reserved_bytes = 0
         self.num_alloc_retries = 0
@@ -247,6 +246,8 @@ class CachingAllocator:
         self._frames: dict[int, Frames] = {}  # allocated block -> its allocation's frames
         self._event_frames: dict[int, Frames] = {}  # event index -> frames
         self._next_address = _BASE_ADDRESS
+        # anything off the common path: GC, expandable ranges, record_stream uses, frames
+        self._special = self._gc or self._expandable
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -271,13 +272,14 @@ class CachingAllocator:
             rounded = round_size(size, div)
         small = rounded <= SMALL_SIZE
         lst = self._free[small].get(stream)
-        if self._gc:
+        special = self._special
+        if special and self._gc:
             self._gc_count[small] += 1
         addr = -1
         if lst:
             i = bisect_left(lst, rounded << _SHIFT)
             if i < len(lst):
-                if self._xstarts:
+                if special and self._xstarts:
                     i = self._expandable_best_fit(lst, i)
                 key = lst[i]
                 bsize = key >> _SHIFT
@@ -302,17 +304,17 @@ class CachingAllocator:
             insort(lst, remaining << _SHIFT | rest)
             self._fsize[rest] = remaining
             self._fend[rest + remaining] = rest
-            if self._gc:
+            if special and self._gc:
                 self._gc_base[rest] = self._gc_count[small]
             bsize = rounded
         self._alloc[addr] = (bsize, size, stream, small)
-        self.allocated_bytes += bsize
-        self.active_bytes += bsize
-        if self.allocated_bytes > self.max_allocated_bytes:
-            self.max_allocated_bytes = self.allocated_bytes
+        allocated = self.allocated_bytes = self.allocated_bytes + bsize
+        if allocated > self.max_allocated_bytes:
+            self.max_allocated_bytes = allocated
         if frames is not None:
             self._frames[addr] = frames
             self._event_frames[len(self.events)] = frames
+            self._special = True
         self.events.append(("alloc", addr, size, stream))
         return addr
 
@@ -331,13 +333,41 @@ class CachingAllocator:
         t = self._alloc.pop(address, None)
         if t is None:
             self._bad_free(address)
-        bsize, requested, stream, small = t
-        self.allocated_bytes -= bsize
-        self.events.append(("free_requested", address, requested, stream))
-        if self._uses and address in self._uses:
-            self._pending[address] = t
+        size, requested, stream, small = t
+        self.allocated_bytes -= size
+        events = self.events
+        events.append(("free_requested", address, requested, stream))
+        if self._special:
+            if self._uses and address in self._uses:
+                self._pending[address] = t
+                return
+            self._free_block(address, size, requested, stream, small)
             return
-        self._free_block(address, bsize, requested, stream, small)
+        # the common case, inlined: free_block with its merges (see _free_block)
+        events.append(("free_completed", address, requested, stream))
+        fsize = self._fsize
+        fend = self._fend
+        lst = self._free[small].get(stream)
+        if lst is None:
+            lst = self._free[small][stream] = []
+        segs = self._segs
+        if address not in segs:
+            p = fend.pop(address, None)
+            if p is not None:
+                psize = fsize.pop(p)
+                del lst[bisect_left(lst, psize << _SHIFT | p)]
+                address = p
+                size += psize
+        end = address + size
+        if end not in segs:
+            nsize = fsize.pop(end, None)
+            if nsize is not None:
+                del fend[end + nsize]
+                del lst[bisect_left(lst, nsize << _SHIFT | end)]
+                size += nsize
+        insort(lst, size << _SHIFT | address)
+        fsize[address] = size
+        fend[address + size] = address
 
     def record_stream(self, address: int, stream: int) -> None:
         """Mark the allocated block at ``address`` as used on ``stream`` (``Tensor.record_stream``).
@@ -361,6 +391,7 @@ class CachingAllocator:
             )
         if stream != t[2]:
             self._uses.setdefault(address, set()).add(stream)
+            self._special = True
 
     def process_events(self) -> None:
         """Complete every pending cross-stream free (the other streams have passed their events).
@@ -402,6 +433,16 @@ class CachingAllocator:
             2097152
         """
         self._release_cached_blocks()
+
+    @property
+    def active_bytes(self) -> int:
+        """Bytes of active blocks: allocated, or freed but waiting for other streams.
+
+        Example:
+            >>> a = CachingAllocator(); p = a.malloc(100); a.active_bytes
+            512
+        """
+        return self.allocated_bytes + sum(t[0] for t in self._pending.values())
 
     def reset_peak(self) -> None:
         """Reset :attr:`max_allocated_bytes` and :attr:`max_reserved_bytes` to the current values.
@@ -466,7 +507,6 @@ class CachingAllocator:
             if requested > 0:
                 self._alloc[addr] = (bsize, requested, stream, small)
                 self.allocated_bytes += bsize
-                self.active_bytes += bsize
                 allocated.append(addr)
             else:
                 self._insert_free(addr, bsize, stream, small)
@@ -579,7 +619,6 @@ class CachingAllocator:
     def _free_block(self, addr: int, size: int, requested: int, stream: int, small: bool) -> None:
         if self._frames:
             self._frames.pop(addr, None)
-        self.active_bytes -= size
         self.events.append(("free_completed", addr, requested, stream))
         fsize = self._fsize
         fend = self._fend
@@ -793,6 +832,7 @@ class CachingAllocator:
         return page * ((want + page - 1) // page)
 
     def _new_expandable_range(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
+        self._special = True
         self._segs[addr] = _Seg(addr, size, stream, small, page)
         insort(self._xstarts, addr)
         self._insert_unmapped(addr, size, stream, small)
