@@ -117,3 +117,25 @@ def test_list_gpus(capsys):
     assert main(["estimate", "--list-gpus"]) == 0
     out = capsys.readouterr().out
     assert "H100-80GB" in out and "source:" in out
+
+
+def test_output_snapshot(train, tmp_path, capsys):
+    out = tmp_path / "estimate.pickle"
+    assert main(["estimate", f"{train}:build", "--gpu", "T4", "--batch-size", "8",
+                 "--alloc-conf", "expandable_segments:True", "-o", str(out), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    from torchmem.analysis import peak
+    from torchmem.io import load_snapshot
+
+    snap = load_snapshot(out)
+    assert snap.allocator_settings["expandable_segments"] is True
+    # the file's trace (requested sizes) peaks at the storages plus the two cuBLAS workspaces
+    assert peak(snap).devices[0].peak_allocated_bytes == (
+        d["peak_requested_bytes"] + d["workspace_bytes"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["estimate.pickle", "train.py"]
+
+
+def test_bad_alloc_conf_names_the_option(train, tmp_path, capsys):
+    out = tmp_path / "x.pickle"
+    code = main(["estimate", f"{train}:build", "--alloc-conf", "bogus:1", "-o", str(out)])
+    assert code == 2 and "'bogus'" in capsys.readouterr().err and not out.exists()
