@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     Example:
         >>> run(argparse.Namespace(list_gpus=False, spec=None))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        torchmem.errors.InvalidInputError: expected a build function ...
+        torchmem.errors.InvalidInputError: expected a build function...
     """
     from torchmem.fit import GPUS, estimate, gpu
 
