@@ -1,0 +1,936 @@
+"""CUDA behaviour on a CPU-only build: what a fake run must do differently to allocate like CUDA.
+
+An estimate runs the user's step on fake tensors on a CPU-only PyTorch build (fake *CPU* tensors
+stand in for the GPU's memory: on such a build fake CUDA tensors abort the process in autograd,
+whose engine asks the missing CUDA runtime for streams). Where a CUDA kernel allocates
+differently from what the CPU/fake path would, :class:`CudaEmulation` makes the run follow CUDA:
+
+- **autocast**: ``torch.autocast("cuda", dtype=...)`` in user code applies *CUDA's* autocast
+  policy (the op lists of ``aten/src/ATen/autocast_mode.cpp``, CUDA section) to the fake tensors,
+  with autocast's weight-cast cache. A CPU-only build compiles the AutocastCUDA kernels in, but
+  they only see tensors whose device is CUDA; this module registers Python kernels for the
+  *AutocastCPU* key that apply the CUDA policy whenever CUDA autocast is on, and neutralises the
+  CPU-only autocast entries (CPU's policy is a different list).
+- **scaled_dot_product_attention** picks its backend with CUDA's rules (``sdp_utils.cpp``: flash,
+  then memory-efficient, then math, from dtype, head dim, mask, dropout, compute capability)
+  and calls the CUDA op, whose fake (meta) kernel allocates what the CUDA kernel does: output
+  plus logsumexp, no S x S matrix.
+- **optimizers** default to the ``foreach`` implementation as on CUDA (``_foreach_*`` ops
+  allocate whole intermediate lists; the CPU default is the per-parameter loop).
+- :meth:`CudaEmulation.transients` gives the scratch buffers a CUDA kernel allocates after its
+  outputs and frees before it returns (multi-block reduction staging), and
+  :attr:`CudaEmulation.gemm_workspace_bytes` the cuBLAS workspace each (thread, stream) pins.
+
+:data:`MODELLED` lists each case, what differs on CUDA and how it is modelled, for the docs.
+
+Example:
+    >>> import torch
+    >>> from torch._subclasses import FakeTensorMode
+    >>> with FakeTensorMode(), CudaEmulation((8, 0)):
+    ...     x, w = torch.empty(4, 8), torch.empty(16, 8, requires_grad=True)
+    ...     with torch.autocast("cuda", dtype=torch.bfloat16):
+    ...         y = x @ w.T                   # CUDA: matmul runs in bf16
+    ...         z = torch.exp(y)              # CUDA: exp runs in fp32
+    >>> y.dtype, z.dtype
+    (torch.bfloat16, torch.float32)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torchmem.errors import InvalidInputError
+
+__all__ = ["MODELLED", "CudaEmulation"]
+
+# -- CUDA's autocast policy (aten/src/ATen/autocast_mode.cpp, the KERNEL_CUDA lists) ------------
+# Overload names as the dispatcher registers them ("" is the default overload). The test checks
+# that these sets together are exactly the ops registered for the AutocastCUDA key in this build.
+
+#: Run in the autocast dtype (fp16/bf16): every floating-point tensor argument is cast.
+LOWER_PRECISION_FP = frozenset(
+    {
+        "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc",
+        "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",
+        "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot",
+        "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
+        "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
+        "scaled_dot_product_attention", "cudnn_convolution", "cudnn_convolution_transpose",
+    }
+)  # fmt: skip
+
+#: Run in float32: every fp16/bf16 tensor argument is cast up (a copy).
+FP32 = frozenset(
+    {
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+        "pow.Scalar", "softplus", "layer_norm", "native_layer_norm", "group_norm",
+        "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+        "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+        "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss",
+        "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
+        "pdist", "cdist", "renorm", "logsumexp", "rms_norm", "upsample_nearest1d",
+        "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+        "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d",
+        "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+        "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    }
+)  # fmt: skip
+
+#: Reductions that get ``dtype=torch.float32`` when the caller gave none (no input copy).
+FP32_SET_OPT_DTYPE = frozenset(
+    {
+        "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
+        "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum",
+        "sum.dim_IntList",
+    }
+)  # fmt: skip
+
+#: ``norm`` overloads redirected to their ``dtype=float32`` overload (no input copy).
+FP32_APPEND_DTYPE = {
+    "norm.Scalar": "norm.ScalarOpt_dtype",
+    "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+}
+
+#: Run in the widest floating dtype among the arguments (fp32 if any is fp32).
+PROMOTE = frozenset(
+    {
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+        "index_put", "tensordot", "scatter_add",
+    }
+)  # fmt: skip
+
+#: Refused under CUDA autocast (PyTorch raises; so do we, with PyTorch's advice).
+BANNED = frozenset({"binary_cross_entropy"})
+
+_BANNED_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast "
+    "(CUDA autocast refuses them, and so does the estimate).\nUse "
+    "torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss, "
+    "which combine the sigmoid and the loss and are safe to autocast."
+)
+
+MODELLED: list[tuple[str, str, str]] = [
+    (
+        "autocast (fp16/bf16)",
+        "torch.autocast('cuda') switches itself off on a CPU-only build; CUDA's op lists differ "
+        "from CPU's (exp, pow, rsqrt, sum, softmax, norms and losses run in fp32 on CUDA)",
+        "Python kernels on the AutocastCPU key apply CUDA's lists (lower precision, fp32, "
+        "fp32-with-dtype, promote, banned) while CUDA autocast is on; casts of leaf fp32 "
+        "parameters are cached for the autocast region as CUDA's cast cache does",
+    ),
+    (
+        "scaled_dot_product_attention",
+        "CUDA runs flash or memory-efficient kernels that keep no S x S matrix",
+        "the backend is chosen with CUDA's rules for the target compute capability and the CUDA "
+        "op is called (its fake kernel allocates output + logsumexp (+ RNG state); head dims not "
+        "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
+        "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
+        "cuDNN attention (preferred on some Hopper/Blackwell setups) is not modelled",
+    ),
+    (
+        "optimizers (Adam, AdamW, SGD, ...)",
+        "on CUDA the default implementation is foreach, whose _foreach_* ops allocate whole "
+        "intermediate lists; the fake CPU run would take the per-parameter loop",
+        "parameters on the fake device count as foreach-capable, so the optimizer takes the "
+        "foreach path; fused=True runs the fused kernel (in place, like CUDA)",
+    ),
+    (
+        "multi-block reductions",
+        "CUDA reductions that split one output over several blocks allocate a staging buffer "
+        "and a semaphore after the output and free them before returning",
+        "CudaEmulation.transients(): sizes from Reduce.cuh's launch configuration",
+    ),
+    (
+        "cuBLAS / cuBLASLt workspace",
+        "one workspace per (thread, stream) becomes an allocator block at its first GEMM",
+        "CudaEmulation.gemm_workspace_bytes: CUBLAS_WORKSPACE_CONFIG's default for the "
+        "compute capability (8,519,680 B before Hopper, 32 MiB from 9.0)",
+    ),
+    (
+        "cuDNN RNN workspace and reserve (nn.LSTM/GRU/RNN)",
+        "cuDNN allocates a workspace and a reserve space whose size comes from cuDNN at run time",
+        "not modelled: the estimate shows the CPU implementation's memory for these modules",
+    ),
+]
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _eligible(t: Any) -> bool:
+    """Autocast casts floating-point tensors other than float64 (all fake tensors are 'GPU')."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+class _CastCache:
+    """Autocast's weight-cast cache: one cast per leaf fp32 tensor that requires grad, for the
+    autocast region (cleared when the outermost region exits, like ``clear_autocast_cache``)."""
+
+    def __init__(self) -> None:
+        self._casts: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def cast(self, t: torch.Tensor, dtype: torch.dtype, lower: torch.dtype) -> torch.Tensor:
+        if t.dtype == dtype:
+            return t
+        cacheable = (
+            dtype == lower
+            and t.dtype == torch.float32
+            and t.requires_grad
+            and t.is_leaf
+            and not t._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
+        if not cacheable:
+            return t.to(dtype)
+        hit = self._casts.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        out = t.to(dtype)
+        self._casts[id(t)] = (weakref.ref(t), out)
+        return out
+
+    def clear(self) -> None:
+        self._casts.clear()
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value) if _eligible(value) else value
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _iter_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def _op(name: str) -> Any:
+    base, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, base)
+    return getattr(packet, overload or "default")
+
+
+# -- scaled_dot_product_attention with CUDA's backend choice --------------------------------------
+
+_FLASH, _EFFICIENT, _MATH = "flash", "efficient", "math"
+
+
+def _sdpa_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    is_causal: bool,
+    enable_gqa: bool,
+    cc: tuple[int, int],
+) -> str:
+    """The backend CUDA's ``select_sdp_backend`` picks (default priority: flash, efficient,
+    math; the user's ``torch.backends.cuda.enable_*_sdp`` switches are honoured)."""
+    backends = torch.backends.cuda
+    dense = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    same_batch = dense and q.size(0) == k.size(0) == v.size(0)
+    same_heads = dense and q.size(1) == k.size(1) == v.size(1)
+    gqa_ok = same_heads or (
+        enable_gqa and dense and k.size(1) == v.size(1) and q.size(1) % k.size(1) == 0
+    )
+    nonzero = dense and all(t.size(-2) > 0 and t.size(-1) > 0 for t in (q, k, v))
+    stride_ok = dense and all(t.stride(-1) == 1 or t.size(-1) == 1 for t in (q, k, v))
+    d_qk, d_v = q.size(-1), v.size(-1)
+    low = {torch.float16, torch.bfloat16} if cc >= (8, 0) else {torch.float16}
+    if (
+        backends.flash_sdp_enabled()
+        and dense
+        and same_batch
+        and gqa_ok
+        and nonzero
+        and stride_ok
+        and mask is None
+        and d_qk == k.size(-1) == d_v
+        and d_qk <= 256
+        and (8, 0) <= cc <= (12, 1)
+        and q.dtype in low
+        and q.dtype == k.dtype == v.dtype
+        and not (is_causal and q.size(-2) != k.size(-2))
+        and _flash_grad_head_dim_ok(q, k, v, dropout, cc)
+    ):
+        return _FLASH
+    align = _gemm_alignment(q.dtype, cc)
+    eff_dtypes = (
+        {torch.float16, torch.float32, torch.bfloat16}
+        if cc >= (8, 0)
+        else {torch.float16, torch.float32}
+    )
+    if (
+        backends.mem_efficient_sdp_enabled()
+        and (5, 0) <= cc <= (12, 1)
+        and dense
+        and same_batch
+        and gqa_ok
+        and nonzero
+        and all(t.stride(-1) == 1 for t in (q, k, v))
+        and d_qk == k.size(-1)
+        and d_qk % align == 0
+        and d_v % align == 0
+        and q.dtype in eff_dtypes
+        and q.dtype == k.dtype == v.dtype
+        and (
+            cc < (8, 0)
+            or all((t.storage_offset() * t.element_size()) % (align * t.element_size()) == 0
+                   for t in (q, k, v))
+        )
+    ):  # fmt: skip
+        return _EFFICIENT
+    return _MATH
+
+
+def _flash_grad_head_dim_ok(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, cc: tuple[int, int]
+) -> bool:
+    """Flash refuses training with head dim in (192, 224] (or (224, 256] with dropout) on
+    sm86-89 and sm120-121 (its backward cannot run there)."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_grad or not ((8, 6) <= cc <= (8, 9) or (12, 0) <= cc <= (12, 1)):
+        return True
+    d = q.size(-1)
+    return d <= 192 or (dropout == 0.0 and d > 224)
+
+
+def _gemm_alignment(dtype: torch.dtype, cc: tuple[int, int]) -> int:
+    """``minimum_gemm_alignment`` of sdp_utils.cpp (elements)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = cc[0] >= 8 or (cc[0] >= 7 and half)
+    align = 4 if cc[0] >= 8 else 1
+    if tensor_cores:
+        align = max(align, 128 // (16 if half else 32))
+    return align
+
+
+def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as on CUDA (runs below the autocast key)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    p = dict(zip(names, args))
+    p.update(kwargs)
+    q, k, v = p["query"], p["key"], p["value"]
+    mask = p.get("attn_mask")
+    dropout = float(p.get("dropout_p", 0.0) or 0.0)
+    is_causal = bool(p.get("is_causal", False))
+    scale = p.get("scale")
+    enable_gqa = bool(p.get("enable_gqa", False))
+    backend = _sdpa_backend(q, k, v, mask, dropout, is_causal, enable_gqa, cc)
+    if mask is not None and mask.dtype == torch.bool:
+        # convert_boolean_attn_mask: where(mask, 0, -inf) in the query's dtype (a new tensor)
+        mask = torch.where(mask.logical_not(), -math.inf, 0.0).to(q.dtype)
+    if backend == _FLASH:
+        head = q.size(-1)
+        if scale is None:
+            scale = 1.0 / math.sqrt(head)
+        if head % 8:
+            pad = 8 - head % 8
+            q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout, is_causal, False, scale=scale
+        )[0]
+        return out[..., :head] if head % 8 else out
+    if backend == _EFFICIENT:
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if mask is not None:
+            mask = _pad_mask(mask, q, k)
+        if q.size(1) != k.size(1):  # grouped-query attention: k, v repeated per query head
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, grad, dropout, is_causal, scale=scale
+        )[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, mask, dropout, is_causal, None, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+def _pad_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``preprocess_mask`` for the memory-efficient kernel: the mask's last dim is padded to a
+    multiple of 16 (a copy), then expanded (a view) to (batch, heads, L, S)."""
+    target = (q.size(0), q.size(1), q.size(-2), k.size(-2))
+    last = mask.size(-1)
+    if last % 16:
+        mask = torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
+    return mask.expand(target)
+
+
+# -- multi-block reductions (aten/src/ATen/native/cuda/Reduce.cuh) ---------------------------
+
+#: SM count of the typical card per compute capability (used when the caller gives none):
+#: V100, T4, A100, A10/RTX 3090 (8.6: 82), Jetson Orin (8.7), L40S (8.9: 142), H100 SXM,
+#: B200, RTX 5090.
+_TYPICAL_SMS: dict[tuple[int, int], int] = {
+    (7, 0): 80, (7, 5): 40, (8, 0): 108, (8, 6): 82, (8, 7): 16, (8, 9): 142, (9, 0): 132,
+    (10, 0): 148, (12, 0): 170,
+}  # fmt: skip
+
+#: ``maxThreadsPerMultiProcessor`` (CUDA C programming guide, compute capabilities table).
+_MAX_THREADS_PER_SM: dict[tuple[int, int], int] = {
+    (7, 0): 2048, (7, 2): 2048, (7, 5): 1024, (8, 0): 2048, (8, 6): 1536, (8, 7): 2048,
+    (8, 9): 1536, (9, 0): 2048, (10, 0): 2048, (10, 3): 2048, (12, 0): 1536, (12, 1): 1536,
+}  # fmt: skip
+
+_MAX_NUM_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS (256 for complex double only)
+_MIN_VALUES_PER_THREAD = 16
+_MAX_VALUES_PER_THREAD = 256
+_WARP = 32
+
+
+def _acc_size(dtype: torch.dtype) -> int:
+    """Bytes of the accumulator (``acc_type``) of a sum-like reduction over ``dtype``."""
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return 4
+    if dtype.is_complex:
+        return 16 if dtype == torch.complex128 else 8
+    return 8  # double; integers and bool accumulate in int64
+
+
+def _sum_like(x: torch.Tensor, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    dtype = kwargs.get("dtype")
+    return _acc_size(dtype if isinstance(dtype, torch.dtype) else x.dtype)
+
+
+def _with_index(x: torch.Tensor, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    # thrust::pair<scalar or acc, int64_t>: 16 bytes with the int64's alignment
+    return 16
+
+
+_REDUCTIONS: dict[Any, Callable[..., int]] = {}
+for _name, _size in (
+    ("sum", _sum_like), ("mean", _sum_like), ("nansum", _sum_like), ("prod", _sum_like),
+    ("linalg_vector_norm", _sum_like), ("max", _with_index), ("min", _with_index),
+    ("argmax", _with_index), ("argmin", _with_index),
+):  # fmt: skip
+    if hasattr(torch.ops.aten, _name):
+        _REDUCTIONS[getattr(torch.ops.aten, _name)] = _size
+
+
+def _reduce_dims(
+    func: Any, x: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[int] | None:
+    """The reduced dims of a reduction call (all dims for a full reduction); ``None`` when the
+    overload is not a reduction over dims (``max(a, b)``, ``max()`` ...)."""
+    name = func._overloadpacket.__name__
+    overload = func._overloadname
+    nd = x.dim()
+    if name in ("max", "min"):
+        if overload != "dim":
+            return None  # max.default is a full reduction without indices; max.other elementwise
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        return [int(dim) % max(nd, 1)]
+    if name in ("argmax", "argmin"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim is None:
+            return list(range(nd))
+        return [int(dim) % max(nd, 1)]
+    if name == "linalg_vector_norm":
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    elif name == "prod" and overload == "dim_int":
+        return [int(args[1] if len(args) > 1 else kwargs["dim"]) % max(nd, 1)]
+    else:
+        dim = (
+            args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else kwargs.get("dim")
+        )
+        if overload == "default" and name in ("sum", "mean", "prod", "nansum"):
+            dim = None
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(nd))
+    if isinstance(dim, int):
+        dim = [dim]
+    return sorted({int(d) % max(nd, 1) for d in dim})
+
+
+def _iterator_layout(
+    x: torch.Tensor, reduced: list[int]
+) -> tuple[list[int], list[int], list[int]] | None:
+    """TensorIterator's view of a reduction: (shape, input strides in bytes, output strides)
+    after its dimension reordering (reduced dims first, then by strides) and coalescing."""
+    el = x.element_size()
+    out_el = 1
+    dims = [d for d in range(x.dim()) if x.size(d) != 1]
+    if not dims:
+        return [], [], []
+    kept = [d for d in range(x.dim()) if d not in reduced]
+    out_stride: dict[int, int] = {}
+    acc = out_el
+    for d in reversed(kept):  # the reduction's output is contiguous in logical order
+        out_stride[d] = acc if x.size(d) != 1 else 0
+        acc *= x.size(d)
+    shape = {d: x.size(d) for d in dims}
+    ins = {d: x.stride(d) * el for d in dims}
+    outs = {d: (0 if d in reduced else out_stride[d]) for d in dims}
+
+    def should_swap(a: int, b: int) -> int:
+        sa, sb = outs[a], outs[b]
+        if (sa == 0) != (sb == 0):
+            return 1 if sb == 0 else -1
+        for s0, s1 in ((sa, sb), (ins[a], ins[b])):
+            if s0 == 0 or s1 == 0:
+                continue
+            if s0 < s1:
+                return -1
+            if s0 > s1:
+                return 1
+            if shape[a] > shape[b]:
+                return 1
+        return 0
+
+    perm = list(reversed(dims))  # fastest-moving first
+    for i in range(1, len(perm)):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    out_shape = [shape[perm[0]]]
+    out_in = [ins[perm[0]]]
+    out_out = [outs[perm[0]]]
+    for d in perm[1:]:
+        if out_in[-1] * out_shape[-1] == ins[d] and out_out[-1] * out_shape[-1] == outs[d]:
+            out_shape[-1] *= shape[d]
+        else:
+            out_shape.append(shape[d])
+            out_in.append(ins[d])
+            out_out.append(outs[d])
+    return out_shape, out_in, out_out
+
+
+def _reduce_config(
+    x: torch.Tensor, reduced: list[int], arg_size: int, num_mp: int, max_threads_per_mp: int
+) -> tuple[int, int] | None:
+    """``setReduceConfig``: (staging bytes, semaphore bytes) when the launch reduces globally
+    (several blocks per output), else ``None``."""
+    numel = x.numel()
+    if numel == 0 or numel * x.element_size() >= 2**31:
+        return None  # empty, or split into 32-bit-indexable sub-iterators (not modelled)
+    layout = _iterator_layout(x, reduced)
+    if layout is None:
+        return None
+    shape, ins, outs = layout
+    num_outputs = 1
+    for n, o in zip(shape, outs):
+        if o != 0:
+            num_outputs *= n
+    inputs_per_output = numel // num_outputs
+    n_reduce = sum(1 for o in outs if o == 0)
+    ndim = len(shape)
+    scalar = x.element_size()
+    if ndim > 0:
+        fastest_reduce = n_reduce == ndim or ins[0] < ins[n_reduce]
+        if fastest_reduce:
+            dim0, dim1, fastest = inputs_per_output, num_outputs, ins[0]
+        else:
+            dim0, dim1, fastest = num_outputs, inputs_per_output, ins[n_reduce]
+    else:
+        fastest_reduce, fastest, dim0, dim1 = True, scalar, 1, 1
+    output_vec = 1
+    if fastest == scalar:
+        if fastest_reduce and dim0 >= 128 and n_reduce == 1:
+            dim0 //= 4  # vectorize along input (input_vec_size = vt0 = 4)
+        elif not fastest_reduce:
+            output_vec = 4
+            for n in [shape[n_reduce]] + [s // scalar for j, s in enumerate(ins) if j != n_reduce]:
+                while n % output_vec:
+                    output_vec //= 2
+            dim0 //= output_vec
+    max_threads = _MAX_NUM_THREADS // output_vec
+
+    def last_pow2(n: int) -> int:
+        return max(1, 1 << (max(n, 1).bit_length() - 1))
+
+    d0 = last_pow2(dim0) if dim0 < max_threads else max_threads
+    d1 = last_pow2(dim1) if dim1 < max_threads else max_threads
+    bw = min(d0, _WARP)
+    bh = min(d1, max_threads // bw)
+    bw = min(d0, max_threads // bh)
+    threads = bw * bh
+    step_in, step_out = 1, 1
+    block_x_reduce = False
+    if ndim == 0 or fastest_reduce:
+        block_x_reduce = True
+        step_in *= bw
+    else:
+        step_out *= bw
+
+    def div_up(a: int, b: int) -> int:
+        return -(-a // b)
+
+    split_warps = div_up(inputs_per_output, step_in) >= min(bh * 16, _MAX_VALUES_PER_THREAD)
+    if split_warps:
+        step_in *= bh
+    else:
+        step_out *= bh
+    grid = div_up(num_outputs // output_vec, step_out)
+    target = num_mp * (max_threads_per_mp // threads)
+    vpt = div_up(inputs_per_output, step_in)
+    if not (split_warps and vpt >= _MAX_VALUES_PER_THREAD and grid <= target):
+        return None
+    ctas = max(
+        min(div_up(target, grid), div_up(vpt, _MIN_VALUES_PER_THREAD)),
+        div_up(vpt, _MAX_VALUES_PER_THREAD),
+    )
+    if ctas <= 1:
+        return None
+    staging = arg_size * num_outputs * ctas
+    if not block_x_reduce:
+        staging *= bw * output_vec
+    return staging, 4 * grid
+
+
+# -- the emulation --------------------------------------------------------------------------------
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_lock = threading.Lock()
+
+
+class CudaEmulation:
+    """Make a fake run on a CPU-only build allocate like CUDA on a GPU of ``compute_capability``.
+
+    A context manager entered around the whole fake run (not re-entrant; one at a time per
+    process). Everything it changes is restored on exit: the kernels it registered are removed,
+    CPU autocast's state and dtype, the patched functions and the optimizers' device lists.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> emu = CudaEmulation((9, 0))
+        >>> emu.gemm_workspace_bytes == 32 * 2**20 + 4096 * 1024 * 0   # H100: 32 MiB
+        True
+        >>> with FakeTensorMode(), emu:
+        ...     q = torch.empty(2, 8, 1024, 64, dtype=torch.bfloat16)
+        ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        >>> out.shape, emu.last_sdpa_backend
+        (torch.Size([2, 8, 1024, 64]), 'flash')
+    """
+
+    def __init__(
+        self,
+        compute_capability: tuple[int, int],
+        *,
+        multiprocessors: int | None = None,
+    ) -> None:
+        ok = (
+            isinstance(compute_capability, tuple)
+            and len(compute_capability) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)
+            and compute_capability >= (3, 0)
+        )
+        if not ok:
+            raise InvalidInputError(
+                "compute_capability must be a (major, minor) tuple of ints such as (8, 0) for an "
+                f"A100 or (9, 0) for an H100, got {compute_capability!r}; take it from the GPU "
+                "catalog or torch.cuda.get_device_capability() on the target machine"
+            )
+        self.compute_capability: tuple[int, int] = compute_capability
+        if multiprocessors is not None and (
+            not isinstance(multiprocessors, int)
+            or isinstance(multiprocessors, bool)
+            or multiprocessors < 1
+        ):
+            raise InvalidInputError(
+                f"multiprocessors must be a positive int (the GPU's SM count, e.g. 108 for an "
+                f"A100, 132 for an H100 SXM), got {multiprocessors!r}; leave it out to use the "
+                "typical datacenter card of the compute capability"
+            )
+        major_minor = compute_capability
+        #: Streaming multiprocessors of the target (reduction launch configuration).
+        self.multiprocessors: int = multiprocessors or _TYPICAL_SMS.get(
+            major_minor, _TYPICAL_SMS.get((major_minor[0], 0), 80)
+        )
+        #: ``maxThreadsPerMultiProcessor`` of the compute capability (CUDA's table).
+        self.max_threads_per_sm: int = _MAX_THREADS_PER_SM.get(major_minor, 2048)
+        #: The backend the last ``scaled_dot_product_attention`` call used (``None`` before one).
+        self.last_sdpa_backend: str | None = None
+        self._cache = _CastCache()
+        self._lib: Any = None
+        self._undo: list[Callable[[], None]] = []
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @property
+    def gemm_workspace_bytes(self) -> int:
+        """Bytes of the cuBLAS workspace each (thread, stream) allocates at its first GEMM.
+
+        PyTorch's ``CublasHandlePool.cpp`` takes the size from ``CUBLAS_WORKSPACE_CONFIG``
+        (the sum of its ``:SIZE_KiB:COUNT`` terms) and otherwise defaults to ``:4096:8`` =
+        32 MiB on compute capability 9.x, 10.x and 12.x, and ``:4096:2:16:8`` = 8 MiB + 128 KiB
+        = 8,519,680 B before Hopper. The cuBLASLt workspace is the same block (unified by
+        default), so this is the whole per-stream cost. It is allocated through the caching
+        allocator, so it is a block like any tensor (and lives as long as the process).
+
+        Example:
+            >>> CudaEmulation((8, 6)).gemm_workspace_bytes
+            8519680
+            >>> CudaEmulation((9, 0)).gemm_workspace_bytes
+            33554432
+        """
+        import os
+
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if config:
+            parsed = _parse_workspace_config(config)
+            if parsed is not None:
+                return parsed
+        if self.compute_capability[0] in (9, 10, 12):
+            return 4096 * 1024 * 8
+        return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+    # -- transients -----------------------------------------------------------------------------
+
+    def transients(
+        self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+    ) -> list[tuple[int, str]]:
+        """Scratch buffers the CUDA kernel of ``func`` allocates after its outputs and frees
+        before it returns: ``[(bytes, label), ...]`` in allocation order (empty for most ops).
+        All of them are live together; they are freed in reverse order.
+
+        Modelled: reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
+        output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
+        a staging buffer for the blocks' partial results and an ``int`` semaphore per output
+        block, through the caching allocator. The launch configuration depends on the input's
+        layout (TensorIterator's dimension order), the accumulator type and the GPU's
+        multiprocessor count (``multiprocessors``).
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((8, 0))
+            >>> with FakeTensorMode():
+            ...     x = torch.empty(8192, 768)     # an RMSNorm weight gradient's sum over rows
+            ...     s = x.sum(0)
+            >>> emu.transients(torch.ops.aten.sum.dim_IntList, (x, [0]), {}, s)
+            [(50331648, 'reduction staging'), (24, 'reduction semaphores')]
+        """
+        spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
+        if spec is None or not args or not isinstance(args[0], torch.Tensor):
+            return []
+        x = args[0]
+        dims = _reduce_dims(func, x, args, kwargs)
+        if dims is None:
+            return []
+        config = _reduce_config(
+            x, dims, spec(x, func, args, kwargs), self.multiprocessors, self.max_threads_per_sm
+        )
+        if config is None:
+            return []
+        return [(config[0], "reduction staging"), (config[1], "reduction semaphores")]
+
+    # -- entering and leaving -------------------------------------------------------------------
+
+    def __enter__(self) -> CudaEmulation:
+        if not _lock.acquire(blocking=False):
+            raise InvalidInputError(
+                "a CudaEmulation is already active in this process; CUDA emulation changes "
+                "process-wide dispatcher state, so run one estimate at a time"
+            )
+        try:
+            self._install_autocast()
+            self._install_amp_checks()
+            self._install_optimizers()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        try:
+            while self._undo:
+                self._undo.pop()()
+            self._cache.clear()
+        finally:
+            _lock.release()
+
+    # -- autocast -------------------------------------------------------------------------------
+
+    def _install_autocast(self) -> None:
+        lib = torch.library.Library("aten", "IMPL")
+        self._lib = lib
+        self._undo.append(lib._destroy)
+        registered = {
+            r.split("::", 1)[1] for r in torch._C._dispatch_get_registrations_for_dispatch_key(
+                "AutocastCPU")
+        }  # fmt: skip
+        with warnings.catch_warnings():
+            # "Overriding a previously registered kernel": intended, undone on exit
+            warnings.simplefilter("ignore")
+            ours = set()
+            for name in LOWER_PRECISION_FP | FP32 | FP32_SET_OPT_DTYPE | PROMOTE | BANNED:
+                lib.impl(name, self._kernel(name), "AutocastCPU")
+                ours.add(name)
+            for name in FP32_APPEND_DTYPE:
+                lib.impl(name, self._kernel(name), "AutocastCPU")
+                ours.add(name)
+            for name in sorted(registered - ours):  # CPU-only autocast entries: not on CUDA
+                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        # The AutocastCPU key is only visited while CPU autocast is on; our kernels then look at
+        # the CUDA autocast state, so CPU autocast itself stays without effect.
+        prev_enabled = torch.is_autocast_enabled("cpu")
+        prev_dtype = torch.get_autocast_dtype("cpu")
+        torch.set_autocast_enabled("cpu", True)
+
+        def undo_state() -> None:
+            torch.set_autocast_enabled("cpu", prev_enabled)
+            torch.set_autocast_dtype("cpu", prev_dtype)
+
+        self._undo.append(undo_state)
+        original_clear = torch.clear_autocast_cache
+        cache = self._cache
+
+        def clear_autocast_cache() -> None:
+            cache.clear()
+            original_clear()
+
+        torch.clear_autocast_cache = clear_autocast_cache
+        self._undo.append(lambda: setattr(torch, "clear_autocast_cache", original_clear))
+
+    def _kernel(self, name: str) -> Callable[..., Any]:
+        op = _op(name)
+        cache = self._cache
+        emu = self
+
+        def below(*args: Any, **kwargs: Any) -> Any:
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                if name == "scaled_dot_product_attention":
+                    return emu._run_sdpa(*args, **kwargs)
+                return op(*args, **kwargs)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_autocast_enabled("cuda"):
+                return below(*args, **kwargs)
+            lower = torch.get_autocast_dtype("cuda")
+            if name in BANNED:
+                raise InvalidInputError(_BANNED_MESSAGE)
+            if name in LOWER_PRECISION_FP or name in FP32 or name in PROMOTE:
+                if name in LOWER_PRECISION_FP:
+                    to = lower
+                elif name in FP32:
+                    to = torch.float32
+                else:
+                    wide = [t.dtype for t in _iter_tensors(args, kwargs) if _eligible(t)]
+                    to = torch.float32 if torch.float32 in wide else lower
+                with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                    args = tuple(_map_tensors(a, lambda t: cache.cast(t, to, lower)) for a in args)
+                    kwargs = {
+                        k: _map_tensors(a, lambda t: cache.cast(t, to, lower))
+                        for k, a in kwargs.items()
+                    }
+                return below(*args, **kwargs)
+            first = args[0] if args else None
+            if not _eligible(first):
+                return below(*args, **kwargs)
+            if name in FP32_APPEND_DTYPE:
+                target = _op(FP32_APPEND_DTYPE[name])
+                with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                    return target(*args, **kwargs, dtype=torch.float32)
+            # FP32_SET_OPT_DTYPE: dtype=float32 unless the caller chose one
+            if dtype_at < len(args):
+                if args[dtype_at] is None:
+                    args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1 :])
+            elif kwargs.get("dtype") is None:
+                kwargs = dict(kwargs, dtype=torch.float32)
+            return below(*args, **kwargs)
+
+        names = [a.name for a in op._schema.arguments]
+        dtype_at = names.index("dtype") if "dtype" in names else len(names)
+        return kernel
+
+    def _run_sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        p = dict(zip(names, args))
+        p.update(kwargs)
+        mask = p.get("attn_mask")
+        self.last_sdpa_backend = _sdpa_backend(
+            p["query"],
+            p["key"],
+            p["value"],
+            mask,
+            float(p.get("dropout_p", 0.0) or 0.0),
+            bool(p.get("is_causal", False)),
+            bool(p.get("enable_gqa", False)),
+            self.compute_capability,
+        )
+        return _sdpa(self.compute_capability, *args, **kwargs)
+
+    # -- torch.autocast("cuda") on a CPU-only build ---------------------------------------------
+
+    def _install_amp_checks(self) -> None:
+        import torch.cuda.amp.common as amp_common  # noqa: PLC0415
+
+        original = amp_common.amp_definitely_not_available
+        amp_common.amp_definitely_not_available = lambda: False
+        self._undo.append(lambda: setattr(amp_common, "amp_definitely_not_available", original))
+        original_bf16 = torch.cuda.is_bf16_supported
+        major = self.compute_capability[0]
+
+        def is_bf16_supported(including_emulation: bool = True) -> bool:
+            return major >= 8 or including_emulation
+
+        torch.cuda.is_bf16_supported = is_bf16_supported
+        self._undo.append(lambda: setattr(torch.cuda, "is_bf16_supported", original_bf16))
+
+    # -- optimizers -----------------------------------------------------------------------------
+
+    def _install_optimizers(self) -> None:
+        import torch.optim.optimizer as optimizer  # noqa: PLC0415
+        import torch.utils._foreach_utils as foreach_utils  # noqa: PLC0415
+        from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC0415
+
+        original = optimizer._get_foreach_kernels_supported_devices
+
+        def supported() -> list[str]:
+            return [*original(), "cpu"]
+
+        optimizer._get_foreach_kernels_supported_devices = supported  # type: ignore[assignment]
+        self._undo.append(
+            lambda: setattr(optimizer, "_get_foreach_kernels_supported_devices", original)
+        )
+        for types in (optimizer._foreach_supported_types, foreach_utils._foreach_supported_types):
+            if FakeTensor not in types:
+                types.append(FakeTensor)
+                self._undo.append(_remover(types, FakeTensor))
+
+
+def _remover(items: list[Any], item: Any) -> Callable[[], None]:
+    def remove() -> None:
+        items.remove(item)
+
+    return remove
+
+
+def _parse_workspace_config(config: str) -> int | None:
+    """``:SIZE_KiB:COUNT`` pairs summed (``None`` if the string is not in that form)."""
+    parts = config.split(":")
+    if parts[0] != "" or len(parts) < 3 or len(parts) % 2 == 0:
+        return None
+    try:
+        nums = [int(x) for x in parts[1:]]
+    except ValueError:
+        return None
+    return sum(size * 1024 * count for size, count in zip(nums[::2], nums[1::2], strict=True))
