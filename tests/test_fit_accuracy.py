@@ -2,6 +2,10 @@
 CUDA, the estimate's peak requested bytes (fake tensors, no memory allocated) equal the peak
 that ``torchmem.track()`` measures when the very same build and steps run for real on CPU.
 
+Kernels are the same on CPU and CUDA here: no scaled_dot_product_attention, optimizers with
+``foreach=True``; autocast, whose policy differs between CPU and CUDA, is checked against
+hand-computed figures instead.
+
 Each build is device-agnostic (``"cuda" if torch.cuda.is_available() else "cpu"``): the truth
 runs it on the CPU; the estimate runs it on the fake GPU. The figures are compared as exact
 integers, and the truth is also checked against a hand count of the model's bytes, so neither
@@ -17,6 +21,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torchmem
+
+#: Optimizers say foreach=True: the implementation CUDA uses by default (the CPU default is the
+#: per-parameter loop), so the CPU truth runs the kernels the estimate models.
+FOREACH: bool | None = True
 
 
 def _dev() -> str:
@@ -44,7 +52,7 @@ def mlp(batch: int):
     dev = _dev()
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.GELU(),
                         nn.Linear(1024, 10)).to(dev)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=FOREACH)
     x = torch.randn(batch, 256, device=dev)
     y = torch.randint(0, 10, (batch,), device=dev)
 
@@ -72,7 +80,7 @@ class SmallCNN(nn.Module):
 def cnn(batch: int):
     dev = _dev()
     net = SmallCNN().to(dev)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, foreach=True)
     x = torch.randn(batch, 3, 32, 32, device=dev)
     y = torch.randint(0, 10, (batch,), device=dev)
 
@@ -124,7 +132,7 @@ def transformer(batch: int, ckpt: bool = False, accumulate: int = 1, set_to_none
                 autocast: bool = False):
     dev = _dev()
     net = TinyLM(ckpt=ckpt).to(dev)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, foreach=True)
     ids = torch.randint(0, 500, (batch, 32), device=dev)
 
     def step():
@@ -147,7 +155,7 @@ def scaled(batch: int):
     for m in net:
         if isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=0.02)
-    opt = torch.optim.AdamW(net.parameters())
+    opt = torch.optim.AdamW(net.parameters(), foreach=True)
     scaler = torch.amp.GradScaler(dev)
     x = torch.randn(batch, 128, device=dev)
 
@@ -167,7 +175,6 @@ MODELS = {
     "checkpointing": lambda b: transformer(b, ckpt=True),
     "grad-accumulation": lambda b: transformer(b, accumulate=3),
     "zero_grad(set_to_none=False)": lambda b: transformer(b, set_to_none=False),
-    "autocast-bf16": lambda b: transformer(b, autocast=True),
 }
 
 
@@ -212,6 +219,56 @@ def test_by_category_at_the_peak_adds_up():
     assert cat["parameters"] == _params_bytes(net)
 
 
+def test_optimizer_default_follows_cuda():
+    """Left to its default, the optimizer runs foreach on CUDA (for-loop on CPU): the estimate
+    equals the CPU truth of the foreach run, not of the CPU default."""
+    pytest.importorskip("torchmem.fit._cuda")
+    global FOREACH
+    try:
+        FOREACH = None
+        est = torchmem.estimate(mlp, gpu="A100-80GB", batch_size=8).peak_requested_bytes
+        cpu_default = _truth(mlp, 8)
+        FOREACH = True
+        foreach = _truth(mlp, 8)
+    finally:
+        FOREACH = True
+    assert est == foreach != cpu_default
+
+
+def _autocast_build(device_type: str | None, enabled: bool, seen: list):
+    def build(batch: int):
+        lin = nn.Linear(1024, 1024, bias=False)          # 4 MiB fp32 weight
+        x = torch.randn(batch, 1024)
+
+        def step():
+            with torch.autocast(device_type or x.device.type, dtype=torch.bfloat16,
+                                enabled=enabled):
+                y = lin(x)
+            seen.append(y.dtype)
+        return step
+    return build
+
+
+def test_autocast_follows_cuda_policy_by_hand():
+    """CUDA autocast of a Linear: weight cast to bf16 (2 MiB, cached for the region), input cast
+    (2 KiB a row), bf16 output (2 KiB a row), on top of the fp32 weight and input."""
+    pytest.importorskip("torchmem.fit._cuda")
+    b, seen = 16, []
+    fp32 = torchmem.estimate(_autocast_build("cuda", False, seen), gpu="A100-80GB",
+                             batch_size=b).peak_requested_bytes
+    assert fp32 == 4 * MiB + b * 4096 + b * 4096
+    by_name = torchmem.estimate(_autocast_build("cuda", True, seen), gpu="A100-80GB",
+                                batch_size=b).peak_requested_bytes
+    assert by_name == 4 * MiB + b * 4096 + 2 * MiB + b * 2048 + b * 2048
+    # device-agnostic code asks for autocast on x.device.type, which is "cpu" on the fake GPU
+    agnostic = torchmem.estimate(_autocast_build(None, True, seen), gpu="A100-80GB",
+                                 batch_size=b).peak_requested_bytes
+    assert agnostic == by_name
+    assert seen[-1] == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+
+
+MiB = 1 << 20
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -222,7 +279,7 @@ def gpt2(batch: int):
     cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=64,
                      attn_implementation="eager")
     model = GPT2LMHeadModel(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, 1000, (batch, 32), device=dev)
 
     def step():
@@ -240,7 +297,7 @@ def llama(batch: int):
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
                       max_position_embeddings=64, attn_implementation="eager")
     model = LlamaForCausalLM(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, 1000, (batch, 32), device=dev)
 
     def step():

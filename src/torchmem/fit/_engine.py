@@ -325,7 +325,8 @@ def run_once(
     failure: InvalidInputError | None = None
     with tracker:
         with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
-            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters
+            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
+            cuda_autocast=emu is not None,
         ):
             emu_ctx = emu if emu is not None else _Null()
             with emu_ctx, _SimMode(st):
