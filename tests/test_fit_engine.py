@@ -249,3 +249,26 @@ def test_no_real_memory_is_allocated(tmp_path):
 def test_top_level_names():
     assert torchmem.estimate is estimate
     assert torchmem.Estimate is torchmem.fit.Estimate
+
+
+@pytest.mark.parametrize("select", ["gather", "max"])
+def test_backward_scatter_into_zeros_is_in_place(select):
+    """gather's and max(dim)'s backward make a zero tensor of the input's size and scatter the
+    gradient into it in place; under fake tensors (a tensor subclass) PyTorch picks the
+    out-of-place form, one more input-sized tensor, which a GPU run never allocates.
+    By hand: x (64 MiB) and x.grad (64 MiB, the zeros scattered into) live together; the rest
+    (indices, selected values, the gradient of the sum) is under 1 MiB."""
+    n = 64 * MiB
+
+    def build(batch):
+        x = torch.zeros(256, n // 4 // 256, requires_grad=True)
+        idx = torch.zeros(256, 1, dtype=torch.long)
+
+        def step():
+            y = x.gather(1, idx) if select == "gather" else x.max(dim=1).values
+            y.sum().backward()
+            x.grad = None
+        return step
+
+    e = estimate(build, gpu="H100-80GB", steps=1)
+    assert 2 * n <= e.peak_requested_bytes < 2 * n + MiB

@@ -33,6 +33,7 @@ import inspect
 import os
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -206,15 +207,37 @@ class _State:
                 self.sim.free(addr)
 
 
+_aten = torch.ops.aten
+#: Backward formulas that scatter into a zero tensor they just made: done in place by a plain
+#: run, out of place (one more full-size tensor) whenever a tensor subclass or a dispatch mode
+#: is present (``areAnyTensorSubclassLike`` in gather_backward,
+#: value_selecting_reduction_backward, cummaxmin_backward, masked_scatter_backward), which is
+#: the case under fake tensors. The estimate runs the in-place form, as the GPU would.
+_IN_PLACE = {
+    _aten.scatter_add.default: _aten.scatter_add_.default,
+    _aten.scatter.src: _aten.scatter_.src,
+    _aten.scatter.value: _aten.scatter_.value,
+    _aten.masked_scatter.default: _aten.masked_scatter_.default,
+}
+_ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
+
+
 class _SimMode(TorchDispatchMode):
-    """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point."""
+    """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
+    backward scatters into fresh zeros run in place (see ``_IN_PLACE``)."""
 
     def __init__(self, state: _State) -> None:
         super().__init__()
         self.state = state
+        self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        zeros, self.zeros = self.zeros, None
+        if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
+            func = _IN_PLACE[func]
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
+            self.zeros = weakref.ref(out)
         st = self.state
         if st.oom is None:
             st.after_op(func, args, kwargs, out)
