@@ -139,3 +139,12 @@ def test_bad_alloc_conf_names_the_option(train, tmp_path, capsys):
     out = tmp_path / "x.pickle"
     code = main(["estimate", f"{train}:build", "--alloc-conf", "bogus:1", "-o", str(out)])
     assert code == 2 and "'bogus'" in capsys.readouterr().err and not out.exists()
+
+
+def test_module_build_spec(tmp_path, monkeypatch, capsys):
+    (tmp_path / "fit_cli_train_mod.py").write_text(TRAIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "fit_cli_train_mod:build", "--gpu", "L4", "--batch-size", "2",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["by_category"]["parameters"] == (256 * 256 + 256) * 4

@@ -134,12 +134,22 @@ def test_fake_cuda_in_user_code():
             torch.cuda.empty_cache()
             seen["reserved_after_empty"] = torch.cuda.memory_reserved()
             seen["name"] = torch.cuda.get_device_name()
+            seen["total"] = torch.cuda.get_device_properties(0).total_memory
+            seen["free"] = torch.cuda.mem_get_info()
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side), torch.cuda.device(0):
+                seen["pinned"] = torch.ones(4).pin_memory().to("cuda", non_blocking=True).shape
+            torch.cuda.current_stream().wait_stream(side)
         return step
 
     e = estimate(build, gpu="A10G", batch_size=8, steps=1)
     assert e.fits and seen["name"] == "A10G" and seen["allocated"] > 0
     # the workspace block (20 MiB segment, never freed) and the 2 MiB small segment remain
     assert seen["reserved_after_empty"] == 22 * MiB
+    a10g = torchmem.fit.gpu("A10G")
+    assert seen["total"] == a10g.total_bytes
+    assert seen["free"] == (a10g.usable_bytes - 22 * MiB, a10g.total_bytes)
+    assert seen["pinned"] == (4,)
     assert not torch.cuda.is_available()  # restored
     assert torch.nn.Module._apply is torch.nn.modules.module.Module.__dict__["_apply"]
 

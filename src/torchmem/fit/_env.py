@@ -9,9 +9,12 @@ the target GPU. For user code written for CUDA this module makes that work:
   device (a ``TorchFunctionMode`` rewrites device arguments);
 - ``torch.cuda.is_available()`` is ``True``, ``device_count()`` 1, ``get_device_name()`` the
   target GPU's name, ``get_device_capability()`` its compute capability,
-  ``is_bf16_supported()`` follows it; ``synchronize``, ``set_device``, ``manual_seed`` do
-  nothing; ``empty_cache()`` empties the *simulated* cache; ``memory_allocated()``,
-  ``memory_reserved()`` and their ``max_`` forms read the simulator;
+  ``get_device_properties()`` its name, memory and capability, ``is_bf16_supported()``
+  follows it; ``synchronize``, ``set_device``, ``manual_seed``, ``torch.cuda.device(...)``
+  do nothing; ``empty_cache()`` empties the *simulated* cache; ``memory_allocated()``,
+  ``memory_reserved()``, their ``max_`` forms and ``mem_get_info()`` read the simulator;
+  streams and events are stand-ins (everything runs on the default stream);
+  ``.pin_memory()`` returns the tensor;
 - ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
   ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
   was inf/NaN: the estimate follows the usual path, finite gradients;
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -118,12 +122,53 @@ def _autocast_as_cuda() -> type:
     return autocast
 
 
+class _Event:
+    """A CUDA event that records nothing (the estimate runs on one stream)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _Stream(_Event):
+    """A CUDA stream stand-in: work on it is simulated on the default stream."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the (fake) CPU device."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.device and args and _is_cuda(args[0]):
             return _CPU
@@ -145,6 +190,8 @@ def fake_cuda(
     empty_cache: Callable[[], None] | None = None,
     counters: Callable[[], tuple[int, int, int, int]] | None = None,
     cuda_autocast: bool = False,
+    total_bytes: int = 0,
+    context_bytes: int = 0,
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
@@ -161,7 +208,21 @@ def fake_cuda(
     """
     cuda = torch.cuda
     counts = counters or (lambda: (0, 0, 0, 0))
+    props = types.SimpleNamespace(
+        name=name, total_memory=total_bytes, major=capability[0], minor=capability[1],
+        multi_processor_count=1, is_integrated=False, is_multi_gpu_board=False,
+    )
+    stream = _Stream()
     patches: dict[str, Any] = {
+        "get_device_properties": lambda *a, **k: props,
+        "mem_get_info": lambda *a, **k: (
+            max(0, total_bytes - context_bytes - counts()[1]), total_bytes),
+        "device": lambda *a, **k: contextlib.nullcontext(),
+        "stream": lambda *a, **k: contextlib.nullcontext(),
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda *a, **k: stream,
+        "default_stream": lambda *a, **k: stream,
         "is_available": lambda: True,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
