@@ -282,3 +282,31 @@ def test_backward_scatter_into_zeros_is_in_place(select):
 
     e = estimate(build, gpu="H100-80GB", steps=1)
     assert 2 * n <= e.peak_requested_bytes < 2 * n + MiB
+
+
+def test_oom_in_backward_stops_cleanly():
+    """x (300 MiB) and y = x * x (300 MiB, freed after the sum) fit in 700 MiB; backward's two
+    products grad * x (300 MiB each, before they are added) do not."""
+    def build(batch):
+        x = torch.zeros(300 * MiB // 4, requires_grad=True)
+        return lambda: (x * x).sum().backward()
+    e = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1)
+    assert not e.fits and e.oom is not None
+    assert e.oom.phase == "backward" and e.oom.op == "aten::mul"
+    assert e.oom.requested_bytes == 300 * MiB and e.oom.allocated_bytes == 600 * MiB + 1024
+    # x and the first product, with the loss and ones_like (y was freed after the sum)
+    assert e.peak_requested_bytes == 600 * MiB + 8
+    assert not torch.cuda.is_available()
+
+
+def test_second_step_sees_the_gradients():
+    """Step 1: x, y = 2x (freed after the sum), x.grad: 600 MiB at most. Step 2's y finds
+    x.grad still there: 900 MiB do not fit in 700."""
+    def build(batch):
+        x = torch.zeros(300 * MiB // 4, requires_grad=True)
+        return lambda: (x * 2).sum().backward()
+    one = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1)
+    assert one.fits and one.peak_requested_bytes == 600 * MiB + 8
+    two = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=2)
+    assert not two.fits and two.oom is not None and two.oom.phase == "other"
+    assert two.oom.allocated_bytes == 600 * MiB   # x and x.grad; step 1's loss is gone
