@@ -56,6 +56,12 @@ def estimate(
     batch's estimate with ``max_batch_size`` set (0 when even batch 1 does not fit: then the
     estimate is batch 1's, with its out-of-memory point).
 
+    ``keep_snapshot=True`` keeps the simulated run as a PyTorch-format
+    :class:`~torchmem.model.Snapshot` in ``Estimate.snapshot`` (the state at the end of the
+    last step, or at the out-of-memory point, with every allocator event and each
+    allocation's operator and Python stack), for :func:`torchmem.write_snapshot` and the
+    viewer.
+
     Bad input raises :class:`~torchmem.errors.InvalidInputError`: a build that raises or
     returns no callable, or code that needs tensor values fake tensors do not have (``.item()``,
     ``.numpy()``, data-dependent shapes); the message names the file and line.
@@ -92,9 +98,16 @@ def estimate(
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf)
         probes.append((b, e.fits))
         cache[b] = e
-        verdict = "fits" if e.fits else "does not fit"
-        say(f"batch {b}: {verdict} (peak reserved {e.peak_reserved_bytes:,} B of "
-            f"{e.usable_bytes:,} B usable)")
+        if e.fits or e.oom is None:
+            say(f"batch {b}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
+                f"{e.usable_bytes:,} B usable)")
+        else:
+            where = e.oom.op or "?"
+            if e.oom.module:
+                where += f" in {e.oom.module}"
+            say(f"batch {b}: does not fit (out of memory at {where}, {e.oom.phase}: "
+                f"{e.oom.requested_bytes:,} B requested with {e.oom.reserved_bytes:,} B "
+                "reserved)")
         return e
 
     good, bad = 0, 0
