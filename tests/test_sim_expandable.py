@@ -90,3 +90,17 @@ def test_random_streams_keep_the_invariants(seed: int) -> None:
     _check(a)
     assert a.reserved_bytes == 0 and a.layout() == []
     assert {"segment_map", "segment_unmap"} <= {e[0] for e in a.events}
+
+
+def test_expandable_blocks_are_skipped_when_the_option_is_off() -> None:
+    """PyTorch's get_free_block skips blocks of expandable segments when expandable_segments
+    was turned off after they were made (e.g. for IPC); empty_cache still unmaps them."""
+    a = CachingAllocator()
+    a.add_segment(BASE, 20 * MiB, 0, [(0, 20 * MiB, 0)], small=False, expandable=True)
+    a.add_segment(BASE + 100 * (1 << 30), 20 * MiB, 0, [(0, 4 * MiB, 1), (4 * MiB, 16 * MiB, 0)], small=False)
+    x = a.malloc(6 * MiB)  # the expandable 20 MiB is skipped; the plain 16 MiB block is taken
+    assert x == BASE + 100 * (1 << 30) + 4 * MiB
+    y = a.malloc(12 * MiB)  # only the expandable block would fit: a new 12 MiB segment
+    assert a.events[-2] == ("segment_alloc", y, 12 * MiB, 0)
+    a.empty_cache()
+    assert a.events[-1] == ("segment_unmap", BASE, 20 * MiB, 0)

@@ -278,9 +278,9 @@ class CachingAllocator:
         addr = -1
         if lst:
             i = bisect_left(lst, rounded << _SHIFT)
-            if i < len(lst):
-                if special and self._xstarts:
-                    i = self._expandable_best_fit(lst, i)
+            if i < len(lst) and special and self._xstarts:
+                i = self._expandable_best_fit(lst, i)
+            if 0 <= i < len(lst):
                 key = lst[i]
                 bsize = key >> _SHIFT
                 mss = self._max_split
@@ -813,7 +813,17 @@ class CachingAllocator:
     # -- internals: expandable segments -------------------------------------------------------
 
     def _expandable_best_fit(self, lst: list[int], i: int) -> int:
-        """get_free_block's expandable twist: compare by the size the block could grow to."""
+        """get_free_block's expandable twist: with expandable segments on, compare a block in an
+        expandable range by the size it could grow to (itself plus the unmapped block after
+        it); with them off (ranges seeded earlier), skip such blocks. -1: nothing fits."""
+        n = len(lst)
+        if not self._in_expandable(lst[i] & _MASK):
+            return i
+        if not self._expandable:
+            i += 1
+            while i < n and self._in_expandable(lst[i] & _MASK):
+                i += 1
+            return i if i < n else -1
         usize, segs = self._usize, self._segs
 
         def grow(key: int) -> int:
@@ -821,7 +831,6 @@ class CachingAllocator:
             nxt = a + s
             return s + (usize.get(nxt, 0) if nxt not in segs else 0)
 
-        n = len(lst)
         while self._in_expandable(lst[i] & _MASK) and i + 1 < n and grow(lst[i + 1]) < grow(lst[i]):
             i += 1
         return i
