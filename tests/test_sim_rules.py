@@ -279,6 +279,7 @@ def test_expandable_maps_pages_on_demand() -> None:
         (base + va_large, 2 * MiB, 0, [(0, 1024, True), (1024, 2 * MiB - 1024, False)]),
     ]
     assert all(s.is_expandable for s in a.snapshot().segments)
+    assert [(seg.is_expandable, seg.small) for seg in a.layout()] == [(True, False), (True, True)]
     a.free(y)
     a.empty_cache()  # free 36 MiB from offset 4: only the page [20, 40) MiB is whole
     assert a.events[-1] == ("segment_unmap", base + 20 * MiB, 20 * MiB, 0)

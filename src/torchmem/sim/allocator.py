@@ -129,6 +129,23 @@ def segment_size(rounded: int, config: AllocatorConfig | None = None) -> int:
     return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
+class _SegmentLayout(tuple[int, int, int, list[tuple[int, int, bool]]]):
+    """One entry of :meth:`CachingAllocator.layout`: a 4-tuple that also says its pool and
+    whether it is a mapped range of an expandable segment."""
+
+    is_expandable: bool
+    small: bool
+
+    def __new__(
+        cls, address: int, size: int, stream: int, blocks: list[tuple[int, int, bool]],
+        is_expandable: bool, small: bool,
+    ) -> _SegmentLayout:
+        self = super().__new__(cls, (address, size, stream, blocks))
+        self.is_expandable = is_expandable
+        self.small = small
+        return self
+
+
 class _Seg:
     """A segment: one cudaMalloc, or one expandable virtual range (``page`` > 0)."""
 
@@ -521,17 +538,24 @@ class CachingAllocator:
         """The segments, by address: ``(address, size, stream, [(offset, size, allocated)])``.
 
         ``allocated`` is true for active blocks (including those whose free is pending). An
-        expandable segment shows one entry per contiguous mapped range.
+        expandable segment shows one entry per contiguous mapped range; each entry also has the
+        attributes ``is_expandable`` and ``small`` (its pool).
 
         Example:
             >>> a = CachingAllocator()
             >>> _ = a.malloc(1000)
             >>> a.layout()
             [(4294967296, 2097152, 0, [(0, 1024, True), (1024, 2096128, False)])]
+            >>> a.layout()[0].is_expandable, a.layout()[0].small
+            (False, True)
         """
         return [
-            (start, size, stream, [(off, bsize, state != "inactive") for off, bsize, _, state in blocks])
-            for start, size, stream, _, _, blocks in self._segment_states()
+            _SegmentLayout(
+                start, size, stream,
+                [(off, bsize, state != "inactive") for off, bsize, _, state in blocks],
+                expandable, small,
+            )
+            for start, size, stream, small, expandable, blocks in self._segment_states()
         ]
 
     def snapshot(self, device: int = 0) -> Snapshot:
