@@ -99,3 +99,28 @@ def test_bad_frames_and_device() -> None:
         a.snapshot()
     with pytest.raises(InvalidInputError, match="device must be an int >= 0"):
         CachingAllocator().snapshot(device=-1)
+
+
+def test_decomfl_requests_give_the_real_runs_figures() -> None:
+    """DeComFL's requests (a trace complete from empty, torch 2.9.1, default settings) through
+    the simulator: its counters and its snapshot give the real run's figures
+    (../shared/data/gpu-truth.md: peak allocated 1,790,894,592 B, peak requested 1,783,664,516 B,
+    peak reserved 1,897,922,560 B, end allocated 1,014,430,208 B, end reserved 1,897,922,560 B)."""
+    real = load_snapshot(Path(__file__).resolve().parent / "data" / "DeComFL__memory.pickle")
+    a = CachingAllocator()
+    live: dict[int, int] = {}
+    for e in real.trace(0):
+        if e.action == "alloc":
+            live[e.addr] = a.malloc(e.size, e.stream)
+        elif e.action == "free_completed":
+            a.free(live.pop(e.addr))
+    assert (a.max_allocated_bytes, a.max_reserved_bytes) == (1_790_894_592, 1_897_922_560)
+    assert (a.allocated_bytes, a.reserved_bytes) == (1_014_430_208, 1_897_922_560)
+    snap = a.snapshot()
+    st = analysis.stats(snap).devices[0]
+    assert (st.allocated_bytes, st.reserved_bytes) == (1_014_430_208, 1_897_922_560)
+    assert analysis.peak(snap).devices[0].peak_allocated_bytes == 1_783_664_516  # requested bytes
+    assert len(snap.segments) == len(real.segments) == 61
+    assert sorted((s.total_size, s.segment_type) for s in snap.segments) == sorted(
+        (s.total_size, s.segment_type) for s in real.segments
+    )
