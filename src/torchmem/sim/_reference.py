@@ -365,7 +365,8 @@ class ReferenceAllocator:
             p = self.neighbour(u, -1)
             if p is not None and p.state == "free":
                 c = p
-            total, b = 0, c
+            total = 0
+            b: _B | None = c
             while b is not None and b.state in ("free", "unmapped") and total < rounded:
                 total += b.size
                 b = self.neighbour(b, 1)
