@@ -196,11 +196,17 @@ class ReferenceAllocator:
         if stream != b.stream:
             b.uses.add(stream)
 
-    def process_events(self) -> None:
-        while self.freed_order:
-            self.complete(self.freed_order.pop(0))
+    def process_events(self, streams: list[int] | None = None) -> None:
+        for b in list(self.freed_order):
+            if streams is not None:
+                b.uses -= set(streams)
+                if b.uses:
+                    continue
+            self.freed_order.remove(b)
+            self.complete(b)
 
-    synchronize = process_events
+    def synchronize(self) -> None:
+        self.process_events()
 
     def empty_cache(self) -> None:
         self.synchronize()
