@@ -297,7 +297,7 @@ class CachingAllocator(ExpandableMixin):
                     del self._fsize[addr]
                     del self._fend[addr + bsize]
         if addr < 0:
-            addr, bsize = self._alloc_new(size, rounded, small, stream)
+            addr, bsize = self._alloc_new(size, rounded, small, stream, frames)
             lst = self._free[small].get(stream)
         remaining = bsize - rounded
         if (
@@ -678,21 +678,33 @@ class CachingAllocator(ExpandableMixin):
             return self._large_seg
         return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
-    def _alloc_new(self, size: int, rounded: int, small: bool, stream: int) -> tuple[int, int]:
-        """No cached block fits: GC, a new segment, the two retries, else the OOM event and error."""
-        if self._gc:
-            self._garbage_collect()
-        alloc_size = self._alloc_size(rounded)
-        got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None and self._release_available_cached_blocks(rounded, small, stream):
+    def _alloc_new(
+        self, size: int, rounded: int, small: bool, stream: int, frames: Frames | None = None
+    ) -> tuple[int, int]:
+        """No cached block fits: GC, a new segment, the two retries, else the OOM event and error.
+
+        Every event this records carries the request's ``frames`` (PyTorch records them with
+        the allocation's context)."""
+        n0 = len(self.events)
+        try:
+            if self._gc:
+                self._garbage_collect()
+            alloc_size = self._alloc_size(rounded)
             got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None:
-            self._release_cached_blocks()
-            self.num_alloc_retries += 1
-            got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None:
-            self._oom(size, rounded, alloc_size, stream)
-        return got
+            if got is None and self._release_available_cached_blocks(rounded, small, stream):
+                got = self._alloc_block(rounded, alloc_size, small, stream)
+            if got is None:
+                self._release_cached_blocks()
+                self.num_alloc_retries += 1
+                got = self._alloc_block(rounded, alloc_size, small, stream)
+            if got is None:
+                self._oom(size, rounded, alloc_size, stream)
+            return got
+        finally:
+            if frames is not None:
+                for k in range(n0, len(self.events)):
+                    self._event_frames[k] = frames
+                self._special = True
 
     def _alloc_block(self, rounded: int, alloc_size: int, small: bool, stream: int) -> tuple[int, int] | None:
         """cudaMalloc (or map pages of) a new segment; ``None`` when it does not fit."""
