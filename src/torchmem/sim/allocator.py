@@ -253,8 +253,8 @@ class CachingAllocator(ExpandableMixin):
         self._frames: dict[int, Frames] = {}  # allocated block -> its allocation's frames
         self._event_frames: dict[int, Frames] = {}  # event index -> frames
         self._next_address = _BASE_ADDRESS
-        # anything off the common path: GC, expandable ranges, record_stream uses, frames
-        self._special = self._gc or self._expandable
+        # frees off the inlined path: GC ages, frames to drop
+        self._special = self._gc
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -279,13 +279,12 @@ class CachingAllocator(ExpandableMixin):
             rounded = round_size(size, div)
         small = rounded <= SMALL_SIZE
         lst = self._free[small].get(stream)
-        special = self._special
-        if special and self._gc:
+        if self._gc:
             self._gc_count[small] += 1
         addr = -1
         if lst:
             i = bisect_left(lst, rounded << _SHIFT)
-            if i < len(lst) and special and self._xstarts:
+            if i < len(lst) and self._xstarts:
                 i = self._expandable_best_fit(lst, i)
             if 0 <= i < len(lst):
                 key = lst[i]
@@ -311,7 +310,7 @@ class CachingAllocator(ExpandableMixin):
             insort(lst, remaining << _SHIFT | rest)
             self._fsize[rest] = remaining
             self._fend[rest + remaining] = rest
-            if special and self._gc:
+            if self._gc:
                 self._gc_base[rest] = self._gc_count[small]
             bsize = rounded
         self._alloc[addr] = (bsize, size, stream, small)
@@ -344,10 +343,10 @@ class CachingAllocator(ExpandableMixin):
         self.allocated_bytes -= size
         events = self.events
         events.append(("free_requested", address, requested, stream))
+        if self._uses and address in self._uses:
+            self._pending[address] = t
+            return
         if self._special:
-            if self._uses and address in self._uses:
-                self._pending[address] = t
-                return
             self._free_block(address, size, requested, stream, small)
             return
         # the common case, inlined: free_block with its merges (see _free_block)
@@ -398,7 +397,6 @@ class CachingAllocator(ExpandableMixin):
             )
         if stream != t[2]:
             self._uses.setdefault(address, set()).add(stream)
-            self._special = True
 
     def process_events(self, streams: Iterable[int] | None = None) -> None:
         """Complete pending cross-stream frees whose other streams have passed their events.
