@@ -166,3 +166,10 @@ def test_allocator_takes_a_string_or_a_config() -> None:
         CachingAllocator(capacity=1 << 30, memory_fraction=2.0)
     a = CachingAllocator(capacity=1000 * MiB, config="per_process_memory_fraction:0.25")
     assert a.allowed_bytes == 250 * MiB
+
+
+def test_equality_ignores_how_the_options_were_written() -> None:
+    a = AllocatorConfig.parse("max_split_size_mb:64,expandable_segments:True")
+    b = AllocatorConfig.parse(" expandable_segments : True , max_split_size_mb : 64 ")
+    assert a == b and hash(a) == hash(b) and a.settings != b.settings
+    assert a != AllocatorConfig.parse("max_split_size_mb:64")

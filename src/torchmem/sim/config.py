@@ -96,7 +96,8 @@ class AllocatorConfig:
     Sizes are in MiB as in the settings string; ``max_split_size_mb=None`` means unlimited and
     ``max_non_split_rounding_mb=None`` means "equal to ``large_segment_size_mb``".
     ``roundup_power2_divisions`` holds the 16 per-interval divisions (0 = plain 512 B rounding).
-    ``settings`` is the string it was parsed from (PyTorch's ``last_allocator_settings``).
+    ``settings`` is the string it was parsed from (PyTorch's ``last_allocator_settings``); it
+    does not take part in ``==``, so the same options written differently compare equal.
     The byte-valued properties (:attr:`max_split_size`, ...) are what the simulator uses.
 
     Example:
@@ -121,7 +122,7 @@ class AllocatorConfig:
     pinned_use_cuda_host_register: bool = False
     pinned_num_register_threads: int = 1
     host_options: tuple[tuple[str, str], ...] = field(default=())
-    settings: str = ""
+    settings: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         lss = self.large_segment_size_mb
