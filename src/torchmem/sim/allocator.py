@@ -460,6 +460,37 @@ class CachingAllocator(ExpandableMixin):
         """
         return self.allocated_bytes + sum(t[0] for t in self._pending.values())
 
+    def memory_stats(self) -> dict[str, int]:
+        """The counters ``torch.cuda.memory_stats()`` reports, under its key names, for what the
+        simulation tracks: ``allocated_bytes`` / ``reserved_bytes`` (current and peak),
+        ``active_bytes`` and ``requested_bytes`` (current), ``segment`` (mapped ranges count as
+        one each), ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc`` / ``num_device_free``
+        (cudaMalloc/cudaFree and page map/unmap calls).
+
+        Example:
+            >>> a = CachingAllocator(); p = a.malloc(1000); s = a.memory_stats()
+            >>> s["allocated_bytes.all.current"], s["requested_bytes.all.current"], s["segment.all.current"]
+            (1024, 1000, 1)
+        """
+        counts = {"segment_alloc": 0, "segment_map": 0, "segment_free": 0, "segment_unmap": 0}
+        for e in self.events:
+            if e[0] in counts:
+                counts[e[0]] += 1
+        requested = sum(t[1] for t in self._alloc.values()) + sum(t[1] for t in self._pending.values())
+        return {
+            "allocated_bytes.all.current": self.allocated_bytes,
+            "allocated_bytes.all.peak": self.max_allocated_bytes,
+            "reserved_bytes.all.current": self.reserved_bytes,
+            "reserved_bytes.all.peak": self.max_reserved_bytes,
+            "active_bytes.all.current": self.active_bytes,
+            "requested_bytes.all.current": requested,
+            "segment.all.current": len(self._segment_states()),
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+            "num_device_alloc": counts["segment_alloc"] + counts["segment_map"],
+            "num_device_free": counts["segment_free"] + counts["segment_unmap"],
+        }
+
     def reset_peak(self) -> None:
         """Reset :attr:`max_allocated_bytes` and :attr:`max_reserved_bytes` to the current values.
 
