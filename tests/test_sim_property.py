@@ -24,6 +24,11 @@ CONFIGS: list[tuple[str, int | None, float | None]] = [
     ("garbage_collection_threshold:0.5", 200 * MiB, 0.8),
     ("garbage_collection_threshold:0.3,max_split_size_mb:30", 240 * MiB, 0.6),
     ("", 300 * MiB, 0.5),
+    ("expandable_segments:True", 300 * MiB, None),
+    ("expandable_segments:True", None, None),
+    ("expandable_segments:True,max_split_size_mb:40", 260 * MiB, None),
+    ("expandable_segments:True,garbage_collection_threshold:0.5", 300 * MiB, 0.8),
+    ("expandable_segments:True,large_segment_size_mb:32,roundup_power2_divisions:4", 400 * MiB, None),
 ]
 
 
@@ -69,8 +74,9 @@ def _run(seed: int, conf: str, cap: int | None, frac: float | None, n: int = 150
             fast.record_stream(a, s)
             ref.record_stream(b, s)
         elif r < 0.985:
-            fast.process_events()
-            ref.process_events()
+            which = rng.choice((None, [1], [3], [0, 1]))
+            fast.process_events(which)
+            ref.process_events(which)
         else:
             fast.empty_cache()
             ref.empty_cache()
@@ -113,4 +119,5 @@ def test_the_streams_exercise_every_path() -> None:
         seen.update(e[0] for e in sim.events)
         if sim.num_alloc_retries:
             seen.add("retry")
-    assert {"oom", "segment_free", "free_requested", "free_completed", "retry"} <= seen
+    assert {"oom", "segment_free", "free_requested", "free_completed", "retry", "segment_map",
+            "segment_unmap"} <= seen

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchmem import analysis
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
 from torchmem.io import load_snapshot, write_snapshot
 from torchmem.model.snapshot import Frame
 from torchmem.sim import CachingAllocator
@@ -99,3 +99,66 @@ def test_bad_frames_and_device() -> None:
         a.snapshot()
     with pytest.raises(InvalidInputError, match="device must be an int >= 0"):
         CachingAllocator().snapshot(device=-1)
+
+
+def test_decomfl_requests_give_the_real_runs_figures() -> None:
+    """DeComFL's requests (a trace complete from empty, torch 2.9.1, default settings) through
+    the simulator: its counters and its snapshot give the real run's figures
+    (../shared/data/gpu-truth.md: peak allocated 1,790,894,592 B, peak requested 1,783,664,516 B,
+    peak reserved 1,897,922,560 B, end allocated 1,014,430,208 B, end reserved 1,897,922,560 B)."""
+    real = load_snapshot(Path(__file__).resolve().parent / "data" / "DeComFL__memory.pickle")
+    a = CachingAllocator()
+    live: dict[int, int] = {}
+    for e in real.trace(0):
+        if e.action == "alloc":
+            live[e.addr] = a.malloc(e.size, e.stream)
+        elif e.action == "free_completed":
+            a.free(live.pop(e.addr))
+    assert (a.max_allocated_bytes, a.max_reserved_bytes) == (1_790_894_592, 1_897_922_560)
+    assert (a.allocated_bytes, a.reserved_bytes) == (1_014_430_208, 1_897_922_560)
+    snap = a.snapshot()
+    st = analysis.stats(snap).devices[0]
+    assert (st.allocated_bytes, st.reserved_bytes) == (1_014_430_208, 1_897_922_560)
+    assert analysis.peak(snap).devices[0].peak_allocated_bytes == 1_783_664_516  # requested bytes
+    assert len(snap.segments) == len(real.segments) == 61
+    assert sorted((s.total_size, s.segment_type) for s in snap.segments) == sorted(
+        (s.total_size, s.segment_type) for s in real.segments
+    )
+
+
+def test_frames_follow_the_request_into_segment_and_oom_entries() -> None:
+    a = CachingAllocator(capacity=64 * MiB)
+    fwd = [{"filename": "m.py", "line": 3, "name": "fwd"}]
+    big = [{"filename": "m.py", "line": 9, "name": "big"}]
+    a.malloc(30 * MiB, frames=fwd)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(40 * MiB, frames=big)
+    snap = a.snapshot()
+    rows = [(e.action, [f.name for f in e.frames]) for e in snap.trace(0)]
+    assert rows == [("segment_alloc", ["fwd"]), ("alloc", ["fwd"]), ("oom", ["big"])]
+    ooms = analysis.oom(snap)
+    assert [(o.requested_bytes, o.device_free_bytes) for o in ooms] == [(40 * MiB, 34 * MiB)]
+    assert analysis.flame(snap) == ["cuda:0;m.py:3:fwd 31457280"]
+
+
+def test_expandable_snapshot_reads_in_pytorch(tmp_path: Path) -> None:
+    mv = pytest.importorskip("torch.cuda._memory_viz")
+    a = CachingAllocator(capacity=1 << 30, config="expandable_segments:True")
+    x = a.malloc(30 * MiB)
+    a.malloc(1000)
+    a.free(x)
+    a.empty_cache()  # the large range is unmapped again; the small one keeps its 2 MiB page
+    path = tmp_path / "x.pickle"
+    write_snapshot(path, a.snapshot())
+    with open(path, "rb") as fh:
+        data = pickle.load(fh)
+    assert [(s["total_size"], s["is_expandable"], s["segment_type"]) for s in data["segments"]] == [
+        (2 * MiB, True, "small"),
+    ]
+    text = mv.segsum(data)
+    assert "segments: 1\n" in text and f"total_reserved: {mv.Bytes(2 * MiB)}\n" in text
+    assert [e["action"] for e in data["device_traces"][0]] == [
+        "segment_map", "alloc", "segment_map", "alloc", "free_requested", "free_completed",
+        "segment_unmap",
+    ]
+    assert "7 entries" in mv.trace(data)
