@@ -336,8 +336,9 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
     enable_gqa = bool(p.get("enable_gqa", False))
     backend = _sdpa_backend(q, k, v, mask, dropout, is_causal, enable_gqa, cc)
     if mask is not None and mask.dtype == torch.bool:
-        # convert_boolean_attn_mask: where(mask, 0, -inf) in the query's dtype (a new tensor)
-        mask = torch.where(mask.logical_not(), -math.inf, 0.0).to(q.dtype)
+        # convert_boolean_attn_mask: where(!mask, -inf, scalar_tensor(0)) in the query's dtype
+        zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device)
+        mask = torch.where(mask.logical_not(), -math.inf, zero)
     if backend == _FLASH:
         head = q.size(-1)
         if scale is None:
@@ -365,11 +366,15 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _pad_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``preprocess_mask`` for the memory-efficient kernel: the mask's last dim is padded to a
-    multiple of 16 (a copy), then expanded (a view) to (batch, heads, L, S)."""
+    """``preprocess_mask`` for the memory-efficient kernel: unless every stride but the last is
+    a multiple of 16 (and the last is 1), the mask is padded by ``16 - last % 16`` columns (a
+    copy) and sliced back; then expanded (a view) to (batch, heads, L, S)."""
     target = (q.size(0), q.size(1), q.size(-2), k.size(-2))
-    last = mask.size(-1)
-    if last % 16:
+    aligned = all(mask.stride(i) % 16 == 0 for i in range(mask.dim() - 1)) and (
+        mask.stride(-1) == 1
+    )
+    if not aligned:
+        last = mask.size(-1)
         mask = torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
     return mask.expand(target)
 
