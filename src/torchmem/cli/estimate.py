@@ -139,13 +139,6 @@ def _check_output(path: str) -> None:
             f"-o/--output {path!r} cannot be written: expected a file path in an existing "
             "folder; create the folder or pass another path"
         )
-    from torchmem.sim import CachingAllocator
-
-    if not hasattr(CachingAllocator, "snapshot"):
-        raise InvalidInputError(
-            "-o needs the allocator simulator's snapshot support, which this torchmem lacks; "
-            "fix: run without -o"
-        )
 
 
 def _write_atomic(path: str, snapshot: Any) -> None:
@@ -169,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     Example:
         >>> run(argparse.Namespace(list_gpus=False, spec=None))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        torchmem.errors.InvalidInputError: expected a build function ...
+        torchmem.errors.InvalidInputError: expected a build function...
     """
     from torchmem.fit import GPUS, estimate, gpu
 

@@ -94,11 +94,28 @@ def _emulation(cc: tuple[int, int]) -> Any:
     return mod.CudaEmulation(cc)
 
 
+def _frames(stack: tuple[str, ...] | None, op: str) -> list[dict[str, Any]]:
+    """A tracker stack (``"file:line:name"``, innermost last) as snapshot frames, innermost
+    first, under a frame naming the operator (as PyTorch's snapshots show the C++ op)."""
+    out: list[dict[str, Any]] = [{"filename": "??", "line": 0, "name": op}]
+    for entry in reversed(stack or ()):
+        file, _, rest = entry.rpartition(":")
+        path, _, line = file.rpartition(":")
+        if path and line.isdigit():
+            out.append({"filename": path, "line": int(line), "name": rest})
+        else:
+            out.append({"filename": entry, "line": 0, "name": ""})
+    return out
+
+
 class _State:
     """The simulator, the storages it holds, and the running peaks."""
 
-    def __init__(self, sim: CachingAllocator, emu: Any, cc: tuple[int, int]) -> None:
+    def __init__(
+        self, sim: CachingAllocator, emu: Any, cc: tuple[int, int], frames: bool = False
+    ) -> None:
         self.sim = sim
+        self.frames = frames
         self.emu = emu
         self.addr: dict[int, int] = {}
         self.live_req = 0
@@ -112,6 +129,7 @@ class _State:
         self.ws_keys: set[object] = set()
         self.oom: OOMSite | None = None
         self.phase = "other"
+        self.snapshot: Any = None
         if emu is not None:
             self.ws_size = int(emu.gemm_workspace_bytes)
         else:
@@ -127,8 +145,11 @@ class _State:
             self.peak_res = sim.reserved_bytes
 
     def _malloc(self, nbytes: int, ev: Any, op: str | None, label: str) -> int | None:
+        frames = None
+        if self.frames:
+            frames = _frames(getattr(ev, "stack", None), op or label)
         try:
-            addr = self.sim.malloc(nbytes)
+            addr = self.sim.malloc(nbytes, frames=frames)
         except SimulatedOutOfMemoryError as e:
             self.oom = OOMSite(
                 requested_bytes=nbytes,
@@ -210,13 +231,7 @@ def _make_sim(capacity: int, alloc_conf: str | None) -> CachingAllocator:
             f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
             f"'expandable_segments:True', got {type(alloc_conf).__name__}"
         )
-    try:
-        return CachingAllocator(capacity, config=alloc_conf)  # type: ignore[call-arg]
-    except TypeError:
-        raise InvalidInputError(
-            f"alloc_conf {alloc_conf!r} cannot be simulated: this torchmem.sim has no allocator "
-            "settings yet; fix: leave alloc_conf out (default settings)"
-        ) from None
+    return CachingAllocator(capacity, config=alloc_conf)
 
 
 def _source_of(fn: Any) -> tuple[str | None, int | None]:
@@ -300,7 +315,7 @@ def run_once(
 
     sim = _make_sim(card.usable_bytes, alloc_conf)
     emu = _emulation(card.compute_capability)
-    st = _State(sim, emu, card.compute_capability)
+    st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
 
     def counters() -> tuple[int, int, int, int]:
         return sim.allocated_bytes, sim.reserved_bytes, st.peak_alloc, st.peak_res
@@ -310,7 +325,8 @@ def run_once(
     failure: InvalidInputError | None = None
     with tracker:
         with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
-            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters
+            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
+            cuda_autocast=emu is not None,
         ):
             emu_ctx = emu if emu is not None else _Null()
             with emu_ctx, _SimMode(st):
@@ -345,6 +361,10 @@ def run_once(
                 except _Abort:
                     pass
                 finally:
+                    if keep_snapshot and failure is None:
+                        # the state at the end of the last step (or at the OOM point), before
+                        # build's objects are dropped
+                        st.snapshot = sim.snapshot()
                     step = None
     if failure is not None:
         raise failure
@@ -384,9 +404,6 @@ def _result(
             by_mod[name] = by_mod.get(name, 0) + n
     by_cat["workspace"] = st.ws_at_peak
     top = dict(sorted(by_mod.items(), key=lambda kv: -kv[1])[:15])
-    snap = None
-    if keep_snapshot and hasattr(st.sim, "snapshot"):
-        snap = st.sim.snapshot()
     return Estimate(
         gpu=card.name,
         batch_size=batch_size,
@@ -405,5 +422,5 @@ def _result(
         steps=steps,
         alloc_conf=alloc_conf,
         compute_capability=card.compute_capability,
-        snapshot=snap,
+        snapshot=st.snapshot,
     )

@@ -12,6 +12,11 @@ the target GPU. For user code written for CUDA this module makes that work:
   ``is_bf16_supported()`` follows it; ``synchronize``, ``set_device``, ``manual_seed`` do
   nothing; ``empty_cache()`` empties the *simulated* cache; ``memory_allocated()``,
   ``memory_reserved()`` and their ``max_`` forms read the simulator;
+- ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
+  ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
+  was inf/NaN: the estimate follows the usual path, finite gradients;
+- with the CUDA emulation, ``torch.autocast("cpu", ...)`` (what device-agnostic code asks for,
+  since fake tensors report ``cpu``) is CUDA autocast;
 - everything is restored on exit.
 
 Example:
@@ -27,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +79,45 @@ def _fake_apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.n
     return self
 
 
+def _fake_trunc_normal(
+    tensor: torch.Tensor, mean: float, std: float, a: float, b: float,
+    generator: Any = None,
+) -> torch.Tensor:
+    """``nn.init.trunc_normal_`` without rejection sampling, whose loop reads tensor values
+    (``mask.any()``), which fake tensors do not have. In place, like the real one; the real
+    one's short-lived masks (during ``build``) are not simulated."""
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+
+def _fake_maybe_opt_step(
+    self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``GradScaler`` steps the optimizer when no gradient was inf/NaN, which it learns with
+    ``.item()``; fake gradients have no values, so the estimate takes the common path (finite
+    gradients: the optimizer steps and its state is allocated)."""
+    return optimizer.step(*args, **kwargs)
+
+
+def _autocast_as_cuda() -> type:
+    """``torch.autocast`` that turns ``device_type="cpu"`` into ``"cuda"``: on the fake GPU
+    every tensor's device reads ``cpu``, so device-agnostic code
+    (``torch.autocast(x.device.type, ...)``) asks for CPU autocast where the real run would get
+    CUDA's."""
+    base = torch.amp.autocast_mode.autocast
+
+    class autocast(base):  # type: ignore[valid-type,misc]
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if device_type == "cpu" and not caller.startswith("torch."):
+                # user code; torch's own (checkpoint's recomputation) restores exact states
+                device_type = "cuda"
+            super().__init__(device_type, *args, **kwargs)
+
+    autocast.__doc__ = base.__doc__
+    return autocast
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the (fake) CPU device."""
 
@@ -99,12 +144,14 @@ def fake_cuda(
     *,
     empty_cache: Callable[[], None] | None = None,
     counters: Callable[[], tuple[int, int, int, int]] | None = None,
+    cuda_autocast: bool = False,
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
     ``empty_cache`` is called by ``torch.cuda.empty_cache()``; ``counters`` returns
     ``(allocated, reserved, max_allocated, max_reserved)`` for the ``torch.cuda.memory_*``
-    functions. Not thread-safe and not re-entrant: one estimate at a time per process.
+    functions. ``cuda_autocast``: ``torch.autocast("cpu", ...)`` means CUDA autocast (set when
+    the CUDA emulation, which applies CUDA's autocast policy, is active). Not thread-safe and not re-entrant: one estimate at a time per process.
 
     Example:
         >>> import torch
@@ -134,15 +181,28 @@ def fake_cuda(
     }
     saved = {k: getattr(cuda, k) for k in patches if hasattr(cuda, k)}
     module_apply = torch.nn.Module._apply
+    init = torch.nn.init
+    trunc = init._no_grad_trunc_normal_
+    from torch.amp.grad_scaler import GradScaler
+
+    opt_step = GradScaler._maybe_opt_step
+    autocast_cls = torch.amp.autocast_mode.autocast
     mode = _CudaToCpu()
     try:
         for k, v in patches.items():
             setattr(cuda, k, v)
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
+        init._no_grad_trunc_normal_ = _fake_trunc_normal
+        GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
+        if cuda_autocast:
+            torch.autocast = torch.amp.autocast = _autocast_as_cuda()  # type: ignore[misc,assignment]
         with mode:
             yield
     finally:
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
+        init._no_grad_trunc_normal_ = trunc
+        GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
+        torch.autocast = torch.amp.autocast = autocast_cls  # type: ignore[misc]
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])

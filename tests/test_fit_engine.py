@@ -1,0 +1,251 @@
+"""``torchmem.estimate``'s engine against figures computed by hand from the allocator's rules
+(512-byte rounding, 2 MiB small segments, 20 MiB segments for 1-10 MiB requests, sizes of
+10 MiB and more rounded up to 2 MiB, cuBLAS workspaces of 8 MiB + 128 KiB before compute
+capability 9.0 and 32 MiB from 9.0), its out-of-memory report, the batch search, the fake CUDA
+environment and the bad-input errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchmem
+from torchmem.errors import InvalidInputError
+from torchmem.fit import GPU, estimate
+
+MiB = 1 << 20
+WS_OLD = 8 * MiB + 128 * 1024
+WS_HOPPER = 32 * MiB
+HERE = os.path.abspath(__file__)
+
+
+def exact_gpu(total: int) -> GPU:
+    """A GPU whose whole memory is usable (no context), for hand-computed capacities."""
+    return GPU("test", total, (9, 0), "test", context_override=0)
+
+
+def rows(batch: int):
+    """1 MiB per row; the step allocates a second tensor of the same size."""
+    x = torch.zeros(batch, 1 << 18)
+    return lambda: x * 2
+
+
+def linear(train: bool):
+    def build(batch: int):
+        net = torch.nn.Linear(64, 64)
+        x = torch.randn(batch, 64)
+
+        def step():
+            if train:
+                net(x).sum().backward()
+            else:
+                with torch.no_grad():
+                    net(x)
+        return step
+    return build
+
+
+def test_workspaces_by_thread_and_generation():
+    # inference: one GEMM thread -> one workspace; training adds autograd's thread
+    inf = estimate(linear(False), gpu="RTX-4090", batch_size=16)
+    assert inf.workspace_bytes == WS_OLD
+    # an 8.125 MiB request takes a 20 MiB large segment; the tensors a 2 MiB small one
+    assert inf.peak_reserved_bytes == 22 * MiB
+    tr = estimate(linear(True), gpu="RTX-4090", batch_size=16)
+    assert tr.workspace_bytes == 2 * WS_OLD
+    assert tr.peak_reserved_bytes == 22 * MiB  # the second workspace fits the 20 MiB segment
+    h = estimate(linear(True), gpu="H100-80GB", batch_size=16)
+    assert h.workspace_bytes == 2 * WS_HOPPER
+    assert h.peak_reserved_bytes == (32 + 32 + 2) * MiB  # >= 10 MiB: exact-size segments
+
+
+def test_exact_small_figures():
+    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=3, steps=1)
+    # x: 3 MiB (a 20 MiB segment, split); x*2: 3 MiB from the same segment's remainder
+    assert (e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes) == (
+        6 * MiB, 6 * MiB, 20 * MiB)
+    assert e.fragmentation_bytes == 14 * MiB
+    assert e.headroom_bytes == (1 << 30) - 20 * MiB
+
+
+def test_out_of_memory_site():
+    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=600)
+    assert not e.fits
+    o = e.oom
+    assert o is not None and o.op == "aten::mul" and o.requested_bytes == 600 * MiB
+    assert o.reserved_bytes == 600 * MiB and o.allocated_bytes == 600 * MiB
+    assert o.stack[-1] == f"{HERE}:{_line_of(rows, 'x * 2')}:<lambda>"   # the user's line
+    assert e.to_dict()["oom"]["op"] == "aten::mul"
+
+
+def test_oom_module_and_phase():
+    def build(batch):
+        net = torch.nn.Sequential(torch.nn.Linear(1024, 1 << 16))
+        x = torch.zeros(batch, 1024)
+        return lambda: net(x).sum().backward()
+    e = estimate(build, gpu=exact_gpu(2 << 30), batch_size=4096)   # output: 1 GiB
+    assert not e.fits and e.oom is not None
+    assert e.oom.module == "Sequential.0" and e.oom.phase == "forward"
+
+
+def test_max_batch_size_search():
+    # 2 * (batch MiB rounded up to 2 MiB) <= 1024 MiB  ->  512
+    e = estimate(rows, gpu=exact_gpu(1 << 30), max_batch_size=True, steps=1)
+    assert e.max_batch_size == 512 and e.batch_size == 512 and e.fits
+    assert e.to_dict()["max_batch_size"] == 512
+    fits = dict(e.probes)
+    assert fits[512] and not fits[513] and not fits[1024]
+    assert [b for b, _ in e.probes[:11]] == [1 << i for i in range(11)]
+    # an independent run agrees at the boundary
+    assert not estimate(rows, gpu=exact_gpu(1 << 30), batch_size=513, steps=1).fits
+
+
+def test_max_batch_size_nothing_fits():
+    seen = []
+    e = estimate(rows, gpu=exact_gpu(1 * MiB), max_batch_size=True, progress=seen.append)
+    assert e.max_batch_size == 0 and not e.fits and e.oom is not None
+    assert seen and "batch 1: does not fit" in seen[0]
+
+
+def test_fake_cuda_in_user_code():
+    seen = {}
+
+    def build(batch):
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        dev = torch.device("cuda")
+        net = torch.nn.Linear(256, 256).cuda()
+        x = torch.randn(batch, 256).to(dev)
+        torch.set_default_device("cuda")
+        try:
+            y = torch.zeros(batch, 256)
+        finally:
+            torch.set_default_device(None)
+
+        def step():
+            big = net(x) + y
+            seen["allocated"] = torch.cuda.memory_allocated()
+            del big
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            seen["reserved_after_empty"] = torch.cuda.memory_reserved()
+            seen["name"] = torch.cuda.get_device_name()
+        return step
+
+    e = estimate(build, gpu="A10G", batch_size=8, steps=1)
+    assert e.fits and seen["name"] == "A10G" and seen["allocated"] > 0
+    # the workspace block (20 MiB segment, never freed) and the 2 MiB small segment remain
+    assert seen["reserved_after_empty"] == 22 * MiB
+    assert not torch.cuda.is_available()  # restored
+    assert torch.nn.Module._apply is torch.nn.modules.module.Module.__dict__["_apply"]
+
+
+def test_environment_restored_after_failure():
+    apply = torch.nn.Module._apply
+
+    def build(batch):
+        raise RuntimeError("boom")
+    with pytest.raises(InvalidInputError):
+        estimate(build, gpu="T4")
+    assert torch.nn.Module._apply is apply and not torch.cuda.is_available()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _line_of(fn, text):
+    import inspect
+
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, s in enumerate(src) if text in s)
+
+
+def test_build_that_raises_names_the_line():
+    def build(batch):
+        raise ValueError("no data folder")
+    with pytest.raises(InvalidInputError) as ei:
+        estimate(build, gpu="T4", batch_size=2)
+    msg = str(ei.value)
+    assert f"{HERE}:{_line_of(build, 'raise ValueError')}" in msg
+    assert "build(2) raised ValueError" in msg and "no data folder" in msg
+
+
+def test_build_returning_no_callable():
+    def build(batch):
+        return torch.nn.Linear(2, 2).weight
+    with pytest.raises(InvalidInputError, match=r"returned FakeTensor, expected a zero-argument"):
+        estimate(build, gpu="T4")
+
+
+@pytest.mark.parametrize("snippet,hint", [
+    ("x.sum().item()", "reads a tensor's value"),
+    ("x.numpy()", "no data"),
+    ("torch.nonzero(x)", "shape depends on tensor values"),
+    ("x[x > 0]", "shape depends on tensor values"),
+])
+def test_real_memory_work_is_named(tmp_path, snippet, hint):
+    path = tmp_path / "user_train.py"
+    path.write_text(textwrap.dedent(f"""
+        import torch
+        def build(batch):
+            x = torch.randn(batch, 4)
+            def step():
+                y = x * 2
+                return {snippet}
+            return step
+    """))
+    from torchmem.cli._objects import load_object
+
+    build = load_object(f"{path}:build", call=False)
+    with pytest.raises(InvalidInputError) as ei:
+        estimate(build, gpu="T4")
+    msg = str(ei.value)
+    assert f"{path}:7" in msg and snippet in msg and hint in msg and "step() raised" in msg
+
+
+def test_bad_arguments():
+    with pytest.raises(InvalidInputError, match="build must be a function"):
+        estimate(3, gpu="T4")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="steps must be an int >= 1"):
+        estimate(rows, gpu="T4", steps=0)
+    with pytest.raises(InvalidInputError, match="batch_size must be an int >= 1"):
+        estimate(rows, gpu="T4", batch_size=0)
+    with pytest.raises(InvalidInputError, match="not both"):
+        estimate(rows, gpu="T4", batch_size=2, max_batch_size=True)
+    with pytest.raises(InvalidInputError, match="unknown GPU 'H9000'; expected one of: A100-40GB"):
+        estimate(rows, gpu="H9000")
+
+
+def test_no_real_memory_is_allocated(tmp_path):
+    """4 GiB of parameters plus AdamW (16 GiB in all, estimated) in a process whose peak RSS
+    stays far below: nothing was really allocated."""
+    code = textwrap.dedent("""
+        import resource, torch, torchmem
+        def build(batch):
+            net = torch.nn.Sequential(*[torch.nn.Linear(16384, 16384) for _ in range(4)])
+            opt = torch.optim.AdamW(net.parameters())
+            x = torch.randn(batch, 16384)
+            def step():
+                net(x).sum().backward(); opt.step(); opt.zero_grad()
+            return step
+        e = torchmem.estimate(build, gpu="H200", batch_size=2)
+        print(e.by_category["parameters"], e.peak_requested_bytes,
+              resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    params, peak, rss = map(int, out.stdout.split())
+    assert params == 4 * (16384 * 16384 + 16384) * 4
+    assert peak >= 4 * params                     # params + grads + two AdamW states
+    assert rss < 1536 * MiB < params
+
+
+def test_top_level_names():
+    assert torchmem.estimate is estimate
+    assert torchmem.Estimate is torchmem.fit.Estimate
