@@ -436,3 +436,46 @@ def test_modelled_documents_every_case():
     assert len(names) == len(set(names)) >= 6
     assert all(isinstance(x, str) and x for m in MODELLED for x in m)
     assert any("not modelled" in m[2] for m in MODELLED)  # cuDNN RNNs, said plainly
+
+
+def _flash_backward_scratch(layout_blhd: bool) -> list[tuple[int, str]]:
+    emu = CudaEmulation((8, 0))
+    got: list[tuple[int, str]] = []
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if "flash_attention_backward" in str(func):
+                got.extend(emu.transients(func, args, kwargs or {}, out))
+            return out
+
+    b, h, L, d = 2, 8, 1000, 64
+    with FakeTensorMode(), emu, Spy():
+        if layout_blhd:  # the usual model code: (B, L, H*D) projections viewed as heads
+            x = torch.empty(b, L, h * d, dtype=BF16, requires_grad=True)
+            q = x.view(b, L, h, d).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            out.transpose(1, 2).reshape(b, L, h * d).float().sum().backward()
+        else:
+            q = torch.empty(b, h, L, d, dtype=BF16, requires_grad=True)
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            out.float().sum().backward()
+    return got
+
+
+def test_flash_backward_scratch_follows_flash_api():
+    b, h, L, d = 2, 8, 1000, 64
+    softmax_d = (b * h * 1024 * 4, "flash backward: softmax_d")  # L rounded up to 128
+    dq_accum = (b * 1024 * h * 64 * 4, "flash backward: dq accumulator")  # D rounded to 32
+    # (B, L, H, D)-laid-out q, out and grad_out: the kernel's layout, nothing to copy
+    assert _flash_backward_scratch(layout_blhd=True) == [softmax_d, dq_accum]
+    # (B, H, L, D)-contiguous q (so out, an empty_like of q, too) and grad_out: both copied
+    copy = b * h * L * d * 2
+    assert _flash_backward_scratch(layout_blhd=False) == [
+        (copy, "flash backward: contiguous grad_out"),
+        (copy, "flash backward: contiguous out"),
+        softmax_d,
+        dq_accum,
+    ]

@@ -132,7 +132,9 @@ MODELLED: list[tuple[str, str, str]] = [
         "scaled_dot_product_attention",
         "CUDA runs flash or memory-efficient kernels that keep no S x S matrix",
         "the backend is chosen with CUDA's rules for the target compute capability and the CUDA "
-        "op is called (its fake kernel allocates output + logsumexp (+ RNG state); head dims not "
+        "op is called (its fake kernel allocates output + logsumexp (+ RNG state); the flash "
+        "backward's scratch (softmax_d, fp32 dq accumulator, contiguous grad_out) comes from "
+        "transients(); the memory-efficient backward's workspace is not modelled; head dims not "
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
         "cuDNN attention (preferred on some Hopper/Blackwell setups) is not modelled",
@@ -605,6 +607,37 @@ def _reduce_config(
     return staging, 4 * grid
 
 
+_FLASH_BACKWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None), "default", None
+)
+
+
+def _flash_backward_transients(args: Sequence[Any], num_mp: int) -> list[tuple[int, str]]:
+    """Scratch of ``_flash_attention_backward`` + flash's ``mha_bwd`` (PyTorch's flash_api.cpp)
+    for ``_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, ...)``."""
+    grad_out, q, k, _v, out = args[:5]
+    b, h, seq_q, d = q.shape
+    h_k, seq_k = k.size(1), k.size(2)
+    found: list[tuple[int, str]] = []
+    for t, what in ((grad_out, "grad_out"), (out, "out")):  # "CUDA code assumes dout contiguous"
+        if not t.transpose(1, 2).is_contiguous():
+            found.append((t.numel() * t.element_size(), f"flash backward: contiguous {what}"))
+
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+
+    q_rounded, d_rounded = up(seq_q, 128), up(d, 32)
+    found.append((b * h * q_rounded * 4, "flash backward: softmax_d"))
+    accum = b * q_rounded * h * d_rounded * 4
+    if torch.are_deterministic_algorithms_enabled():
+        accum *= -(-num_mp // (b * h))  # zeros({nsplits, ...})
+    found.append((accum, "flash backward: dq accumulator"))
+    if h_k != h:  # MQA/GQA: dK, dV for every query head, summed into the k/v heads after
+        n = b * seq_k * h * d * q.element_size()
+        found += [(n, "flash backward: expanded dk"), (n, "flash backward: expanded dv")]
+    return found
+
+
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -712,7 +745,11 @@ class CudaEmulation:
         before it returns: ``[(bytes, label), ...]`` in allocation order (empty for most ops).
         All of them are live together; they are freed in reverse order.
 
-        Modelled: reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        Modelled: the flash-attention backward (``_flash_attention_backward`` and flash's
+        ``mha_bwd``: contiguous copies of ``grad_out`` / ``out`` in (B, L, H, D) layout when
+        they are not, ``softmax_d`` (B, H, L rounded up to 128) and the fp32 ``dq`` accumulator
+        (B, L rounded to 128, H, D rounded to 32; one per SM split when deterministic), and the
+        expanded dK/dV of grouped-query attention); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
         dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
         output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
         a staging buffer for the blocks' partial results and an ``int`` semaphore per output
@@ -730,6 +767,8 @@ class CudaEmulation:
             >>> emu.transients(torch.ops.aten.sum.dim_IntList, (x, [0]), {}, s)
             [(50331648, 'reduction staging'), (24, 'reduction semaphores')]
         """
+        if func is _FLASH_BACKWARD:
+            return _flash_backward_transients(args, self.multiprocessors)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
         if spec is None or not args or not isinstance(args[0], torch.Tensor):
             return []
