@@ -210,6 +210,8 @@ def test_everything_is_restored_on_exit():
     before = (
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled,
+        torch.set_autocast_dtype,
         amp_common.amp_definitely_not_available,
         torch.cuda.is_bf16_supported,
         torch.clear_autocast_cache,
@@ -217,11 +219,16 @@ def test_everything_is_restored_on_exit():
         list(optimizer._foreach_supported_types),
     )
     with CudaEmulation((9, 0)):
-        assert torch.is_autocast_enabled("cpu")
         assert not amp_common.amp_definitely_not_available()
+        assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
+        with torch.autocast("cuda", dtype=F16):  # one state for the fake GPU, by either name
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == F16
+        assert not torch.is_autocast_enabled("cpu")
     after = (
         torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled,
+        torch.set_autocast_dtype,
         amp_common.amp_definitely_not_available,
         torch.cuda.is_bf16_supported,
         torch.clear_autocast_cache,
@@ -234,6 +241,10 @@ def test_everything_is_restored_on_exit():
     with torch.autocast("cpu", dtype=BF16):
         assert torch.exp(torch.ones(2, dtype=BF16)).dtype == BF16
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == BF16
+    # scaled_dot_product_attention is PyTorch's own again: a real CPU computation
+    q = torch.randn(1, 2, 5, 8)
+    ref = torch.softmax(q @ q.transpose(-2, -1) / 8**0.5, -1) @ q
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q), ref)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.autocast("cuda"):
@@ -479,3 +490,28 @@ def test_flash_backward_scratch_follows_flash_api():
         softmax_d,
         dq_accum,
     ]
+
+
+def test_activation_checkpointing_recomputes_under_the_captured_autocast_state():
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint: bool) -> list[tuple[str | None, int]]:
+        with FakeTensorMode(), CudaEmulation((8, 0)):
+            lin = torch.nn.Linear(256, 512)
+            x = torch.empty(8, 256, requires_grad=True)
+
+            def body(t):
+                return torch.relu(lin(t))
+
+            with torch.autocast("cuda", dtype=BF16):
+                y = checkpoint(body, x, use_reentrant=False) if use_checkpoint else body(x)
+            seen, _ = _allocs(lambda: y.float().sum().backward())
+        return seen
+
+    plain, ckpt = run(False), run(True)
+    # on CUDA the recomputation runs under the autocast state checkpoint captured: bf16 casts
+    # of x and W and a bf16 (8 x 512) output, exactly what the forward allocated
+    recomputed = [a for a in ckpt if a not in plain]
+    assert ("aten::addmm", 8 * 512 * 2) in recomputed
+    assert ("aten::_to_copy", 512 * 256 * 2) in recomputed
+    assert all(n != 8 * 512 * 4 for op, n in recomputed if op == "aten::addmm")

@@ -126,7 +126,9 @@ MODELLED: list[tuple[str, str, str]] = [
         "from CPU's (exp, pow, rsqrt, sum, softmax, norms and losses run in fp32 on CUDA)",
         "Python kernels on the AutocastCPU key apply CUDA's lists (lower precision, fp32, "
         "fp32-with-dtype, promote, banned) while CUDA autocast is on; casts of leaf fp32 "
-        "parameters are cached for the autocast region as CUDA's cast cache does",
+        "parameters are cached for the autocast region as CUDA's cast cache does; 'cpu' and "
+        "'cuda' name one autocast state (the fake tensors' device is cpu), so activation "
+        "checkpointing recomputes under the autocast state it captured, as on CUDA",
     ),
     (
         "scaled_dot_product_attention",
@@ -641,6 +643,8 @@ def _flash_backward_transients(args: Sequence[Any], num_mp: int) -> list[tuple[i
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_C_IS_ENABLED = torch.is_autocast_enabled  # the bindings, kept before anyone patches them
+_C_GET_DTYPE = torch.get_autocast_dtype
 _lock = threading.Lock()
 
 
@@ -833,15 +837,69 @@ class CudaEmulation:
                 ours.add(name)
             for name in sorted(registered - ours):  # CPU-only autocast entries: not on CUDA
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        # The AutocastCPU key is only visited while CPU autocast is on; our kernels then look at
-        # the CUDA autocast state, so CPU autocast itself stays without effect.
-        prev_enabled = torch.is_autocast_enabled("cpu")
-        prev_dtype = torch.get_autocast_dtype("cpu")
-        torch.set_autocast_enabled("cpu", True)
+            # scaled_dot_product_attention is composite: it picks its backend below autograd,
+            # with or without autocast; ours picks CUDA's
+            lib.impl("scaled_dot_product_attention", self._run_sdpa, "CompositeImplicitAutograd")
+        # One autocast state for the fake GPU. The fake tensors' device is "cpu", so torch's own
+        # code asks for the "cpu" state where a real run asks for "cuda" (checkpoint captures
+        # the state of its inputs' device and re-enters it to recompute); both names read and
+        # write one state, and the AutocastCPU key (where our kernels sit) is visited exactly
+        # while it is on.
+        saved = {
+            dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+            for dev in ("cpu", "cuda")
+        }
+        names = ("is_autocast_enabled", "set_autocast_enabled")
+        names += ("get_autocast_dtype", "set_autocast_dtype")
+        originals = {name: getattr(torch, name) for name in names}
+        o_is, o_set = originals["is_autocast_enabled"], originals["set_autocast_enabled"]
+        o_get, o_set_dtype = originals["get_autocast_dtype"], originals["set_autocast_dtype"]
+
+        def one(device: Any) -> bool:
+            return str(device) in ("cpu", "cuda")
+
+        def is_autocast_enabled(*args: Any) -> bool:
+            if not args or one(args[0]):
+                return bool(o_is("cuda"))
+            return bool(o_is(*args))
+
+        def set_autocast_enabled(*args: Any) -> None:
+            if len(args) == 2 and one(args[0]):
+                o_set("cuda", args[1])
+                o_set("cpu", args[1])
+            elif len(args) == 1:  # legacy: set_autocast_enabled(bool) is CUDA
+                o_set("cuda", args[0])
+                o_set("cpu", args[0])
+            else:
+                o_set(*args)
+
+        def get_autocast_dtype(device: Any) -> torch.dtype:
+            return o_get("cuda" if one(device) else device)  # type: ignore[no-any-return]
+
+        def set_autocast_dtype(device: Any, dtype: torch.dtype) -> None:
+            if one(device):
+                o_set_dtype("cuda", dtype)
+                o_set_dtype("cpu", dtype)
+            else:
+                o_set_dtype(device, dtype)
+
+        patched = {
+            "is_autocast_enabled": is_autocast_enabled,
+            "set_autocast_enabled": set_autocast_enabled,
+            "get_autocast_dtype": get_autocast_dtype,
+            "set_autocast_dtype": set_autocast_dtype,
+        }
+        o_set("cpu", bool(o_is("cuda")))
+        o_set_dtype("cpu", o_get("cuda"))
+        for name, fn in patched.items():
+            setattr(torch, name, fn)
 
         def undo_state() -> None:
-            torch.set_autocast_enabled("cpu", prev_enabled)
-            torch.set_autocast_dtype("cpu", prev_dtype)
+            for name, fn in originals.items():
+                setattr(torch, name, fn)
+            for dev, (enabled, dtype) in saved.items():
+                o_set(dev, enabled)
+                o_set_dtype(dev, dtype)
 
         self._undo.append(undo_state)
         original_clear = torch.clear_autocast_cache
@@ -857,18 +915,15 @@ class CudaEmulation:
     def _kernel(self, name: str) -> Callable[..., Any]:
         op = _op(name)
         cache = self._cache
-        emu = self
 
         def below(*args: Any, **kwargs: Any) -> Any:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                if name == "scaled_dot_product_attention":
-                    return emu._run_sdpa(*args, **kwargs)
                 return op(*args, **kwargs)
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_autocast_enabled("cuda"):
+            if not _C_IS_ENABLED("cuda"):
                 return below(*args, **kwargs)
-            lower = torch.get_autocast_dtype("cuda")
+            lower = _C_GET_DTYPE("cuda")
             if name in BANNED:
                 raise InvalidInputError(_BANNED_MESSAGE)
             if name in LOWER_PRECISION_FP or name in FP32 or name in PROMOTE:
