@@ -849,8 +849,12 @@ class CudaEmulation:
             dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
             for dev in ("cpu", "cuda")
         }
-        names = ("is_autocast_enabled", "set_autocast_enabled")
-        names += ("get_autocast_dtype", "set_autocast_dtype")
+        names = [
+            "is_autocast_enabled",
+            "set_autocast_enabled",
+            "get_autocast_dtype",
+            "set_autocast_dtype",
+        ]
         originals = {name: getattr(torch, name) for name in names}
         o_is, o_set = originals["is_autocast_enabled"], originals["set_autocast_enabled"]
         o_get, o_set_dtype = originals["get_autocast_dtype"], originals["set_autocast_dtype"]
