@@ -126,13 +126,17 @@ MODELLED: list[tuple[str, str, str]] = [
         "from CPU's (exp, pow, rsqrt, sum, softmax, norms and losses run in fp32 on CUDA)",
         "Python kernels on the AutocastCPU key apply CUDA's lists (lower precision, fp32, "
         "fp32-with-dtype, promote, banned) while CUDA autocast is on; casts of leaf fp32 "
-        "parameters are cached for the autocast region as CUDA's cast cache does",
+        "parameters are cached for the autocast region as CUDA's cast cache does; 'cpu' and "
+        "'cuda' name one autocast state (the fake tensors' device is cpu), so activation "
+        "checkpointing recomputes under the autocast state it captured, as on CUDA",
     ),
     (
         "scaled_dot_product_attention",
         "CUDA runs flash or memory-efficient kernels that keep no S x S matrix",
         "the backend is chosen with CUDA's rules for the target compute capability and the CUDA "
-        "op is called (its fake kernel allocates output + logsumexp (+ RNG state); head dims not "
+        "op is called (its fake kernel allocates output + logsumexp (+ RNG state); the flash "
+        "backward's scratch (softmax_d, fp32 dq accumulator, contiguous grad_out) comes from "
+        "transients(); the memory-efficient backward's workspace is not modelled; head dims not "
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
         "cuDNN attention (preferred on some Hopper/Blackwell setups) is not modelled",
@@ -336,8 +340,9 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
     enable_gqa = bool(p.get("enable_gqa", False))
     backend = _sdpa_backend(q, k, v, mask, dropout, is_causal, enable_gqa, cc)
     if mask is not None and mask.dtype == torch.bool:
-        # convert_boolean_attn_mask: where(mask, 0, -inf) in the query's dtype (a new tensor)
-        mask = torch.where(mask.logical_not(), -math.inf, 0.0).to(q.dtype)
+        # convert_boolean_attn_mask: where(!mask, -inf, scalar_tensor(0)) in the query's dtype
+        zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device)
+        mask = torch.where(mask.logical_not(), -math.inf, zero)
     if backend == _FLASH:
         head = q.size(-1)
         if scale is None:
@@ -365,11 +370,15 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _pad_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``preprocess_mask`` for the memory-efficient kernel: the mask's last dim is padded to a
-    multiple of 16 (a copy), then expanded (a view) to (batch, heads, L, S)."""
+    """``preprocess_mask`` for the memory-efficient kernel: unless every stride but the last is
+    a multiple of 16 (and the last is 1), the mask is padded by ``16 - last % 16`` columns (a
+    copy) and sliced back; then expanded (a view) to (batch, heads, L, S)."""
     target = (q.size(0), q.size(1), q.size(-2), k.size(-2))
-    last = mask.size(-1)
-    if last % 16:
+    aligned = all(mask.stride(i) % 16 == 0 for i in range(mask.dim() - 1)) and (
+        mask.stride(-1) == 1
+    )
+    if not aligned:
+        last = mask.size(-1)
         mask = torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
     return mask.expand(target)
 
@@ -600,9 +609,42 @@ def _reduce_config(
     return staging, 4 * grid
 
 
+_FLASH_BACKWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None), "default", None
+)
+
+
+def _flash_backward_transients(args: Sequence[Any], num_mp: int) -> list[tuple[int, str]]:
+    """Scratch of ``_flash_attention_backward`` + flash's ``mha_bwd`` (PyTorch's flash_api.cpp)
+    for ``_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, ...)``."""
+    grad_out, q, k, _v, out = args[:5]
+    b, h, seq_q, d = q.shape
+    h_k, seq_k = k.size(1), k.size(2)
+    found: list[tuple[int, str]] = []
+    for t, what in ((grad_out, "grad_out"), (out, "out")):  # "CUDA code assumes dout contiguous"
+        if not t.transpose(1, 2).is_contiguous():
+            found.append((t.numel() * t.element_size(), f"flash backward: contiguous {what}"))
+
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+
+    q_rounded, d_rounded = up(seq_q, 128), up(d, 32)
+    found.append((b * h * q_rounded * 4, "flash backward: softmax_d"))
+    accum = b * q_rounded * h * d_rounded * 4
+    if torch.are_deterministic_algorithms_enabled():
+        accum *= -(-num_mp // (b * h))  # zeros({nsplits, ...})
+    found.append((accum, "flash backward: dq accumulator"))
+    if h_k != h:  # MQA/GQA: dK, dV for every query head, summed into the k/v heads after
+        n = b * seq_k * h * d * q.element_size()
+        found += [(n, "flash backward: expanded dk"), (n, "flash backward: expanded dv")]
+    return found
+
+
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_C_IS_ENABLED = torch.is_autocast_enabled  # the bindings, kept before anyone patches them
+_C_GET_DTYPE = torch.get_autocast_dtype
 _lock = threading.Lock()
 
 
@@ -617,7 +659,7 @@ class CudaEmulation:
         >>> import torch
         >>> from torch._subclasses import FakeTensorMode
         >>> emu = CudaEmulation((9, 0))
-        >>> emu.gemm_workspace_bytes == 32 * 2**20 + 4096 * 1024 * 0   # H100: 32 MiB
+        >>> emu.gemm_workspace_bytes == 32 * 2**20          # cuBLAS workspace on an H100
         True
         >>> with FakeTensorMode(), emu:
         ...     q = torch.empty(2, 8, 1024, 64, dtype=torch.bfloat16)
@@ -707,7 +749,11 @@ class CudaEmulation:
         before it returns: ``[(bytes, label), ...]`` in allocation order (empty for most ops).
         All of them are live together; they are freed in reverse order.
 
-        Modelled: reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        Modelled: the flash-attention backward (``_flash_attention_backward`` and flash's
+        ``mha_bwd``: contiguous copies of ``grad_out`` / ``out`` in (B, L, H, D) layout when
+        they are not, ``softmax_d`` (B, H, L rounded up to 128) and the fp32 ``dq`` accumulator
+        (B, L rounded to 128, H, D rounded to 32; one per SM split when deterministic), and the
+        expanded dK/dV of grouped-query attention); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
         dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
         output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
         a staging buffer for the blocks' partial results and an ``int`` semaphore per output
@@ -725,6 +771,8 @@ class CudaEmulation:
             >>> emu.transients(torch.ops.aten.sum.dim_IntList, (x, [0]), {}, s)
             [(50331648, 'reduction staging'), (24, 'reduction semaphores')]
         """
+        if func is _FLASH_BACKWARD:
+            return _flash_backward_transients(args, self.multiprocessors)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
         if spec is None or not args or not isinstance(args[0], torch.Tensor):
             return []
@@ -789,15 +837,73 @@ class CudaEmulation:
                 ours.add(name)
             for name in sorted(registered - ours):  # CPU-only autocast entries: not on CUDA
                 lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        # The AutocastCPU key is only visited while CPU autocast is on; our kernels then look at
-        # the CUDA autocast state, so CPU autocast itself stays without effect.
-        prev_enabled = torch.is_autocast_enabled("cpu")
-        prev_dtype = torch.get_autocast_dtype("cpu")
-        torch.set_autocast_enabled("cpu", True)
+            # scaled_dot_product_attention is composite: it picks its backend below autograd,
+            # with or without autocast; ours picks CUDA's
+            lib.impl("scaled_dot_product_attention", self._run_sdpa, "CompositeImplicitAutograd")
+        # One autocast state for the fake GPU. The fake tensors' device is "cpu", so torch's own
+        # code asks for the "cpu" state where a real run asks for "cuda" (checkpoint captures
+        # the state of its inputs' device and re-enters it to recompute); both names read and
+        # write one state, and the AutocastCPU key (where our kernels sit) is visited exactly
+        # while it is on.
+        saved = {
+            dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+            for dev in ("cpu", "cuda")
+        }
+        names = [
+            "is_autocast_enabled",
+            "set_autocast_enabled",
+            "get_autocast_dtype",
+            "set_autocast_dtype",
+        ]
+        originals = {name: getattr(torch, name) for name in names}
+        o_is, o_set = originals["is_autocast_enabled"], originals["set_autocast_enabled"]
+        o_get, o_set_dtype = originals["get_autocast_dtype"], originals["set_autocast_dtype"]
+
+        def one(device: Any) -> bool:
+            return str(device) in ("cpu", "cuda")
+
+        def is_autocast_enabled(*args: Any) -> bool:
+            if not args or one(args[0]):
+                return bool(o_is("cuda"))
+            return bool(o_is(*args))
+
+        def set_autocast_enabled(*args: Any) -> None:
+            if len(args) == 2 and one(args[0]):
+                o_set("cuda", args[1])
+                o_set("cpu", args[1])
+            elif len(args) == 1:  # legacy: set_autocast_enabled(bool) is CUDA
+                o_set("cuda", args[0])
+                o_set("cpu", args[0])
+            else:
+                o_set(*args)
+
+        def get_autocast_dtype(device: Any) -> torch.dtype:
+            return o_get("cuda" if one(device) else device)  # type: ignore[no-any-return]
+
+        def set_autocast_dtype(device: Any, dtype: torch.dtype) -> None:
+            if one(device):
+                o_set_dtype("cuda", dtype)
+                o_set_dtype("cpu", dtype)
+            else:
+                o_set_dtype(device, dtype)
+
+        patched = {
+            "is_autocast_enabled": is_autocast_enabled,
+            "set_autocast_enabled": set_autocast_enabled,
+            "get_autocast_dtype": get_autocast_dtype,
+            "set_autocast_dtype": set_autocast_dtype,
+        }
+        o_set("cpu", bool(o_is("cuda")))
+        o_set_dtype("cpu", o_get("cuda"))
+        for name, fn in patched.items():
+            setattr(torch, name, fn)
 
         def undo_state() -> None:
-            torch.set_autocast_enabled("cpu", prev_enabled)
-            torch.set_autocast_dtype("cpu", prev_dtype)
+            for name, fn in originals.items():
+                setattr(torch, name, fn)
+            for dev, (enabled, dtype) in saved.items():
+                o_set(dev, enabled)
+                o_set_dtype(dev, dtype)
 
         self._undo.append(undo_state)
         original_clear = torch.clear_autocast_cache
@@ -813,18 +919,15 @@ class CudaEmulation:
     def _kernel(self, name: str) -> Callable[..., Any]:
         op = _op(name)
         cache = self._cache
-        emu = self
 
         def below(*args: Any, **kwargs: Any) -> Any:
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                if name == "scaled_dot_product_attention":
-                    return emu._run_sdpa(*args, **kwargs)
                 return op(*args, **kwargs)
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_autocast_enabled("cuda"):
+            if not _C_IS_ENABLED("cuda"):
                 return below(*args, **kwargs)
-            lower = torch.get_autocast_dtype("cuda")
+            lower = _C_GET_DTYPE("cuda")
             if name in BANNED:
                 raise InvalidInputError(_BANNED_MESSAGE)
             if name in LOWER_PRECISION_FP or name in FP32 or name in PROMOTE:

@@ -1,0 +1,110 @@
+"""Estimates of two real GPU runs (../shared/data/gpu-truth.md), made on this CPU-only machine,
+side by side with the real allocator's figures and with a fake run that does not follow CUDA.
+
+Workloads (tests/cs336_lm.py, the CS336 Transformer LM as gpu-truth.md describes it):
+  notHanmin  "xl" LM (2.0 B parameters), batch 4 x 256, hand-written AdamW; per step a
+             bf16-autocast forward, logits.sum(), zero_grad, backward, step; 2 steps: the
+             peak is the second step's forward (the recorded window). A100-80GB (sm80).
+  MAGMA27    the small LM (129 M parameters), fp32, batch 32 x 256, hand-written
+             cross-entropy, forward/loss/backward without zero_grad; 6 steps. RTX-3090
+             (sm86, pre-Hopper like the recording's GPU).
+
+Columns:
+  real        the recorded allocator (gpu-truth.md; a trace's sizes are requested bytes)
+  torchmem    torchmem.estimate with the CUDA emulation (torchmem.fit._cuda.CudaEmulation)
+  plain fake  the same fake run without it: torch.autocast("cuda") switches itself off on a
+              CPU-only build, so the forward runs in fp32 (what a FakeTensorMode-based tracker
+              sees); no reduction scratch, per-parameter optimizer loop
+
+Requested figures include the two cuBLAS workspaces (allocator blocks in the real run; the
+estimate reports them separately). MAGMA27's torchmem peak is its backward: torch 2.13's
+gather/max backward keeps one more logits-sized buffer (327,680,000 B) than the recording's
+2.11 (tests/test_gpu_truth.py checks every phase separately).
+
+Run:  python benchmarks/gpu_truth.py        (about a minute on our 2 cores)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchmem
+import torchmem.fit._engine as engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cs336_lm import SMALL, XL, AdamW, TransformerLM, cross_entropy  # noqa: E402
+
+REAL = {
+    "notHanmin": {"requested": 43_754_773_506, "allocated": 44_634_833_408},
+    "MAGMA27": {"requested": 13_923_997_700, "allocated": 13_927_832_064},
+}
+
+
+def build_nothanmin(batch: int) -> Any:
+    model = TransformerLM(XL, shared_rope=False).to("cuda")
+    opt = AdamW(model.parameters())
+    ids = torch.randint(0, 10000, (batch, 256), device="cuda")
+    g: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            g["logits"] = model(ids)
+        g["loss"] = g["logits"].sum()
+        opt.zero_grad()
+        g["loss"].backward()
+        opt.step()
+
+    return step
+
+
+def build_magma(batch: int) -> Any:
+    model = TransformerLM(SMALL).to("cuda")
+    data = torch.randint(0, 10000, (batch, 256), device="cuda")
+    targets = torch.randint(0, 10000, (batch, 256), device="cuda")
+    g: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        g["logits"] = model(data)
+        g["loss"] = cross_entropy(g["logits"], targets)
+        g["loss"].backward()
+
+    return step
+
+
+def run(build: Any, gpu: str, batch: int, steps: int, emulate: bool) -> tuple[int, int, float]:
+    original = engine._emulation
+    if not emulate:
+        engine._emulation = lambda cc: None  # type: ignore[assignment]
+    try:
+        t = time.perf_counter()
+        est = torchmem.estimate(build, gpu=gpu, batch_size=batch, steps=steps)
+        elapsed = time.perf_counter() - t
+    finally:
+        engine._emulation = original  # type: ignore[assignment]
+    return est.peak_requested_bytes + est.workspace_bytes, est.peak_allocated_bytes, elapsed
+
+
+def main() -> None:
+    rows = [
+        ("notHanmin", build_nothanmin, "A100-80GB", 4, 2),
+        ("MAGMA27", build_magma, "RTX-3090", 32, 6),
+    ]
+    print(f"{'run':<10} {'figure':<10} {'real':>16} {'torchmem':>16} {'ratio':>7} "
+          f"{'plain fake':>16} {'ratio':>7}")
+    for name, build, gpu, batch, steps in rows:
+        ours = run(build, gpu, batch, steps, emulate=True)
+        plain = run(build, gpu, batch, steps, emulate=False)
+        for i, fig in enumerate(("requested", "allocated")):
+            real = REAL[name][fig]
+            print(f"{name:<10} {fig:<10} {real:>16,} {ours[i]:>16,} {ours[i] / real:>7.4f} "
+                  f"{plain[i]:>16,} {plain[i] / real:>7.4f}")
+        print(f"{name:<10} {'seconds':<10} {'':>16} {ours[2]:>16.1f} {'':>7} {plain[2]:>16.1f}")
+
+
+if __name__ == "__main__":
+    main()
