@@ -349,7 +349,7 @@ def run_once(
     with tracker:
         with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
-            cuda_autocast=emu is not None, total_bytes=card.total_bytes,
+            total_bytes=card.total_bytes,
             context_bytes=card.context_bytes,
         ):
             emu_ctx = emu if emu is not None else _Null()

@@ -18,8 +18,6 @@ the target GPU. For user code written for CUDA this module makes that work:
 - ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
   ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
   was inf/NaN: the estimate follows the usual path, finite gradients;
-- with the CUDA emulation, ``torch.autocast("cpu", ...)`` (what device-agnostic code asks for,
-  since fake tensors report ``cpu``) is CUDA autocast;
 - everything is restored on exit.
 
 Example:
@@ -35,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -101,25 +98,6 @@ def _fake_maybe_opt_step(
     ``.item()``; fake gradients have no values, so the estimate takes the common path (finite
     gradients: the optimizer steps and its state is allocated)."""
     return optimizer.step(*args, **kwargs)
-
-
-def _autocast_as_cuda() -> type:
-    """``torch.autocast`` that turns ``device_type="cpu"`` into ``"cuda"``: on the fake GPU
-    every tensor's device reads ``cpu``, so device-agnostic code
-    (``torch.autocast(x.device.type, ...)``) asks for CPU autocast where the real run would get
-    CUDA's."""
-    base = torch.amp.autocast_mode.autocast
-
-    class autocast(base):  # type: ignore[valid-type,misc]
-        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if device_type == "cpu" and not caller.startswith("torch."):
-                # user code; torch's own (checkpoint's recomputation) restores exact states
-                device_type = "cuda"
-            super().__init__(device_type, *args, **kwargs)
-
-    autocast.__doc__ = base.__doc__
-    return autocast
 
 
 class _Event:
@@ -189,7 +167,6 @@ def fake_cuda(
     *,
     empty_cache: Callable[[], None] | None = None,
     counters: Callable[[], tuple[int, int, int, int]] | None = None,
-    cuda_autocast: bool = False,
     total_bytes: int = 0,
     context_bytes: int = 0,
 ) -> Iterator[None]:
@@ -197,8 +174,7 @@ def fake_cuda(
 
     ``empty_cache`` is called by ``torch.cuda.empty_cache()``; ``counters`` returns
     ``(allocated, reserved, max_allocated, max_reserved)`` for the ``torch.cuda.memory_*``
-    functions. ``cuda_autocast``: ``torch.autocast("cpu", ...)`` means CUDA autocast (set when
-    the CUDA emulation, which applies CUDA's autocast policy, is active). Not thread-safe and not re-entrant: one estimate at a time per process.
+    functions. Not thread-safe and not re-entrant: one estimate at a time per process.
 
     Example:
         >>> import torch
@@ -247,7 +223,6 @@ def fake_cuda(
     from torch.amp.grad_scaler import GradScaler
 
     opt_step = GradScaler._maybe_opt_step
-    autocast_cls = torch.amp.autocast_mode.autocast
     mode = _CudaToCpu()
     try:
         for k, v in patches.items():
@@ -255,15 +230,12 @@ def fake_cuda(
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
         GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
-        if cuda_autocast:
-            torch.autocast = torch.amp.autocast = _autocast_as_cuda()  # type: ignore[misc,assignment]
         with mode:
             yield
     finally:
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
-        torch.autocast = torch.amp.autocast = autocast_cls  # type: ignore[misc]
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])
