@@ -167,7 +167,26 @@ def scaled(batch: int):
     return step
 
 
+def loader(batch: int):
+    """Data from a shuffling DataLoader (its seed and permutation read tensor values)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dev = _dev()
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(dev)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, foreach=True)
+    data = DataLoader(TensorDataset(torch.randn(128, 64), torch.randint(0, 8, (128,))),
+                      batch_size=batch, shuffle=True)
+
+    def step():
+        for x, y in data:
+            F.cross_entropy(net(x.to(dev)), y.to(dev)).backward()
+            opt.step()
+            opt.zero_grad()
+    return step
+
+
 MODELS = {
+    "dataloader": loader,
     "gradscaler+trunc_normal": scaled,
     "mlp": mlp,
     "cnn": cnn,
