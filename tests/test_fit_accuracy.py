@@ -374,3 +374,61 @@ def test_estimate_matches_the_real_gpu(name):
     assert est.fits
     assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res
     assert abs(est.peak_allocated_bytes - real_alloc) <= 0.05 * real_alloc
+
+
+# -- autocast against a real CPU run that casts by hand as CUDA's autocast would -------------------
+
+
+def _mlp_params():
+    torch.manual_seed(0)
+    return nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+
+def autocast_mlp(batch: int, enabled: bool = True):
+    """bf16 autocast on the GPU: linear runs in bf16 (inputs cast, parameter casts cached for
+    the region), gelu in its input's dtype."""
+    lin1, lin2 = _mlp_params()
+    opt = torch.optim.SGD([*lin1.parameters(), *lin2.parameters()], lr=0.1, foreach=True)
+    x = torch.randn(batch, 256)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled):
+            y = lin2(F.gelu(lin1(x)))
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def hand_cast_mlp(batch: int):
+    """The same step with CUDA autocast's casts written out, run for real on the CPU: for each
+    linear the input, then the weight and the bias are cast (parameter casts kept until the
+    region ends, as autocast's cache keeps them)."""
+    lin1, lin2 = _mlp_params()
+    opt = torch.optim.SGD([*lin1.parameters(), *lin2.parameters()], lr=0.1, foreach=True)
+    x = torch.randn(batch, 256)
+    bf16 = torch.bfloat16
+
+    def step():
+        xb = x.to(bf16)
+        w1, b1 = lin1.weight.to(bf16), lin1.bias.to(bf16)
+        h = F.gelu(F.linear(xb, w1, b1))
+        del xb
+        w2, b2 = lin2.weight.to(bf16), lin2.bias.to(bf16)
+        y = F.linear(h, w2, b2)
+        del h, w1, b1, w2, b2                       # the region ends: the cache is cleared
+        y.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_autocast_equals_a_real_run_with_the_casts_written_out():
+    pytest.importorskip("torchmem.fit._cuda")
+    truth = _truth(hand_cast_mlp, 32)
+    est = torchmem.estimate(autocast_mlp, gpu="A100-80GB", batch_size=32)
+    assert est.peak_requested_bytes == truth
+    # and autocast mattered: the same step without it peaks elsewhere
+    off = torchmem.estimate(lambda b: autocast_mlp(b, enabled=False), gpu="A100-80GB",
+                            batch_size=32)
+    assert off.peak_requested_bytes != truth
