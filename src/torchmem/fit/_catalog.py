@@ -71,6 +71,9 @@ class GPU:
     source: str
     marketed: str = ""
     context_override: int | None = None
+    #: Streaming multiprocessors (NVIDIA's specifications); sizes reductions' staging buffers.
+    #: ``None``: a typical card of the compute capability.
+    multiprocessors: int | None = None
 
     @property
     def context_bytes(self) -> int:
@@ -108,12 +111,21 @@ class GPU:
             "context_bytes": self.context_bytes,
             "usable_bytes": self.usable_bytes,
             "compute_capability": list(self.compute_capability),
+            "multiprocessors": self.multiprocessors,
             "source": self.source,
         }
 
 
 def _g(name: str, gib: float, cc: tuple[int, int], marketed: str, source: str) -> GPU:
-    return GPU(name, int(round(gib * _GiB)), cc, source, marketed)
+    return GPU(name, int(round(gib * _GiB)), cc, source, marketed, multiprocessors=_SMS[name])
+
+
+#: SM counts from NVIDIA's product specifications.
+_SMS = {
+    "A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H100-PCIe": 114, "H200": 132,
+    "L4": 58, "L40S": 142, "A10G": 80, "T4": 40, "V100-16GB": 80, "V100-32GB": 80,
+    "RTX-3090": 82, "RTX-4090": 128, "RTX-5090": 170, "A6000": 84,
+}
 
 
 _OOM = "PyTorch OOM message 'total capacity of {} GiB' in "

@@ -9,8 +9,8 @@ promptly as real ones). A tracker listener sends each birth to
 :meth:`~torchmem.sim.CachingAllocator.free`, in program order, on an allocator with the GPU's
 usable capacity. A thin dispatch mode on top adds what CUDA does and a CPU run never shows:
 the cuBLAS workspace of each (thread, stream) at its first GEMM (backward runs on autograd's
-own thread, so a training step has two) and, when :mod:`torchmem.fit._cuda` is present, its
-kernels' transient workspaces.
+own thread, so a training step has two) and the kernels' transient workspaces
+(:class:`~torchmem.fit._cuda.CudaEmulation`).
 
 The first allocation the simulator cannot satisfy is the out-of-memory point: its operator,
 module and stack are kept and the run stops there.
@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import threading
@@ -44,6 +43,7 @@ from torchmem.capture import track
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
+from torchmem.fit._cuda import CudaEmulation
 from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, OOMSite
 from torchmem.model.events import Category, EventKind
@@ -54,12 +54,6 @@ __all__ = ["run_once", "BuildFn"]
 BuildFn = Callable[[int], Callable[[], Any]]
 
 _ALLOC, _FREE = EventKind.ALLOC, EventKind.FREE
-
-#: cuBLAS workspace per (thread, stream) when torchmem.fit._cuda is absent: 32 MiB on compute
-#: capability 9.x and newer, 8 MiB + 128 KiB before (aten/src/ATen/cuda/CublasHandlePool.cpp,
-#: getChosenWorkspaceSize; seen as 8,519,680-byte blocks in ../shared/data/gpu-truth.md).
-_WS_HOPPER = 32 << 20
-_WS_OLDER = (8 << 20) + (128 << 10)
 
 _GEMM_NAMES = (
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "_addmm_activation", "_scaled_mm",
@@ -86,13 +80,9 @@ class _Abort(BaseException):
     code's ``except Exception`` does not swallow it)."""
 
 
-def _emulation(cc: tuple[int, int]) -> Any:
-    """hC2's CudaEmulation when torchmem.fit._cuda exists, else None."""
-    try:
-        mod = importlib.import_module("torchmem.fit._cuda")
-    except ImportError:
-        return None
-    return mod.CudaEmulation(cc)
+def _emulation(card: GPU) -> CudaEmulation:
+    """The CUDA behaviour of ``card``: its compute capability and multiprocessor count."""
+    return CudaEmulation(card.compute_capability, multiprocessors=card.multiprocessors)
 
 
 def _frames(stack: tuple[str, ...] | None, op: str) -> list[dict[str, Any]]:
@@ -131,10 +121,8 @@ class _State:
         self.oom: OOMSite | None = None
         self.phase = "other"
         self.snapshot: Any = None
-        if emu is not None:
-            self.ws_size = int(emu.gemm_workspace_bytes)
-        else:
-            self.ws_size = _WS_HOPPER if cc >= (9, 0) else _WS_OLDER
+        # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
+        self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
 
     def _peaks(self) -> None:
         sim = self.sim
@@ -200,10 +188,14 @@ class _State:
                 if self._malloc(self.ws_size, None, str(func), "cuBLAS workspace") is not None:
                     self.ws_bytes += self.ws_size
         if self.emu is not None and self.oom is None:
+            # All of a kernel's scratch buffers are live together, freed in reverse order.
+            held: list[int] = []
             for nbytes, label in self.emu.transients(func, args, kwargs, out):
                 addr = self._malloc(int(nbytes), None, str(func), str(label))
                 if addr is None:
                     break
+                held.append(addr)
+            for addr in reversed(held):
                 self.sim.free(addr)
 
 
@@ -337,7 +329,7 @@ def run_once(
     from torch._subclasses import FakeTensorMode
 
     sim = _make_sim(card.usable_bytes, alloc_conf)
-    emu = _emulation(card.compute_capability)
+    emu = _emulation(card)
     st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
 
     def counters() -> tuple[int, int, int, int]:
