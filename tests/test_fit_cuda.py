@@ -515,3 +515,24 @@ def test_activation_checkpointing_recomputes_under_the_captured_autocast_state()
     assert ("aten::addmm", 8 * 512 * 2) in recomputed
     assert ("aten::_to_copy", 512 * 256 * 2) in recomputed
     assert all(n != 8 * 512 * 4 for op, n in recomputed if op == "aten::addmm")
+
+
+def test_dropout_keeps_a_bool_mask_like_cudas_fused_kernel():
+    n = 1024 * 1024
+
+    def run(emulate: bool):
+        with FakeTensorMode():
+            x = torch.empty(1024, 1024, requires_grad=True)
+            if emulate:
+                with CudaEmulation((8, 0)):
+                    return _allocs(lambda: torch.nn.functional.dropout(x, 0.1, True))[0]
+            return _allocs(lambda: torch.nn.functional.dropout(x, 0.1, True))[0]
+
+    # CUDA (Dropout.cpp: is_fused_kernel_acceptable): native_dropout -> output + bool mask
+    assert run(True) == [("aten::native_dropout", 4 * n), ("aten::native_dropout", n)]
+    # the CPU path a plain fake run takes: a float noise tensor, then the product
+    assert sorted(b for _, b in run(False)) == [4 * n, 4 * n]
+    with FakeTensorMode(), CudaEmulation((8, 0)):
+        x = torch.empty(4, 4)
+        assert torch.nn.functional.dropout(x, 0.1, False) is x  # eval: the input itself
+        assert torch.nn.functional.dropout(x, 0.0, True) is x

@@ -155,6 +155,13 @@ MODELLED: list[tuple[str, str, str]] = [
         "foreach path; fused=True runs the fused kernel (in place, like CUDA)",
     ),
     (
+        "dropout (nn.Dropout, F.dropout)",
+        "CUDA runs the fused native_dropout kernel, which saves a bool mask (1 B per element); "
+        "the CPU path saves a noise tensor of the input's dtype (4 B per element in fp32)",
+        "aten::dropout takes CUDA's path (native_dropout) in training for 0 < p < 1; the "
+        "in-place dropout_ keeps its noise tensor on CUDA too",
+    ),
+    (
         "multi-block reductions",
         "CUDA reductions that split one output over several blocks allocate a staging buffer "
         "and a semaphore after the output and free them before returning",
@@ -387,6 +394,18 @@ def _pad_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Ten
         last = mask.size(-1)
         mask = torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
     return mask.expand(target)
+
+
+def _dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    """``aten::dropout`` as on CUDA (Dropout.cpp): in training, for 0 < p < 1 and a non-empty
+    input, the fused ``native_dropout`` kernel, which keeps a ``bool`` mask (1 byte per
+    element) for backward; the CPU path (``_dropout_impl``) keeps a noise tensor of the input's
+    dtype (4 bytes per element in fp32)."""
+    if train and 0.0 < p < 1.0 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, train)[0]  # type: ignore[no-any-return]
+    if p == 0.0 or not train or input.numel() == 0:
+        return input
+    return input * torch.zeros((), dtype=input.dtype, device=input.device)  # p == 1
 
 
 # -- multi-block reductions (aten/src/ATen/native/cuda/Reduce.cuh) ---------------------------
@@ -846,6 +865,8 @@ class CudaEmulation:
             # scaled_dot_product_attention is composite: it picks its backend below autograd,
             # with or without autocast; ours picks CUDA's
             lib.impl("scaled_dot_product_attention", self._run_sdpa, "CompositeImplicitAutograd")
+            # dropout (out of place) runs CUDA's fused kernel: a bool mask, not a noise tensor
+            lib.impl("dropout", _dropout, "CompositeImplicitAutograd")
         # One autocast state for the fake GPU. The fake tensors' device is "cpu", so torch's own
         # code asks for the "cpu" state where a real run asks for "cuda" (checkpoint captures
         # the state of its inputs' device and re-enters it to recompute); both names read and
