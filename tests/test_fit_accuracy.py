@@ -295,8 +295,10 @@ def gpt2(batch: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     dev = _dev()
+    # Dropout 0: in training CUDA runs fused dropout (a 1-byte mask per element) where the CPU
+    # keeps a float noise tensor, so a CPU run is ground truth only without it.
     cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=64,
-                     attn_implementation="eager")
+                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, 1000, (batch, 32), device=dev)
