@@ -18,10 +18,13 @@ MAGMA27 (torch 2.11 on the GPU, 2.13 here)
   iterations leave a slightly different cache (see the backward below), so one block of the
   recorded iteration is carved with different unsplit slack; the large pool leaves at most
   1 MiB unsplit, which bounds it.
-- the backward's peak requested: exactly +327,680,000 B, one logits-sized buffer (32 x 256 x
-  10000 x 4 B): torch 2.13's backward of ``gather`` (and of ``max(dim)``) builds ``new_zeros``
-  and then an out-of-place ``scatter_add`` / ``scatter``; 2.11 scattered into the zeros in
-  place. The backward's reduction staging (25 buffers of 50,331,648 B, Reduce.cuh) matches.
+- the backward's peak requested in this module's own harness (a plain dispatch mode):
+  exactly +327,680,000 B, one logits-sized buffer (32 x 256 x 10000 x 4 B): under any tensor
+  subclass or dispatch mode, the backward of ``gather`` (and of ``max(dim)``) builds
+  ``new_zeros`` and then an out-of-place ``scatter_add`` / ``scatter``, where a plain GPU run
+  scatters in place. ``torchmem.estimate`` runs those scatters in place, and its peaks are
+  exact (``test_magma27_with_torchmem_estimate``). The backward's reduction staging (25
+  buffers of 50,331,648 B, Reduce.cuh) matches.
 
 notHanmin (torch 2.6)
 - requested bytes at the start: exact (32,009,290,754 B).
@@ -304,3 +307,30 @@ def test_nothanmin_with_torchmem_estimate(nothanmin):
     assert est.peak_requested_bytes + workspaces == nothanmin.peaks["forward"][0]
     assert est.peak_allocated_bytes == nothanmin.peaks["forward"][1]
     assert est.fits
+
+
+def test_magma27_with_torchmem_estimate():
+    """The recorded step through the public estimator, six iterations as the run did: the peak
+    requested bytes are exact (the estimator runs the gather/max backward scatters in place, as
+    the GPU does), the peak allocated within the large pool's 1 MiB of unsplit slack, and the
+    cache the six iterations build is the recorded one to the byte."""
+
+    def build(batch: int):
+        model = TransformerLM(SMALL).to("cuda")
+        data = torch.randint(0, 10000, (batch, 256), device="cuda")
+        targets = torch.randint(0, 10000, (batch, 256), device="cuda")
+        g: dict[str, torch.Tensor] = {}
+
+        def step() -> None:
+            g["logits"] = model(data)
+            g["loss"] = cross_entropy(g["logits"], targets)
+            g["loss"].backward()
+
+        return step
+
+    est = torchmem.estimate(build, gpu="RTX-3090", batch_size=32, steps=6)
+    workspaces = 2 * 8_519_680  # allocator blocks in the recording, reported apart here
+    assert est.workspace_bytes == workspaces
+    assert est.peak_requested_bytes + workspaces == 13_923_997_700
+    assert abs(est.peak_allocated_bytes - 13_927_832_064) <= 1 << 20
+    assert est.peak_reserved_bytes == 14_180_941_824
