@@ -178,7 +178,7 @@ class _State:
                 self.sim.free(addr)
 
     def after_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if func.overloadpacket in _GEMMS:
+        if self.ws_size and func.overloadpacket in _GEMMS:
             key: object = (
                 "autograd" if torch._C._current_autograd_node() is not None
                 else threading.get_ident()
