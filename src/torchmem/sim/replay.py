@@ -1,15 +1,28 @@
 """Replay a snapshot's trace through :class:`~torchmem.sim.CachingAllocator` and compare.
 
-The trace must be complete from empty (the allocator held no segments when it started; most
-traces are a ring buffer that starts mid-run). Its ``alloc`` and ``free_completed`` entries are
-fed to a fresh simulator; ``free_requested`` is ignored (the block is freed when its
-``free_completed`` arrives); a run of ``segment_free`` entries becomes one ``empty_cache()``.
-Ties in best fit are broken by address, so each new simulated segment takes the address of the
-trace's next ``segment_alloc`` (a fresh address when the trace has none left); block addresses
-are then mapped from real to simulated in the order of the allocs. The simulator's k-th
-``segment_alloc`` must have the same size and stream as the trace's k-th. At the end the
-simulator's segments are compared with the snapshot's (``final_layout_equal``): the same multiset
-of segments (size, stream, and each block's offset, size and whether it is active).
+Most traces are a ring buffer that starts mid-run, so the allocator's state at the start of the
+trace is rebuilt from the snapshot's end state by walking the trace backwards
+(:func:`start_state`): a segment the trace ``segment_alloc``-ed did not exist before it, one it
+``segment_free``-d did; a block the trace allocates was free before (part of a larger free block,
+since free neighbours always merge), one it frees was allocated before with the requested size the
+free carries (``active_pending_free`` when the trace holds its ``free_completed`` but not its
+``free_requested``). Blocks that were live at the start and never touched keep their end-state
+size; the size of a block freed in the trace is its rounded request plus the slack the allocator
+must have left (a large-pool gap of at most 1 MiB cannot be a free block: every large-pool block is
+larger than 1 MiB). Free memory is what the live blocks leave of each segment.
+
+The simulator (configured from the snapshot's ``allocator_settings``) is seeded with that state
+(:meth:`~torchmem.sim.CachingAllocator.add_segment`, at the real addresses), then fed the trace:
+``alloc`` -> ``malloc``, ``free_completed`` -> ``free`` (a ``free_requested`` only lowers the
+allocated bytes, as PyTorch's statistics do), a run of ``segment_free``/``segment_unmap`` ->
+one ``empty_cache()``. New simulated segments take the addresses of the trace's ``segment_alloc``
+entries in order, so with a correct simulator every block lands at its real address.
+
+Checks: the k-th simulated ``segment_alloc`` must have the size and stream of the trace's k-th;
+every ``alloc`` should land at its real address; at the end the simulator's segments must equal
+the snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream
+and blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at
+``free_requested``), requested and reserved bytes over the trace are reported too.
 
 Example:
     >>> from torchmem.io.pytorch_snapshot import from_pytorch
@@ -22,29 +35,46 @@ Example:
     (1, 1, None)
     >>> r.final_layout_equal     # the snapshot lists no segments, the simulator keeps one
     False
+    >>> r.peak_allocated_bytes, r.peak_requested_bytes, r.peak_reserved_bytes
+    (512, 100, 2097152)
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from array import array
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torchmem.errors import InvalidInputError
 from torchmem.model.snapshot import Snapshot
-from torchmem.sim.allocator import CachingAllocator
+from torchmem.sim.allocator import CachingAllocator, round_size
+from torchmem.units import format_bytes
 
-__all__ = ["ReplayResult", "replay"]
+__all__ = ["ReplayResult", "StartSegment", "TraceReplay", "replay", "start_state"]
+
+_SMALL_SIZE = 1 << 20  # the largest small-pool block; every large-pool block is larger
+_SMALL_BUFFER = 2 << 20  # every small-pool segment
 
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """How well the simulator reproduced one device trace's ``segment_alloc`` decisions.
+    """How well the simulator reproduced one device trace.
 
-    ``first_divergence`` is ``None`` when every one matched, else a dict with ``index`` (k, the
-    0-based ``segment_alloc`` count), ``entry`` (the trace-entry index of the expected one, or of
-    the last entry when the trace had fewer), ``expected`` and ``got`` (each ``{"size", "stream"}``
-    or ``None`` when that side made no k-th ``segment_alloc``). ``final_layout_equal`` says
-    whether the simulator's final segments equal the snapshot's (see the module docstring).
+    ``first_divergence`` is ``None`` when every decision matched, else a dict with ``kind``
+    (``"segment_alloc"``: the k-th new segment differs or is missing on one side; ``"alloc"``: a
+    block landed at another address), ``index`` (k, the 0-based ``segment_alloc`` count, or the
+    0-based ``alloc`` count), ``entry`` (the trace-entry index where it shows), ``expected`` and
+    ``got`` (for ``segment_alloc``: each ``{"size", "stream"}`` or ``None`` when that side made no
+    k-th ``segment_alloc``; for ``alloc``: ``{"address", "segment", "offset"}``), ``request`` (the
+    ``alloc`` entry behind it: ``{"entry", "size", "stream"}``), ``simulated`` (what the simulator
+    did instead: the block it gave and its segment) and ``explanation`` (in words).
+    ``final_layout_equal`` says whether the simulator's final segments equal the snapshot's.
+
+    ``start`` is ``"empty"`` (the trace starts from an empty allocator) or ``"rebuilt"`` (a
+    mid-run trace: the state at its start was rebuilt, see :func:`start_state`); ``notes`` say
+    what could not be checked and why (a state-only file, ...). The peaks cover the start state
+    and every entry.
 
     Example:
         >>> ReplayResult(0, 2, 2, None, True).to_dict()["segment_allocs_matched"]
@@ -56,22 +86,184 @@ class ReplayResult:
     segment_allocs_matched: int
     first_divergence: dict[str, Any] | None
     final_layout_equal: bool
+    allocs_expected: int = 0
+    allocs_matched: int = 0
+    start: str = "empty"
+    start_segments: int = 0
+    start_live_blocks: int = 0
+    peak_allocated_bytes: int = 0
+    peak_requested_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    notes: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the fields.
+        """A JSON-ready dict of the fields (the issue's five keys first).
 
         Example:
-            >>> ReplayResult(0, 1, 0, None, False).to_dict()["device"]
-            0
+            >>> list(ReplayResult(0, 1, 0, None, False).to_dict())[:5]
+            ['device', 'segment_allocs_expected', 'segment_allocs_matched', 'first_divergence', 'final_layout_equal']
         """
-        return asdict(self)
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+@dataclass
+class StartSegment:
+    """One segment of the allocator's state at the start of a trace (see :func:`start_state`).
+
+    ``blocks`` are ``[address, size, requested, pending]`` for the live blocks only, in address
+    order (free memory is the rest); ``pending`` marks an ``active_pending_free`` block.
+    :meth:`layout` gives the ``(offset, size, requested)`` cover that
+    :meth:`~torchmem.sim.CachingAllocator.add_segment` takes (requested 0 = free).
+
+    Example:
+        >>> s = StartSegment(4096, 2 << 20, 0, True, False, [[4096, 1024, 1000, False]])
+        >>> s.layout()
+        [(0, 1024, 1000), (1024, 2096128, 0)]
+    """
+
+    address: int
+    size: int
+    stream: int
+    small: bool
+    expandable: bool
+    blocks: list[list[Any]]
+    inferred: int = 0
+
+    def layout(self) -> list[tuple[int, int, int]]:
+        """The segment as ``(offset, size, requested)``, free gaps included (requested 0).
+
+        Example:
+            >>> StartSegment(0, 2 << 20, 0, True, False, []).layout()
+            [(0, 2097152, 0)]
+        """
+        out: list[tuple[int, int, int]] = []
+        pos = 0
+        for addr, size, requested, _pending in self.blocks:
+            off = addr - self.address
+            if off > pos:
+                out.append((pos, off - pos, 0))
+            out.append((off, size, requested))
+            pos = off + size
+        if pos < self.size:
+            out.append((pos, self.size - pos, 0))
+        return out
+
+
+def _fail(device: int, i: int | None, what: str) -> InvalidInputError:
+    where = f"device {device}" if i is None else f"device {device}, trace entry {i}"
+    return InvalidInputError(
+        f"{where}: {what}; the trace does not agree with the snapshot's "
+        "segments (was the snapshot taken from another process, or edited?), so the allocator's "
+        "state at the start of the trace cannot be rebuilt"
+    )
+
+
+def start_state(
+    snapshot: Snapshot, device: int = 0, rounding: Any = round_size
+) -> list[StartSegment]:
+    """The allocator's segments and live blocks at the start of ``device``'s trace.
+
+    Rebuilt from the snapshot's end state by walking the trace backwards (see the module
+    docstring); ``rounding`` is the request rounding in force (the default settings' when not
+    given). A device without segments in the snapshot starts empty (a trace complete from empty,
+    or one without an end state). Raises :class:`~torchmem.errors.InvalidInputError` when the
+    trace contradicts the end state (it frees a block twice, allocates in a segment that did not
+    exist, ...).
+
+    Example:
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}
+        >>> snap = from_pytorch({"segments": [{"device": 0, "address": 0, "total_size": 2097152,
+        ...     "stream": 0, "segment_type": "small", "blocks": [
+        ...       {"address": 0, "size": 2097152, "requested_size": 0, "state": "inactive"}]}],
+        ...   "device_traces": [[e("free_requested", 1024, 700), e("free_completed", 1024, 700)]]})
+        >>> [(s.address, s.blocks) for s in start_state(snap)]
+        [(0, [[1024, 1024, 700, False]])]
+    """
+    t = snapshot.trace(device)
+    if not snapshot.segments_of(device):
+        return []  # a trace without an end state (hand-made, or complete from empty): start empty
+    names = t.action_names
+    acts, addrs, sizes, streams = t.actions, t.addrs, t.sizes, t.streams
+    segs: dict[int, StartSegment] = {}
+    live: dict[int, list[Any]] = {}  # address -> [size or None, requested, pending]
+    for end_seg in snapshot.segments_of(device):
+        segs[end_seg.address] = StartSegment(
+            end_seg.address, end_seg.total_size, end_seg.stream, end_seg.segment_type == "small",
+            end_seg.is_expandable, [],
+        )
+        for blk in end_seg.blocks:
+            if blk.state != "inactive":
+                live[blk.address] = [blk.size, blk.requested_size, blk.state == "active_pending_free"]
+    for i in range(len(acts) - 1, -1, -1):
+        act = names[acts[i]]
+        a = addrs[i]
+        if act == "alloc":
+            if live.pop(a, None) is None:
+                raise _fail(device, i, f"the alloc at {a:#x} is neither freed later nor live at the end")
+        elif act == "free_completed":
+            if a in live:
+                raise _fail(device, i, f"the block at {a:#x} is freed while it was already free")
+            live[a] = [None, sizes[i], True]
+        elif act == "free_requested":
+            row = live.get(a)
+            if row is None:
+                raise _fail(device, i, f"free_requested of {a:#x} without a live block there")
+            row[2] = False
+        elif act == "segment_alloc":
+            if segs.pop(a, None) is None:
+                raise _fail(
+                    device, i, f"the segment_alloc at {a:#x} is neither freed later nor in the end state"
+                )
+        elif act == "segment_free":
+            if a in segs:
+                raise _fail(device, i, f"the segment at {a:#x} is freed while it did not exist")
+            size = sizes[i]
+            segs[a] = StartSegment(a, size, streams[i], size == _SMALL_BUFFER, False, [])
+        elif act in ("segment_map", "segment_unmap"):
+            raise InvalidInputError(
+                f"device {device}, trace entry {i}: {act}: rebuilding the start state of a trace "
+                "with expandable segments (segment_map/segment_unmap) is not supported yet; "
+                "replay a trace recorded without expandable_segments"
+            )
+    # assign the live blocks to their segments, then size the ones freed in the trace
+    order = sorted(segs)
+    for a in sorted(live):
+        k = bisect_right(order, a) - 1
+        seg = segs[order[k]] if k >= 0 else None
+        if seg is None or a >= seg.address + seg.size:
+            raise _fail(device, None, f"the block at {a:#x}, live at the start, lies in no segment")
+        seg.blocks.append([a, *live[a]])
+    for seg in segs.values():
+        blocks = seg.blocks
+        end = seg.address + seg.size
+        for j, row in enumerate(blocks):
+            nxt = blocks[j + 1][0] if j + 1 < len(blocks) else end
+            if row[1] is None:
+                seg.inferred += 1
+                r = rounding(row[2])
+                gap = nxt - (row[0] + r)
+                large = not seg.small and not seg.expandable
+                row[1] = r + gap if (large and 0 < gap <= _SMALL_SIZE) else r
+            if row[0] + row[1] > nxt:
+                raise _fail(
+                    device, None,
+                    f"the block at {row[0]:#x} ({row[1]} bytes), live at the start, overlaps the "
+                    "next block or its segment's end",
+                )
+    return [segs[a] for a in order]
 
 
 class _TraceAllocator(CachingAllocator):
     """A simulator whose new segments take the addresses the real allocator got, in order."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, capacity: int | None = None, config: Any = None) -> None:
+        if config is None:
+            super().__init__(capacity)
+        else:
+            super().__init__(capacity, config=config)  # type: ignore[call-arg]
         self.real_addresses: list[int] = []  # the trace's segment_alloc addresses, in order
         self._used = 0
 
@@ -84,65 +276,356 @@ class _TraceAllocator(CachingAllocator):
         return super()._segment_address(size)
 
 
-def replay(snapshot: Snapshot, device: int = 0) -> ReplayResult:
-    """Replay ``snapshot``'s trace of ``device`` (complete from empty) through the simulator.
+def _config_from(snapshot: Snapshot, config: Any) -> Any:
+    """The allocator configuration: ``config`` if given, else the snapshot's settings."""
+    if config is not None:
+        return config
+    settings = snapshot.allocator_settings
+    if not settings:
+        return None
+    try:
+        from torchmem.sim.allocator import AllocatorConfig  # type: ignore[attr-defined]
+    except ImportError:  # a simulator without options: default settings only
+        return None
+    return AllocatorConfig.from_settings(settings)
 
-    Raises :class:`~torchmem.errors.InvalidInputError` when the trace frees an address it never
-    allocated (it does not start from empty).
+
+class TraceReplay:
+    """Step one device's trace through a simulator seeded with the state at the trace's start.
+
+    :func:`replay` runs it to the end and returns :meth:`result`; the viewer and the OOM report
+    use it directly: :meth:`run` stops before any entry (then :attr:`allocator` is the simulated
+    state there), :attr:`block_sizes` gives the simulated block size of every ``alloc`` entry
+    replayed so far (0 for other entries). ``config`` overrides the snapshot's allocator settings
+    (an ``AllocatorConfig`` or a ``PYTORCH_CUDA_ALLOC_CONF`` string) and ``capacity`` limits the
+    simulated device (then an ``alloc`` may raise
+    :class:`~torchmem.errors.SimulatedOutOfMemoryError`).
 
     Example:
-        >>> from torchmem.model.snapshot import Snapshot
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}
+        >>> snap = from_pytorch({"segments": [], "device_traces": [[
+        ...     e("segment_alloc", 1 << 30, 20 << 20), e("alloc", 1 << 30, 19 << 20)]]})
+        >>> r = TraceReplay(snap); r.run(1); r.allocator.allocated_bytes
+        0
+        >>> r.run(); list(r.block_sizes)    # the 1 MiB tail is too small to split off
+        [0, 20971520]
+    """
+
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        device: int = 0,
+        *,
+        config: Any = None,
+        capacity: int | None = None,
+    ) -> None:
+        self.snapshot = snapshot
+        self.device = device
+        t = snapshot.trace(device)
+        self._trace = t
+        self._names = t.action_names
+        n = len(t)
+        #: Entries applied so far.
+        self.position = 0
+        #: Simulated block size of each ``alloc`` entry (0 for the other entries).
+        self.block_sizes = array("q", bytes(8 * n))
+        self.notes: list[str] = []
+        cfg = _config_from(snapshot, config)
+        rounding = getattr(cfg, "round_size", None) or round_size
+        self.start_segments = start_state(snapshot, device, rounding)
+        sim = _TraceAllocator(capacity, cfg)
+        sim.real_addresses = [
+            t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
+        ]
+        self.allocator: CachingAllocator = sim
+        self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
+        self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
+        self._req: dict[int, int] = {}  # real address of a live block -> requested size
+        self._addr_map: dict[int, int] = {}  # real -> simulated, for blocks allocated in the trace
+        allocated = requested = 0
+        for seg in self.start_segments:
+            sim.add_segment(
+                seg.address, seg.size, seg.stream, seg.layout(), small=seg.small,
+                expandable=seg.expandable,
+            )
+            for addr, size, req, pending in seg.blocks:
+                self._bsize[addr] = size
+                self._req[addr] = req
+                requested += req
+                if pending:
+                    self._pending.add(addr)
+                else:
+                    allocated += size
+        self.allocated_bytes = allocated  # PyTorch's allocated_bytes (lowered at free_requested)
+        self.requested_bytes = requested
+        self.peak_allocated_bytes = allocated
+        self.peak_requested_bytes = requested
+        self.peak_reserved_bytes = sim.reserved_bytes
+        self._expected: list[tuple[int, int, int]] = []  # (entry, size, stream)
+        self._got: list[tuple[int, int, int, int]] = []  # (entry, size, stream, address)
+        self._allocs = 0
+        self._allocs_matched = 0
+        self._alloc_divergence: dict[str, Any] | None = None
+        self._last = ""
+
+    def run(self, stop: int | None = None) -> None:
+        """Apply the trace's entries up to (not including) entry ``stop`` (default: all).
+
+        Example:
+            >>> r = TraceReplay(Snapshot()); r.run(); r.position
+            0
+        """
+        t = self._trace
+        n = len(t)
+        stop = n if stop is None else min(max(stop, 0), n)
+        names, acts, addrs, sizes, streams = self._names, t.actions, t.addrs, t.sizes, t.streams
+        sim = self.allocator
+        events = sim.events
+        amap = self._addr_map
+        for i in range(self.position, stop):
+            act = names[acts[i]]
+            a = addrs[i]
+            if act == "alloc":
+                size, stream = sizes[i], streams[i]
+                n_events = len(events)
+                before = sim.allocated_bytes
+                sa = sim.malloc(size, stream)
+                bsize = sim.allocated_bytes - before
+                for ev in events[n_events:]:
+                    if ev[0] == "segment_alloc":
+                        self._got.append((i, ev[2], ev[3], ev[1]))
+                self.block_sizes[i] = bsize
+                self._bsize[a] = bsize
+                self._req[a] = size
+                k = self._allocs
+                self._allocs += 1
+                amap[a] = sa
+                if sa == a:
+                    self._allocs_matched += 1
+                elif self._alloc_divergence is None:
+                    self._alloc_divergence = self._describe_alloc(k, i, a, sa, bsize)
+                self.allocated_bytes += bsize
+                self.requested_bytes += size
+                if self.allocated_bytes > self.peak_allocated_bytes:
+                    self.peak_allocated_bytes = self.allocated_bytes
+                if self.requested_bytes > self.peak_requested_bytes:
+                    self.peak_requested_bytes = self.requested_bytes
+                if sim.reserved_bytes > self.peak_reserved_bytes:
+                    self.peak_reserved_bytes = sim.reserved_bytes
+            elif act == "free_requested":
+                if a not in self._pending:
+                    self._pending.add(a)
+                    self.allocated_bytes -= self._bsize.get(a, 0)
+            elif act == "free_completed":
+                try:
+                    sim.free(amap.pop(a, a))
+                except InvalidInputError:
+                    raise InvalidInputError(
+                        f"device {self.device}, trace entry {i} frees the address {a:#x}, which "
+                        "the trace never allocated and the rebuilt start state does not hold (the "
+                        "snapshot lists no segments of this device, so the state before the trace "
+                        "cannot be rebuilt); replay needs the snapshot's segments or a trace that "
+                        "is complete from empty"
+                    ) from None
+                if a in self._pending:
+                    self._pending.discard(a)
+                else:
+                    self.allocated_bytes -= self._bsize.get(a, 0)
+                self.requested_bytes -= self._req.pop(a, 0)
+                self._bsize.pop(a, None)
+            elif act == "segment_alloc":
+                self._expected.append((i, sizes[i], streams[i]))
+            elif act in ("segment_free", "segment_unmap") and self._last not in (
+                "segment_free", "segment_unmap"
+            ):
+                sim.empty_cache()
+            self._last = act
+        self.position = max(self.position, stop)
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def _segment_of(self, address: int) -> tuple[int, int] | None:
+        for seg_addr, size, _stream, _blocks in self.allocator.layout():
+            if seg_addr <= address < seg_addr + size:
+                return seg_addr, size
+        return None
+
+    def _describe_alloc(self, k: int, i: int, real: int, sim_addr: int, bsize: int) -> dict[str, Any]:
+        t = self._trace
+        seg = self._segment_of(sim_addr)
+        real_seg = self._segment_of(real)
+        size, stream = t.sizes[i], t.streams[i]
+        got = {"address": sim_addr, "segment": seg[0] if seg else None,
+               "offset": sim_addr - seg[0] if seg else None}
+        expected = {"address": real, "segment": real_seg[0] if real_seg else None,
+                    "offset": real - real_seg[0] if real_seg else None}
+        where = (
+            f"offset {expected['offset']} of the segment at {real_seg[0]:#x}" if real_seg
+            else "memory the simulator does not hold"
+        )
+        why = (
+            f"alloc #{k} (trace entry {i}): a request of {format_bytes(size)} ({size} B) on stream "
+            f"{stream} got the block at {real:#x} ({where}) from the real allocator, but the "
+            f"simulator gave it the {format_bytes(bsize)} block at {sim_addr:#x}"
+        )
+        if seg:
+            why += f" (offset {sim_addr - seg[0]} of its {format_bytes(seg[1])} segment at {seg[0]:#x})"
+        return {
+            "kind": "alloc", "index": k, "entry": i, "expected": expected, "got": got,
+            "request": {"entry": i, "size": size, "stream": stream},
+            "simulated": {"address": sim_addr, "block_size": bsize,
+                          "segment": seg[0] if seg else None, "segment_size": seg[1] if seg else None},
+            "explanation": why,
+        }
+
+    def _next_alloc(self, i: int) -> int | None:
+        t, names = self._trace, self._names
+        for j in range(i, len(t)):
+            if names[t.actions[j]] == "alloc":
+                return j
+        return None
+
+    def _segment_divergence(self) -> tuple[int, dict[str, Any] | None]:
+        expected, got = self._expected, self._got
+        matched = 0
+        n_trace = len(self._trace)
+        for k in range(max(len(expected), len(got))):
+            exp = expected[k] if k < len(expected) else None
+            sim_k = got[k] if k < len(got) else None
+            if exp is not None and sim_k is not None and sim_k[1:3] == exp[1:3]:
+                matched += 1
+                continue
+            entry = min(x[0] for x in (exp, sim_k) if x is not None) if (exp or sim_k) else n_trace - 1
+            req_entry = self._next_alloc(exp[0]) if exp is not None else sim_k[0] if sim_k else None
+            request = None
+            if req_entry is not None:
+                t = self._trace
+                request = {"entry": req_entry, "size": t.sizes[req_entry], "stream": t.streams[req_entry]}
+            d: dict[str, Any] = {
+                "kind": "segment_alloc",
+                "index": k,
+                "entry": exp[0] if exp is not None else entry,
+                "expected": None if exp is None else {"size": exp[1], "stream": exp[2]},
+                "got": None if sim_k is None else {"size": sim_k[1], "stream": sim_k[2]},
+                "request": request,
+                "simulated": None,
+            }
+            d["explanation"] = self._explain_segment(k, d)
+            return matched, d
+        return matched, None
+
+    def _explain_segment(self, k: int, d: dict[str, Any]) -> str:
+        exp, got, req = d["expected"], d["got"], d["request"]
+        what = (
+            f"request at trace entry {req['entry']} ({format_bytes(req['size'])}, {req['size']} B "
+            f"on stream {req['stream']})" if req else "no request"
+        )
+        if exp is not None and got is not None:
+            return (
+                f"segment_alloc #{k}: for the {what} the real allocator created a "
+                f"{format_bytes(exp['size'])} segment on stream {exp['stream']}, the simulator a "
+                f"{format_bytes(got['size'])} segment on stream {got['stream']}"
+            )
+        if exp is not None:
+            reuse = ""
+            if req is not None and self.block_sizes[req["entry"]]:
+                real = self._trace.addrs[req["entry"]]
+                sim_addr = self._addr_map.get(real, real)
+                seg = self._segment_of(sim_addr)
+                bs = self.block_sizes[req["entry"]]
+                d["simulated"] = {"address": sim_addr, "block_size": bs,
+                                  "segment": seg[0] if seg else None,
+                                  "segment_size": seg[1] if seg else None}
+                reuse = f": it reused the free memory at {sim_addr:#x} (a {format_bytes(bs)} block"
+                reuse += f" in its {format_bytes(seg[1])} segment at {seg[0]:#x})" if seg else ")"
+            return (
+                f"segment_alloc #{k}: for the {what} the real allocator created a new "
+                f"{format_bytes(exp['size'])} segment on stream {exp['stream']}, the simulator "
+                f"made no new segment{reuse}"
+            )
+        return (
+            f"segment_alloc #{k}: for the {what} the simulator created a "
+            f"{format_bytes(got['size'])} segment on stream {got['stream']}, the real allocator "
+            "found room in its cache (the trace has no such segment_alloc)"
+        )
+
+    def _layouts_equal(self) -> bool:
+        real_layout = sorted(
+            (
+                seg.total_size,
+                seg.stream,
+                tuple((b.address - seg.address, b.size, b.state != "inactive") for b in seg.blocks),
+            )
+            for seg in self.snapshot.segments_of(self.device)
+        )
+        sim_layout = sorted(
+            (size, stream, tuple(blocks)) for _, size, stream, blocks in self.allocator.layout()
+        )
+        return real_layout == sim_layout
+
+    def result(self) -> ReplayResult:
+        """The comparison so far (complete once :meth:`run` reached the end).
+
+        Example:
+            >>> r = TraceReplay(Snapshot()); r.run(); r.result().final_layout_equal
+            True
+        """
+        matched, seg_div = self._segment_divergence()
+        divs = [d for d in (seg_div, self._alloc_divergence) if d is not None]
+        first = min(divs, key=lambda d: d["entry"]) if divs else None
+        notes = list(self.notes)
+        t = self._trace
+        n_replayable = sum(
+            1 for c in t.actions if self._names[c] in ("alloc", "free_requested", "free_completed")
+        )
+        n_segs = len(self.start_segments)
+        n_live = sum(len(s.blocks) for s in self.start_segments)
+        if not self._allocs and not self._expected:
+            notes.append(
+                f"nothing to check: the trace of device {self.device} has {len(t)} entries and "
+                f"no alloc or segment_alloc among them ({n_replayable} frees; a state-only "
+                "snapshot), so no decision of the allocator is recorded to compare with; the "
+                "simulator was only seeded with the rebuilt state and the layout comparison is "
+                "trivial"
+            )
+        elif n_segs:
+            inferred = sum(s.inferred for s in self.start_segments)
+            notes.append(
+                f"mid-run trace: the state at its start was rebuilt from the end state ({n_segs} "
+                f"segments, {n_live} live blocks; {inferred} of them freed in the trace and sized "
+                "from the layout: rounded request, plus the slack up to the next live block when "
+                "that gap is too small to be a free large-pool block)"
+            )
+        return ReplayResult(
+            device=self.device,
+            segment_allocs_expected=len(self._expected),
+            segment_allocs_matched=matched,
+            first_divergence=first,
+            final_layout_equal=self._layouts_equal(),
+            allocs_expected=self._allocs,
+            allocs_matched=self._allocs_matched,
+            start="empty" if n_segs == 0 else "rebuilt",
+            start_segments=n_segs,
+            start_live_blocks=n_live,
+            peak_allocated_bytes=self.peak_allocated_bytes,
+            peak_requested_bytes=self.peak_requested_bytes,
+            peak_reserved_bytes=self.peak_reserved_bytes,
+            notes=tuple(notes),
+        )
+
+
+def replay(snapshot: Snapshot, device: int = 0, *, config: Any = None) -> ReplayResult:
+    """Replay ``snapshot``'s trace of ``device`` through the simulator and compare.
+
+    A mid-run trace starts from the state :func:`start_state` rebuilds. ``config`` overrides the
+    snapshot's ``allocator_settings``. Raises :class:`~torchmem.errors.InvalidInputError` when the
+    trace contradicts the snapshot's end state.
+
+    Example:
         >>> replay(Snapshot()).segment_allocs_expected
         0
     """
-    sim = _TraceAllocator()
-    entries = list(snapshot.trace(device))
-    sim.real_addresses = [e.addr for e in entries if e.action == "segment_alloc"]
-    addr_map: dict[int, int] = {}
-    expected: list[tuple[int, int, int]] = []  # (entry index, size, stream)
-    last_action = ""
-    for i, e in enumerate(entries):
-        action = e.action
-        if action == "alloc":
-            addr_map[e.addr] = sim.malloc(e.size, e.stream)
-        elif action == "free_completed":
-            sim_addr = addr_map.pop(e.addr, None)
-            if sim_addr is None:
-                raise InvalidInputError(
-                    f"trace entry {i} of device {device} frees address {e.addr:#x}, which the trace "
-                    "never allocated: replay needs a trace that is complete from empty"
-                )
-            sim.free(sim_addr)
-        elif action == "segment_alloc":
-            expected.append((i, e.size, e.stream))
-        elif action == "segment_free" and last_action != "segment_free":
-            sim.empty_cache()
-        last_action = action
-    got = [(size, stream) for act, _, size, stream in sim.events if act == "segment_alloc"]
-    matched = 0
-    divergence: dict[str, Any] | None = None
-    n_trace = len(entries)
-    for k in range(max(len(expected), len(got))):
-        exp = expected[k] if k < len(expected) else None
-        sim_k = got[k] if k < len(got) else None
-        if exp is not None and sim_k == (exp[1], exp[2]):
-            matched += 1
-            continue
-        divergence = {
-            "index": k,
-            "entry": exp[0] if exp is not None else n_trace - 1,
-            "expected": None if exp is None else {"size": exp[1], "stream": exp[2]},
-            "got": None if sim_k is None else {"size": sim_k[0], "stream": sim_k[1]},
-        }
-        break
-    real_layout = sorted(
-        (
-            seg.total_size,
-            seg.stream,
-            tuple((b.address - seg.address, b.size, b.state != "inactive") for b in seg.blocks),
-        )
-        for seg in snapshot.segments
-        if seg.device == device
-    )
-    sim_layout = sorted((size, stream, tuple(blocks)) for _, size, stream, blocks in sim.layout())
-    return ReplayResult(device, len(expected), matched, divergence, real_layout == sim_layout)
+    r = TraceReplay(snapshot, device, config=config)
+    r.run()
+    return r.result()
