@@ -130,6 +130,10 @@ class StartSegment:
     expandable: bool
     blocks: list[list[Any]]
     inferred: int = 0
+    undetermined: int = 0
+    #: Blocks whose slack the trace leaves open: address -> (rounded request, gap to the next
+    #: live block); the slack is at most ``min(1 MiB, gap - 1 MiB - 512)``.
+    open_slack: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def layout(self) -> list[tuple[int, int, int]]:
         """The segment as ``(offset, size, requested)``, free gaps included (requested 0).
@@ -189,6 +193,7 @@ def start_state(
     acts, addrs, sizes, streams = t.actions, t.addrs, t.sizes, t.streams
     segs: dict[int, StartSegment] = {}
     live: dict[int, list[Any]] = {}  # address -> [size or None, requested, pending]
+    first_free: dict[int, int] = {}  # address -> index of its earliest free entry
     for end_seg in snapshot.segments_of(device):
         segs[end_seg.address] = StartSegment(
             end_seg.address, end_seg.total_size, end_seg.stream, end_seg.segment_type == "small",
@@ -207,7 +212,9 @@ def start_state(
             if a in live:
                 raise _fail(device, i, f"the block at {a:#x} is freed while it was already free")
             live[a] = [None, sizes[i], True]
+            first_free[a] = i
         elif act == "free_requested":
+            first_free[a] = i
             row = live.get(a)
             if row is None:
                 raise _fail(device, i, f"free_requested of {a:#x} without a live block there")
@@ -246,7 +253,19 @@ def start_state(
                 r = rounding(row[2])
                 gap = nxt - (row[0] + r)
                 large = not seg.small and not seg.expandable
-                row[1] = r + gap if (large and 0 < gap <= _SMALL_SIZE) else r
+                if large and 0 < gap <= _SMALL_SIZE:
+                    row[1] = r + gap  # too small to be a free large-pool block: slack
+                elif large and gap > _SMALL_SIZE:
+                    # slack s <= 1 MiB and a free block after it, or no slack: the first alloc the
+                    # trace puts in that free block (before this block's free) lands at its front
+                    slack = _front_slack(t, row[0] + r, nxt, first_free.get(row[0], len(t)))
+                    if slack is None:  # not shown by the trace: no slack (a split block) first
+                        seg.undetermined += 1
+                        seg.open_slack[row[0]] = (r, gap)
+                        slack = 0
+                    row[1] = r + slack
+                else:
+                    row[1] = r
             if row[0] + row[1] > nxt:
                 raise _fail(
                     device, None,
@@ -254,6 +273,21 @@ def start_state(
                     "next block or its segment's end",
                 )
     return [segs[a] for a in order]
+
+
+def _max_slack(gap: int) -> int:
+    """The most slack a large block can carry with a free large-pool block of ``gap - slack``."""
+    return max(0, min(_SMALL_SIZE, gap - _SMALL_SIZE - 512))
+
+
+def _front_slack(t: Any, lo: int, hi: int, stop: int) -> int | None:
+    """Slack implied by the first ``alloc`` before entry ``stop`` in ``[lo, hi)`` (None if none)."""
+    names, acts, addrs = t.action_names, t.actions, t.addrs
+    for i in range(stop):
+        a = addrs[i]
+        if lo <= a < hi and names[acts[i]] == "alloc":
+            return a - lo if a - lo <= _SMALL_SIZE else 0
+    return None
 
 
 class _TraceAllocator(CachingAllocator):
@@ -319,6 +353,7 @@ class TraceReplay:
         *,
         config: Any = None,
         capacity: int | None = None,
+        start: list[StartSegment] | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.device = device
@@ -332,8 +367,9 @@ class TraceReplay:
         self.block_sizes = array("q", bytes(8 * n))
         self.notes: list[str] = []
         cfg = _config_from(snapshot, config)
-        rounding = getattr(cfg, "round_size", None) or round_size
-        self.start_segments = start_state(snapshot, device, rounding)
+        if start is None:
+            start = _settle(snapshot, device, cfg)
+        self.start_segments = start
         sim = _TraceAllocator(capacity, cfg)
         sim.real_addresses = [
             t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
@@ -591,12 +627,20 @@ class TraceReplay:
             )
         elif n_segs:
             inferred = sum(s.inferred for s in self.start_segments)
-            notes.append(
+            open_ = sum(s.undetermined for s in self.start_segments)
+            note = (
                 f"mid-run trace: the state at its start was rebuilt from the end state ({n_segs} "
                 f"segments, {n_live} live blocks; {inferred} of them freed in the trace and sized "
                 "from the layout: rounded request, plus the slack up to the next live block when "
                 "that gap is too small to be a free large-pool block)"
             )
+            if open_:
+                note += (
+                    f"; the slack of {open_} of those is not recorded anywhere (up to 1 MiB, "
+                    "before a free block no alloc of the trace reached first): chosen to agree "
+                    "with the trace's decisions"
+                )
+            notes.append(note)
         return ReplayResult(
             device=self.device,
             segment_allocs_expected=len(self._expected),
@@ -613,6 +657,68 @@ class TraceReplay:
             peak_reserved_bytes=self.peak_reserved_bytes,
             notes=tuple(notes),
         )
+
+
+def _rounding(cfg: Any) -> Any:
+    return getattr(cfg, "round_size", None) or round_size
+
+
+def _free_block_at(sim: CachingAllocator, address: int) -> int | None:
+    """Size of the simulator's free block that starts at ``address`` (None if there is none)."""
+    for seg_addr, size, _stream, blocks in sim.layout():
+        if seg_addr <= address < seg_addr + size:
+            for off, bsize, allocated in blocks:
+                if seg_addr + off == address and not allocated:
+                    return bsize
+            return None
+    return None
+
+
+def _settle(snapshot: Snapshot, device: int, cfg: Any) -> list[StartSegment]:
+    """:func:`start_state`, then the slack the trace leaves open chosen to agree with it.
+
+    A large block freed in the trace may carry up to 1 MiB of slack before a free block; when no
+    alloc lands in that free block first, only best fit can tell its size: no slack (a block
+    split off a larger one, the common case) is tried first, and each time the simulator takes that free block
+    where the real allocator did not (request ``q``, real choice of size ``B``, or a new
+    segment), free-block sizes in ``[q, B]`` (counting what merged into it since) are excluded
+    and the replay is tried again with the smallest slack left.
+    """
+    rounding = _rounding(cfg)
+    segs = start_state(snapshot, device, rounding)
+    rows = {row[0]: (seg, row) for seg in segs for row in seg.blocks if row[0] in seg.open_slack}
+    excluded: dict[int, list[tuple[int, int]]] = {}
+    t = snapshot.trace(device)
+    for _ in range(4 * len(rows) + 4 if rows else 0):
+        probe = TraceReplay(snapshot, device, config=cfg, start=segs)
+        probe.run()
+        d = probe._alloc_divergence
+        if d is None:
+            break
+        got = d["got"]["address"]
+        hit = next((a for a, (_s, row) in rows.items() if row[0] + row[1] == got), None)
+        if hit is None:
+            break
+        seg, row = rows[hit]
+        r, gap = seg.open_slack[hit]
+        i = d["entry"]
+        before = TraceReplay(snapshot, device, config=cfg, start=segs)
+        before.run(i)
+        q = rounding(t.sizes[i])
+        big = _free_block_at(before.allocator, d["expected"]["address"])
+        # the free block the simulator took may have grown by merges since the start
+        now = _free_block_at(before.allocator, got) or (gap - (row[1] - r))
+        grown = gap + now - (gap - (row[1] - r))  # gap plus what merged into it
+        excluded.setdefault(hit, []).append((grown - big if big is not None else -1, grown - q))
+        slack = next(
+            (x for x in range(0, _max_slack(gap) + 1, 512)
+             if not any(lo <= x <= hi for lo, hi in excluded[hit])),
+            None,
+        )
+        if slack is None or r + slack == row[1]:
+            break
+        row[1] = r + slack
+    return segs
 
 
 def replay(snapshot: Snapshot, device: int = 0, *, config: Any = None) -> ReplayResult:

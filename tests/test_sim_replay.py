@@ -1,0 +1,264 @@
+"""torchmem.sim.replay on mid-run traces: the rebuilt start state, the real snapshots, the peaks.
+
+Ground truth comes from elsewhere: the traces' own entries (their segment_alloc and alloc lists),
+the files' end segments, ../shared/data/gpu-truth.md (figures measured by an independent block
+replay of the same files), and runs of the simulator itself whose state at the cut is known.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchmem.errors import InvalidInputError
+from torchmem.io import load_snapshot
+from torchmem.io.pytorch_snapshot import from_pytorch
+from torchmem.model.snapshot import Snapshot
+from torchmem.sim import CachingAllocator, replay
+from torchmem.sim.replay import TraceReplay, start_state
+
+MiB = 1 << 20
+DATA = Path(__file__).resolve().parent / "data"
+TRACED = ["DeComFL__memory.pickle", "MAGMA27_a2__memory_snapshot.pickle",
+          "notHanmin_a2__memory_snapshot_forward.pickle"]
+
+# ../shared/data/gpu-truth.md: (peak allocated, peak requested, peak reserved) of each trace
+GPU_TRUTH = {
+    "DeComFL__memory.pickle": (1_790_894_592, 1_783_664_516, 1_897_922_560),
+    "MAGMA27_a2__memory_snapshot.pickle": (13_927_832_064, 13_923_997_700, 14_180_941_824),
+    # reserved is constant over the file (sized by earlier runs): the end state's segments
+    "notHanmin_a2__memory_snapshot_forward.pickle": (44_634_833_408, 43_754_773_506, 47_234_154_496),
+}
+
+
+def _load(name: str) -> Snapshot:
+    return load_snapshot(DATA / name)
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_every_decision_of_a_real_trace_is_reproduced(name: str) -> None:
+    snap = _load(name)
+    actions = [e.action for e in snap.trace(0)]
+    r = replay(snap, 0)
+    assert r.segment_allocs_expected == actions.count("segment_alloc")
+    assert r.segment_allocs_matched == r.segment_allocs_expected
+    assert r.allocs_expected == actions.count("alloc") > 1000
+    assert r.allocs_matched == r.allocs_expected  # every block at its real address
+    assert r.first_divergence is None
+    assert r.final_layout_equal
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_peaks_equal_the_gpu_truth_figures(name: str) -> None:
+    r = replay(_load(name), 0)
+    assert (r.peak_allocated_bytes, r.peak_requested_bytes, r.peak_reserved_bytes) == GPU_TRUTH[name]
+
+
+def test_decomfl_starts_empty_and_the_others_are_rebuilt() -> None:
+    assert replay(_load(TRACED[0])).start == "empty"
+    magma = replay(_load(TRACED[1]))
+    assert (magma.start, magma.start_segments) == ("rebuilt", 216)
+    assert "rebuilt" in magma.notes[0]
+
+
+def _start_figures(snap: Snapshot) -> tuple[int, int, int]:
+    segs = start_state(snap, 0)
+    allocated = sum(b[1] for s in segs for b in s.blocks if not b[3])
+    return len(segs), allocated, sum(s.size for s in segs)
+
+
+def test_magma27_start_state_is_the_resident_state_of_gpu_truth() -> None:
+    # gpu-truth.md: "Resident at the start of the recording: ... 1,377,753,600 B allocated,
+    # 14,180,941,824 B reserved (216 segments)"
+    assert _start_figures(_load(TRACED[1])) == (216, 1_377_753_600, 14_180_941_824)
+
+
+def test_nothanmin_start_state_is_the_resident_state_of_gpu_truth() -> None:
+    # gpu-truth.md: resident at its start ... 32,676,899,328 B allocated; 1,722 segments
+    n, allocated, reserved = _start_figures(_load(TRACED[2]))
+    assert (n, allocated, reserved) == (1722, 32_676_899_328, 47_234_154_496)
+
+
+def test_the_previous_logits_are_live_at_the_start_and_freed_in_the_trace() -> None:
+    # MAGMA27: the previous iteration's logits (327,680,000 B requested) are freed in the window
+    snap = _load(TRACED[1])
+    rows = [b for s in start_state(snap, 0) for b in s.blocks if b[2] == 327_680_000]
+    assert len(rows) == 1 and rows[0][1] == 327_680_000  # a multiple of 512: no slack
+
+
+@pytest.mark.parametrize("name", ["Attention__memory.pickle", "SketchKV2__my_snapshot.pickle",
+                                  "LLM-inference__oom_snapshot_41810ba.pickle"])
+def test_state_only_files_say_there_is_nothing_to_check(name: str) -> None:
+    snap = _load(name)
+    r = replay(snap, 0)
+    assert (r.allocs_expected, r.segment_allocs_expected) == (0, 0)
+    assert r.start_segments == len(snap.segments_of(0))
+    assert r.notes and r.notes[0].startswith("nothing to check")
+
+
+# ------------------------------------------------------------------ runs of the simulator itself
+
+
+def _run(seed: int, n: int, cut: int) -> tuple[Snapshot, list[Any]]:
+    """A random workload on the simulator, as a snapshot whose trace starts at entry ``cut``.
+
+    Returns the snapshot (end state + trace suffix) and the simulator's layout at the cut, with
+    requested sizes: [(address, size, stream, [(offset, size, requested)])].
+    """
+    rng = random.Random(seed)
+    a = CachingAllocator()
+    live: list[int] = []
+    requested: dict[int, int] = {}
+    at_cut: list[Any] = []
+    for step in range(n):
+        if len(a.events) >= cut and not at_cut:
+            at_cut = [
+                (addr, size, stream,
+                 [(off, bs, requested[addr + off] if on else 0) for off, bs, on in blocks])
+                for addr, size, stream, blocks in a.layout()
+            ]
+        if live and rng.random() < 0.45:
+            p = live.pop(rng.randrange(len(live)))
+            a.free(p)
+            del requested[p]
+        else:
+            size = rng.choice([rng.randint(1, 8192), rng.randint(MiB, 9 * MiB),
+                               rng.randint(10 * MiB, 40 * MiB)])
+            p = a.malloc(size)
+            live.append(p)
+            requested[p] = size
+        if step % 97 == 96:
+            a.empty_cache()
+    segments = []
+    for addr, size, stream, blocks in a.layout():
+        segments.append({
+            "device": 0, "address": addr, "total_size": size, "stream": stream,
+            "segment_type": "small" if size == 2 * MiB and blocks[0][1] <= MiB else "large",
+            "blocks": [{"address": addr + off, "size": bs,
+                        "requested_size": requested[addr + off] if on else 0,
+                        "state": "active_allocated" if on else "inactive"}
+                       for off, bs, on in blocks]})
+    trace: list[dict[str, Any]] = []
+    for act, addr, size, stream in a.events[cut:]:
+        if act == "free_completed":
+            trace.append({"action": "free_requested", "addr": addr, "size": size, "stream": stream})
+        trace.append({"action": act, "addr": addr, "size": size, "stream": stream})
+    return from_pytorch({"segments": segments, "device_traces": [trace]}), at_cut
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 14, 55])
+def test_the_rebuilt_start_state_is_the_simulators_state_at_the_cut(seed: int) -> None:
+    snap, at_cut = _run(seed, 1500, cut=900)
+    assert at_cut  # the workload reached the cut
+    segs = start_state(snap, 0)
+    assert [(s.address, s.size, s.stream) for s in segs] == [x[:3] for x in at_cut]
+    open_blocks = 0
+    for seg, (_, _, _, truth) in zip(segs, at_cut):
+        if not seg.open_slack:
+            assert seg.layout() == truth
+        else:  # the slack of a block freed in the trace before nothing landed after it is open
+            open_blocks += len(seg.open_slack)
+            assert [(b[0] - seg.address, b[2]) for b in seg.blocks] == [
+                (off, req) for off, _, req in truth if req]
+    assert open_blocks < len(segs)
+    r = replay(snap, 0)  # whatever slack it chose, the replay agrees with every decision
+    actions = [e.action for e in snap.trace(0)]
+    assert r.start == "rebuilt"
+    assert r.segment_allocs_expected == actions.count("segment_alloc") > 0
+    assert r.segment_allocs_matched == r.segment_allocs_expected
+    assert r.allocs_matched == r.allocs_expected == actions.count("alloc")
+    assert r.final_layout_equal and r.first_divergence is None
+
+
+def _seg(addr: int, size: int, blocks: list[tuple[int, int, int, str]], small: bool = False) -> dict[str, Any]:
+    return {"device": 0, "address": addr, "total_size": size, "stream": 0,
+            "segment_type": "small" if small else "large",
+            "blocks": [{"address": a, "size": s, "requested_size": r, "state": st}
+                       for a, s, r, st in blocks]}
+
+
+def _e(action: str, addr: int, size: int) -> dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+
+BASE = 1 << 32
+
+
+def test_a_large_block_freed_in_the_trace_keeps_its_unsplittable_slack() -> None:
+    # Before the trace: a 19 MiB request took a whole 20 MiB segment (the 1 MiB tail cannot be a
+    # large-pool block). The trace frees it and allocates 4 MiB, which splits the merged block.
+    snap = from_pytorch({
+        "segments": [_seg(BASE, 20 * MiB, [(BASE, 4 * MiB, 4 * MiB, "active_allocated"),
+                                           (BASE + 4 * MiB, 16 * MiB, 0, "inactive")])],
+        "device_traces": [[_e("free_requested", BASE, 19 * MiB), _e("free_completed", BASE, 19 * MiB),
+                           _e("alloc", BASE, 4 * MiB)]]})
+    (seg,) = start_state(snap, 0)
+    assert seg.blocks == [[BASE, 20 * MiB, 19 * MiB, False]]
+    r = replay(snap)
+    assert r.final_layout_equal and r.allocs_matched == 1
+    assert r.peak_allocated_bytes == 20 * MiB and r.peak_requested_bytes == 19 * MiB
+
+
+def test_a_pending_free_at_the_start_is_active_but_not_allocated() -> None:
+    # the trace holds the free_completed but not the free_requested: pending at the start
+    snap = from_pytorch({
+        "segments": [_seg(BASE, 2 * MiB, [(BASE, 2 * MiB, 0, "inactive")], small=True)],
+        "device_traces": [[_e("free_completed", BASE + 512, 100), _e("alloc", BASE, 512)
+                           , _e("free_requested", BASE, 512), _e("free_completed", BASE, 512)]]})
+    (seg,) = start_state(snap, 0)
+    assert seg.blocks == [[BASE + 512, 512, 100, True]]
+    tr = TraceReplay(snap)
+    assert tr.allocated_bytes == 0 and tr.requested_bytes == 100
+    tr.run()
+    assert tr.result().final_layout_equal
+    assert tr.peak_allocated_bytes == 512 and list(tr.block_sizes) == [0, 512, 0, 0]
+
+
+def test_a_block_at_another_address_is_the_first_divergence_explained() -> None:
+    # The end state says the alloc took the second free block, but best fit takes the first
+    # (both 4 MiB: lowest address wins). The simulator must say so.
+    blocks = [(BASE, 4 * MiB, 0, "inactive"), (BASE + 4 * MiB, 2 * MiB, 2 * MiB, "active_allocated"),
+              (BASE + 6 * MiB, 4 * MiB, 4 * MiB, "active_allocated"),
+              (BASE + 10 * MiB, 10 * MiB, 10 * MiB, "active_allocated")]
+    snap = from_pytorch({"segments": [_seg(BASE, 20 * MiB, blocks)],
+                         "device_traces": [[_e("alloc", BASE + 6 * MiB, 4 * MiB)]]})
+    r = replay(snap)
+    assert (r.allocs_expected, r.allocs_matched) == (1, 0)
+    d = r.first_divergence
+    assert d is not None and d["kind"] == "alloc" and d["entry"] == 0
+    assert d["expected"] == {"address": BASE + 6 * MiB, "segment": BASE, "offset": 6 * MiB}
+    assert d["got"] == {"address": BASE, "segment": BASE, "offset": 0}
+    assert "4.00 MiB" in d["explanation"] and hex(BASE + 6 * MiB) in d["explanation"]
+    assert not r.final_layout_equal
+
+
+def test_a_missing_segment_alloc_is_explained_with_the_block_reused_instead() -> None:
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        _e("segment_alloc", BASE, 20 * MiB), _e("alloc", BASE, 4 * MiB),
+        _e("segment_alloc", BASE + 64 * MiB, 20 * MiB), _e("alloc", BASE + 64 * MiB, 4 * MiB)]]})
+    d = replay(snap).first_divergence
+    assert d is not None and d["kind"] == "segment_alloc" and d["entry"] == 2
+    assert d["request"] == {"entry": 3, "size": 4 * MiB, "stream": 0}
+    assert d["simulated"]["address"] == BASE + 4 * MiB and d["simulated"]["segment"] == BASE
+    assert "made no new segment" in d["explanation"] and hex(BASE + 4 * MiB) in d["explanation"]
+
+
+def test_a_trace_that_contradicts_the_end_state_is_refused_clearly() -> None:
+    snap = from_pytorch({
+        "segments": [_seg(BASE, 2 * MiB, [(BASE, 2 * MiB, 0, "inactive")], small=True)],
+        "device_traces": [[_e("alloc", BASE, 512)]]})  # allocated, never freed, not live at the end
+    with pytest.raises(InvalidInputError, match="neither freed later nor live at the end"):
+        replay(snap)
+
+
+def test_run_stops_anywhere_and_resumes() -> None:
+    snap = _load(TRACED[1])
+    whole = replay(snap)
+    tr = TraceReplay(snap)
+    tr.run(2000)
+    assert tr.position == 2000
+    tr.run()
+    assert tr.result() == whole
