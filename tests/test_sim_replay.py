@@ -262,3 +262,71 @@ def test_run_stops_anywhere_and_resumes() -> None:
     assert tr.position == 2000
     tr.run()
     assert tr.result() == whole
+
+
+# ------------------------------------------------------------------ torchmem replay (the CLI)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from torchmem.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_has_the_issue_schema_and_the_traces_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import pickle
+
+    code, out, err = _cli(capsys, "replay", str(DATA / TRACED[0]), "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert list(d) == ["devices"]
+    (dev,) = d["devices"]
+    assert list(dev)[:5] == ["device", "segment_allocs_expected", "segment_allocs_matched",
+                             "final_layout_equal", "first_divergence"]
+    with open(DATA / TRACED[0], "rb") as f:
+        raw = pickle.load(f)
+    n_seg = sum(e["action"] == "segment_alloc" for e in raw["device_traces"][0])
+    assert n_seg == len(raw["segments"]) == 61  # complete from empty
+    assert (dev["device"], dev["segment_allocs_expected"], dev["segment_allocs_matched"]) == (0, n_seg, n_seg)
+    assert dev["final_layout_equal"] is True and dev["first_divergence"] is None
+    assert dev["peak_reserved_bytes"] == GPU_TRUTH[TRACED[0]][2]
+
+
+def test_cli_text_explains_the_first_divergence(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import pickle
+
+    raw = {"segments": [], "device_traces": [[
+        _e("segment_alloc", BASE, 20 * MiB), _e("alloc", BASE, 4 * MiB),
+        _e("segment_alloc", BASE + 64 * MiB, 20 * MiB), _e("alloc", BASE + 64 * MiB, 4 * MiB)]]}
+    for e in raw["device_traces"][0]:
+        e["frames"] = []
+    p = tmp_path / "div.pickle"
+    p.write_bytes(pickle.dumps(raw))
+    code, out, _ = _cli(capsys, "replay", str(p))
+    assert code == 0
+    assert "the simulator diverged" in out and "segment_allocs matched   1 of 2" in out
+    assert "first divergence         at trace entry 2" in out
+    assert "made no new segment: it reused the free memory at " + hex(BASE + 4 * MiB) in out
+
+
+def test_cli_text_of_a_mid_run_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, "replay", str(DATA / TRACED[1]))
+    assert code == 0
+    assert "reproduced the trace (from a rebuilt start state)" in out
+    assert "allocs at real address   1721 of 1721" in out
+    assert "allocated 12.97 GiB (13927832064 B)" in out
+
+
+def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"not a pickle at all")
+    code, out, err = _cli(capsys, "replay", str(bad))
+    assert code == 2 and out == ""
+    assert "torchmem replay: error:" in err and "Traceback" not in err
+    code, _, err = _cli(capsys, "replay", str(tmp_path / "missing.pickle"))
+    assert code == 2 and "no such file" in err
+    code, _, err = _cli(capsys, "replay", str(DATA / TRACED[0]), "--device", "5")
+    assert code == 2 and "device 5 has no segments or trace entries" in err

@@ -101,11 +101,13 @@ class ReplayResult:
 
         Example:
             >>> list(ReplayResult(0, 1, 0, None, False).to_dict())[:5]
-            ['device', 'segment_allocs_expected', 'segment_allocs_matched', 'first_divergence', 'final_layout_equal']
+            ['device', 'segment_allocs_expected', 'segment_allocs_matched', 'final_layout_equal', 'first_divergence']
         """
         d = asdict(self)
         d["notes"] = list(self.notes)
-        return d
+        first = ("device", "segment_allocs_expected", "segment_allocs_matched",
+                 "final_layout_equal", "first_divergence")
+        return {**{k: d.pop(k) for k in first}, **d}
 
 
 @dataclass
