@@ -93,9 +93,10 @@ def test_free_merges_with_free_neighbours() -> None:
     assert a.layout()[0][3] == [(0, 4 * MiB, False), (4 * MiB, 4 * MiB, True), (8 * MiB, 12 * MiB, False)]
     a.free(y)  # merges with both neighbours: one free block, the whole segment
     assert a.layout()[0][3] == [(0, 20 * MiB, False)]
-    assert a.events[-3:] == [
-        ("free_completed", x, 4 * MiB, 0), ("free_completed", z, 4 * MiB, 0),
-        ("free_completed", y, 4 * MiB, 0),
+    assert a.events[-6:] == [
+        ("free_requested", x, 4 * MiB, 0), ("free_completed", x, 4 * MiB, 0),
+        ("free_requested", z, 4 * MiB, 0), ("free_completed", z, 4 * MiB, 0),
+        ("free_requested", y, 4 * MiB, 0), ("free_completed", y, 4 * MiB, 0),
     ]
 
 
@@ -160,10 +161,16 @@ def test_oom_empties_the_cache_and_retries_then_raises() -> None:
     y = a.malloc(30 * MiB)  # 20 + 30 > 40: empty cache, retry
     assert a.reserved_bytes == 30 * MiB
     assert [e[0] for e in a.events] == [
-        "segment_alloc", "alloc", "free_completed", "segment_free", "segment_alloc", "alloc",
+        "segment_alloc", "alloc", "free_requested", "free_completed", "segment_free",
+        "segment_alloc", "alloc",
     ]
     with pytest.raises(SimulatedOutOfMemoryError, match="request of 12582912 bytes") as info:
         a.malloc(12 * MiB)  # 30 + 12 > 40 and nothing is cached
+    # PyTorch's oom entry: the device's free bytes (40 - 30 MiB) instead of an address, the
+    # rounded request; nothing was released
+    assert a.events[-1] == ("oom", 10 * MiB, 12 * MiB, 0)
+    assert "reserved" in str(info.value) and "allocated" in str(info.value)
+    assert "capacity 41943040" in str(info.value)
     assert isinstance(info.value, TorchmemError)
     assert a.reserved_bytes == 30 * MiB and a.allocated_bytes == 30 * MiB
     a.free(y)

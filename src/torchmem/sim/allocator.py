@@ -1,22 +1,36 @@
-"""A pure-Python model of PyTorch's CUDA caching allocator for one device (default settings).
+"""A pure-Python model of PyTorch 2.13's CUDA caching allocator for one device.
 
-The rules (from ``c10/cuda/CUDACachingAllocator.cpp``, restated):
+The rules (``c10/cuda/CUDACachingAllocator.cpp``, restated; options in :mod:`.config`):
 
-- a request is rounded up to a multiple of 512 B (:func:`round_size`); the rounded size picks
-  the pool: small (at most 1 MiB) or large;
+- a request is rounded up to a multiple of 512 B, or with ``roundup_power2_divisions`` to the
+  next of ``d`` equal steps of its power-of-two interval (:func:`round_size`); the rounded size
+  picks the pool: small (at most 1 MiB) or large;
 - best fit: the free block with the smallest ``(stream, size, address)`` on the request's stream
-  whose size is at least the rounded request; freed memory is never reused across streams;
-- nothing fits: a new segment (:func:`segment_size`: 2 MiB for small requests, 20 MiB for large
-  requests under 10 MiB, else the request rounded up to 2 MiB);
-- the chosen block is split when the leftover is at least 512 B (small pool) or more than 1 MiB
-  (large pool); the leftover keeps the higher address and goes back to the pool;
-- a freed block merges with its free neighbours in the same segment;
-- :meth:`CachingAllocator.empty_cache` releases every free segment that is one unsplit block;
-- with a ``capacity``, a new segment that does not fit first empties the cache and retries, then
-  raises :class:`~torchmem.errors.SimulatedOutOfMemoryError`.
+  whose size is at least the rounded request; freed memory is never reused across streams. A
+  request under ``max_split_size`` never takes a block of at least that size, and a larger
+  request never takes a block ``max_non_split_rounding`` or more bytes bigger than itself;
+- nothing fits: with a memory fraction and ``garbage_collection_threshold``, free cached whole
+  segments by age first; then a new segment (:func:`segment_size`: 2 MiB for small requests,
+  ``large_segment_size`` (20 MiB) for large requests under 10 MiB, else the request rounded up
+  to 2 MiB). If it does not fit (``capacity`` or the fraction): release cached oversize blocks
+  (only with ``max_split_size``) and retry, then synchronize, release every cached whole
+  segment and retry, then record an ``oom`` event and raise
+  :class:`~torchmem.errors.SimulatedOutOfMemoryError`;
+- the chosen block is split when the leftover is at least 512 B (small pool, or expandable
+  segments on) or, in the large pool, more than 1 MiB and the request is under
+  ``max_split_size``; the leftover keeps the higher address and goes back to the pool;
+- a freed block merges with its free neighbours in the same segment; a block used on other
+  streams (:meth:`CachingAllocator.record_stream`) is only requested free until
+  :meth:`CachingAllocator.process_events` (``free_requested``, later ``free_completed``);
+- :meth:`CachingAllocator.empty_cache` synchronizes, then releases every free segment that is
+  one unsplit block (large pool, then small) and unmaps the free pages of expandable segments;
+- with ``expandable_segments:True`` each (stream, pool) grows one virtual range (1.125 x the
+  device memory), mapping pages (2 MiB small, ``large_segment_size`` large) on demand
+  (``segment_map``) and unmapping them in ``empty_cache`` (``segment_unmap``).
 
-Not modelled yet: allocator options (``max_split_size_mb``, ``roundup_power2_divisions``, ...),
-expandable segments, deferred cross-stream frees, garbage collection, private pools.
+Not modelled: CUDA graph capture and private pools (MemPool), IPC, ``backend:cudaMallocAsync``.
+A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
+(the simulation has no GPU clock to say when the other stream is done).
 
 Example:
     >>> a = CachingAllocator()
@@ -25,14 +39,20 @@ Example:
     [('segment_alloc', 4294967296, 2097152, 0), ('alloc', 4294967296, 1000, 0)]
     >>> a.free(p); a.allocated_bytes, a.reserved_bytes
     (0, 2097152)
+    >>> a.events[-2:]
+    [('free_requested', 4294967296, 1000, 0), ('free_completed', 4294967296, 1000, 0)]
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
+from torchmem.model.snapshot import Snapshot
+from torchmem.sim._snapshot import Frames, build_snapshot
+from torchmem.sim.config import AllocatorConfig
 
 __all__ = [
     "CachingAllocator",
@@ -43,66 +63,102 @@ __all__ = [
 MIN_BLOCK_SIZE = 512
 SMALL_SIZE = 1 << 20  # 1 MiB: the largest small-pool request
 SMALL_BUFFER = 2 << 20  # 2 MiB: every small-pool segment
-LARGE_BUFFER = 20 << 20  # 20 MiB: the segment of a large request under MIN_LARGE_ALLOC
+LARGE_BUFFER = 20 << 20  # 20 MiB: the default segment of a large request under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20  # 10 MiB
 ROUND_LARGE = 2 << 20  # 2 MiB: larger segments are rounded up to this
+SIZE_MAX = (1 << 64) - 1
 _BASE_ADDRESS = 1 << 32  # where simulated segments start (any 2 MiB-aligned value would do)
+_DEFAULT_DEVICE_BYTES = 80 << 30  # device memory assumed for expandable ranges without a capacity
+_SHIFT = 64  # free-block keys: size << 64 | address (one int compares faster than a tuple)
+_MASK = (1 << _SHIFT) - 1
+_HUGE = 1 << 60  # PyTorch refuses requests of 1 EiB and more outright
 
-#: One decision of the allocator: (action, address, size, stream). ``alloc`` and
-#: ``free_completed`` carry the requested (unrounded) size, ``segment_*`` the segment size.
+#: One decision of the allocator: (action, address, size, stream). ``alloc``, ``free_requested``
+#: and ``free_completed`` carry the requested (unrounded) size, ``segment_*`` the segment (or
+#: mapped range) size, ``oom`` the device's free bytes instead of an address and the rounded size.
 Event = tuple[str, int, int, int]
 
 
-def round_size(size: int) -> int:
-    """The block size the allocator gives a request of ``size`` bytes (default settings).
+def round_size(size: int, config: AllocatorConfig | None = None) -> int:
+    """The block size the allocator gives a request of ``size`` bytes.
+
+    Without ``roundup_power2_divisions`` a multiple of 512 B; with ``d`` divisions for the
+    request's interval (and ``size > 512 * d``), the next of ``d`` equal steps between the
+    powers of two around ``size``.
 
     Example:
         >>> [round_size(n) for n in (1, 512, 513, 1 << 20, (1 << 20) + 1)]
         [512, 512, 1024, 1048576, 1049088]
+        >>> c = AllocatorConfig.parse("roundup_power2_divisions:4")
+        >>> [round_size(n, c) >> 20 for n in (5 << 20, (5 << 20) + 1, (6 << 20) + 1)]
+        [5, 6, 7]
     """
     if size < MIN_BLOCK_SIZE:
         return MIN_BLOCK_SIZE
+    if config is not None:
+        d = config.divisions_for(size)
+        if d > 1 and size > MIN_BLOCK_SIZE * d:
+            return _roundup_power2_next_division(size, d)
     return MIN_BLOCK_SIZE * ((size + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE)
 
 
-def segment_size(rounded: int) -> int:
+def _roundup_power2_next_division(size: int, divisions: int) -> int:
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return 2 * floor
+    rem = size % step
+    return size if rem == 0 else size - rem + step
+
+
+def segment_size(rounded: int, config: AllocatorConfig | None = None) -> int:
     """The size of the new segment (cudaMalloc) for a request already rounded by :func:`round_size`.
 
     Example:
         >>> [segment_size(n) >> 20 for n in (512, 1 << 20, (1 << 20) + 512, 10 << 20, (10 << 20) + 512)]
         [2, 2, 20, 10, 12]
+        >>> segment_size(4 << 20, AllocatorConfig(large_segment_size_mb=64)) >> 20
+        64
     """
     if rounded <= SMALL_SIZE:
         return SMALL_BUFFER
     if rounded < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
+        return LARGE_BUFFER if config is None else config.large_segment_size
     return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-class _Block:
-    __slots__ = (
-        "addr", "size", "stream", "small", "requested", "allocated", "prev", "next", "expandable",
-    )
+class _Seg:
+    """A segment: one cudaMalloc, or one expandable virtual range (``page`` > 0)."""
 
-    def __init__(self, addr: int, size: int, stream: int, small: bool) -> None:
+    __slots__ = ("addr", "size", "stream", "small", "page")
+
+    def __init__(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
         self.addr = addr
         self.size = size
         self.stream = stream
         self.small = small
-        self.requested = 0
-        self.allocated = False
-        self.expandable = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+        self.page = page
 
 
 class CachingAllocator:
-    """PyTorch's CUDA caching allocator for one device, default settings, simulated in Python.
+    """PyTorch 2.13's CUDA caching allocator for one device, simulated in Python.
 
-    ``capacity`` (bytes, ``None`` for unlimited) is what cudaMalloc may reserve in total.
-    :attr:`events` lists every decision as ``(action, address, size, stream)`` with the actions
-    ``segment_alloc``, ``segment_free``, ``alloc`` and ``free_completed``. Addresses are
-    simulated: segments are laid out one after another from 4 GiB up and never reused.
+    ``capacity`` (bytes, ``None`` for unlimited) is what cudaMalloc may reserve in total (the
+    device's memory less the CUDA context and other processes). ``config`` is an
+    :class:`~torchmem.sim.AllocatorConfig` or a ``PYTORCH_CUDA_ALLOC_CONF`` string.
+    ``memory_fraction`` (or the config's ``per_process_memory_fraction``) limits this process to
+    that fraction of ``capacity``, as ``torch.cuda.set_per_process_memory_fraction`` does, and
+    turns on ``garbage_collection_threshold``.
+
+    :attr:`events` lists every decision as ``(action, address, size, stream)`` with PyTorch's
+    trace actions (``segment_alloc``, ``segment_free``, ``segment_map``, ``segment_unmap``,
+    ``alloc``, ``free_requested``, ``free_completed``, ``oom``). Addresses are simulated:
+    segments are laid out one after another from 4 GiB up (above any seeded segment) and never
+    reused. :attr:`allocated_bytes` counts allocated blocks (it drops when a free is requested),
+    :attr:`active_bytes` also counts blocks whose free is pending, :attr:`reserved_bytes` the
+    segments and mapped pages; ``max_*`` are the peaks since :meth:`reset_peak`.
 
     Example:
         >>> a = CachingAllocator(capacity=40 << 20)
@@ -110,62 +166,163 @@ class CachingAllocator:
         >>> y = a.malloc(3 << 20)            # best fit: the 17 MiB leftover
         >>> y - x, a.reserved_bytes >> 20, a.allocated_bytes >> 20
         (3145728, 20, 6)
-        >>> a.free(x); a.free(y); a.empty_cache(); a.reserved_bytes
-        0
+        >>> a.free(x); a.free(y); a.empty_cache(); a.reserved_bytes, a.max_allocated_bytes >> 20
+        (0, 6)
         >>> a.events[-1]
         ('segment_free', 4294967296, 20971520, 0)
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
-        if capacity is not None and capacity < 0:
-            raise InvalidInputError(f"capacity must be >= 0 bytes or None, got {capacity}")
+    def __init__(
+        self,
+        capacity: int | None = None,
+        config: AllocatorConfig | str | None = None,
+        *,
+        memory_fraction: float | None = None,
+    ) -> None:
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+            raise InvalidInputError(
+                f"capacity must be an int >= 0 (bytes) or None for unlimited, got {capacity!r}"
+            )
+        if config is None:
+            cfg = AllocatorConfig()
+        elif isinstance(config, str):
+            cfg = AllocatorConfig.parse(config)
+        elif isinstance(config, AllocatorConfig):
+            cfg = config
+        else:
+            raise InvalidInputError(
+                "config must be an AllocatorConfig, a PYTORCH_CUDA_ALLOC_CONF string or None, got "
+                f"{type(config).__name__}"
+            )
+        fraction = memory_fraction if memory_fraction is not None else cfg.per_process_memory_fraction
+        allowed: int | None = None
+        if fraction is not None:
+            if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+                raise InvalidInputError(
+                    f"memory_fraction must be a number in [0.0, 1.0], got {fraction!r}"
+                )
+            if capacity is None:
+                raise InvalidInputError(
+                    f"memory_fraction={fraction} needs the device's capacity (bytes): pass "
+                    "capacity=... as well"
+                )
+            allowed = int(fraction * capacity)
         self.capacity = capacity
+        self.config = cfg
+        #: The per-process limit in bytes (``memory_fraction`` x ``capacity``), or ``None``.
+        self.allowed_bytes = allowed
         #: Every decision, in order: ``(action, address, size, stream)``.
         self.events: list[Event] = []
         self.reserved_bytes = 0
         self.allocated_bytes = 0
-        # free blocks per pool, sorted by (stream, size, address); blocks by address
-        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
-        self._free_blocks: dict[int, _Block] = {}
-        self._active: dict[int, _Block] = {}
+        self.max_allocated_bytes = 0
+        self.max_reserved_bytes = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self._max_split = cfg.max_split_size
+        self._max_nsr = cfg.max_non_split_rounding_size
+        self._large_seg = cfg.large_segment_size
+        self._divisions = cfg if any(cfg.roundup_power2_divisions) else None
+        self._expandable = cfg.expandable_segments
+        self._gc = allowed is not None and cfg.garbage_collection_threshold > 0.0
+        self._gc_count = {True: 0, False: 0}  # get_free_block calls per pool (small?)
+        self._gc_base: dict[int, int] = {}  # free block -> its pool's count when inserted
+        # free (mapped) blocks: per pool, per stream a sorted list of size << 64 | address;
+        # by address their size; by end address their start
+        self._free: dict[bool, dict[int, list[int]]] = {True: {}, False: {}}
+        self._fsize: dict[int, int] = {}
+        self._fend: dict[int, int] = {}
+        # allocated blocks: address -> (size, requested, stream, small)
+        self._alloc: dict[int, tuple[int, int, int, bool]] = {}
+        # blocks whose free waits for other streams: address -> (size, requested, stream, small)
+        self._pending: dict[int, tuple[int, int, int, bool]] = {}
+        self._uses: dict[int, set[int]] = {}  # record_stream: address -> other streams
+        self._segs: dict[int, _Seg] = {}  # by start address
+        # expandable segments: unmapped blocks by address / end, and sorted per (small, stream)
+        self._usize: dict[int, int] = {}
+        self._uend: dict[int, int] = {}
+        self._unmapped: dict[tuple[bool, int], list[int]] = {}
+        self._xstarts: list[int] = []  # sorted starts of expandable ranges
+        self._frames: dict[int, Frames] = {}  # allocated block -> its allocation's frames
+        self._event_frames: dict[int, Frames] = {}  # event index -> frames
         self._next_address = _BASE_ADDRESS
-        self._seeded: list[tuple[int, int]] = []  # (start, end) of seeded segments
+        # anything off the common path: GC, expandable ranges, record_stream uses, frames
+        self._special = self._gc or self._expandable
 
     # -- requests -----------------------------------------------------------------------------
 
-    def malloc(self, size: int, stream: int = 0) -> int:
+    def malloc(self, size: int, stream: int = 0, frames: Frames | None = None) -> int:
         """Allocate ``size`` bytes on ``stream``; return the block's (simulated) address.
+
+        ``frames`` (a list of ``{"filename", "line", "name"}`` dicts or
+        :class:`~torchmem.model.snapshot.Frame` objects, innermost first) is kept with the
+        ``alloc`` event and the block, for :meth:`snapshot`.
 
         Example:
             >>> a = CachingAllocator()
             >>> a.malloc(513) == a.events[0][1], a.allocated_bytes
             (True, 1024)
         """
-        if size < 1:
-            raise InvalidInputError(f"malloc size must be >= 1 byte, got {size}")
-        rounded = round_size(size)
+        if type(size) is not int or not 0 < size < _HUGE:
+            size = self._check_size(size)
+        div = self._divisions
+        if div is None:
+            rounded = MIN_BLOCK_SIZE if size <= MIN_BLOCK_SIZE else (size + 511) & -512
+        else:
+            rounded = round_size(size, div)
         small = rounded <= SMALL_SIZE
-        block = self._take_free(small, stream, rounded)
-        if block is None:
-            block = self._new_segment(size, rounded, small, stream)
-        remaining = block.size - rounded
-        if (remaining >= MIN_BLOCK_SIZE) if small else (remaining > SMALL_SIZE):
-            rest = _Block(block.addr + rounded, remaining, stream, small)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = rounded
-            self._insert_free(rest)
-        block.allocated = True
-        block.requested = size
-        self._active[block.addr] = block
-        self.allocated_bytes += block.size
-        self.events.append(("alloc", block.addr, size, stream))
-        return block.addr
+        lst = self._free[small].get(stream)
+        special = self._special
+        if special and self._gc:
+            self._gc_count[small] += 1
+        addr = -1
+        if lst:
+            i = bisect_left(lst, rounded << _SHIFT)
+            if i < len(lst):
+                if special and self._xstarts:
+                    i = self._expandable_best_fit(lst, i)
+                key = lst[i]
+                bsize = key >> _SHIFT
+                mss = self._max_split
+                if (bsize < mss) if rounded < mss else (bsize < rounded + self._max_nsr):
+                    del lst[i]
+                    addr = key & _MASK
+                    del self._fsize[addr]
+                    del self._fend[addr + bsize]
+        if addr < 0:
+            addr, bsize = self._alloc_new(size, rounded, small, stream)
+            lst = self._free[small].get(stream)
+        remaining = bsize - rounded
+        if (
+            (remaining >= MIN_BLOCK_SIZE)
+            if small or self._expandable
+            else (remaining > SMALL_SIZE and rounded < self._max_split)
+        ):
+            rest = addr + rounded
+            if lst is None:
+                lst = self._free[small][stream] = []
+            insort(lst, remaining << _SHIFT | rest)
+            self._fsize[rest] = remaining
+            self._fend[rest + remaining] = rest
+            if special and self._gc:
+                self._gc_base[rest] = self._gc_count[small]
+            bsize = rounded
+        self._alloc[addr] = (bsize, size, stream, small)
+        allocated = self.allocated_bytes = self.allocated_bytes + bsize
+        if allocated > self.max_allocated_bytes:
+            self.max_allocated_bytes = allocated
+        if frames is not None:
+            self._frames[addr] = frames
+            self._event_frames[len(self.events)] = frames
+            self._special = True
+        self.events.append(("alloc", addr, size, stream))
+        return addr
 
     def free(self, address: int) -> None:
         """Free the block at ``address`` (from :meth:`malloc`), merging it with free neighbours.
+
+        A block used on other streams (:meth:`record_stream`) stays active until
+        :meth:`process_events`; only ``free_requested`` is recorded now.
 
         Example:
             >>> a = CachingAllocator()
@@ -173,31 +330,101 @@ class CachingAllocator:
             >>> a.free(p); a.free(q); a.layout()
             [(4294967296, 2097152, 0, [(0, 2097152, False)])]
         """
-        block = self._active.pop(address, None)
-        if block is None:
-            raise InvalidInputError(f"free of address {address}, which is not an allocated block")
-        block.allocated = False
-        self.allocated_bytes -= block.size
-        self.events.append(("free_completed", address, block.requested, block.stream))
-        block.requested = 0
-        prev, nxt = block.prev, block.next
-        if prev is not None and not prev.allocated:
-            self._remove_free(prev)
-            block.addr = prev.addr
-            block.size += prev.size
-            block.prev = prev.prev
-            if prev.prev is not None:
-                prev.prev.next = block
-        if nxt is not None and not nxt.allocated:
-            self._remove_free(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-        self._insert_free(block)
+        t = self._alloc.pop(address, None)
+        if t is None:
+            self._bad_free(address)
+        size, requested, stream, small = t
+        self.allocated_bytes -= size
+        events = self.events
+        events.append(("free_requested", address, requested, stream))
+        if self._special:
+            if self._uses and address in self._uses:
+                self._pending[address] = t
+                return
+            self._free_block(address, size, requested, stream, small)
+            return
+        # the common case, inlined: free_block with its merges (see _free_block)
+        events.append(("free_completed", address, requested, stream))
+        fsize = self._fsize
+        fend = self._fend
+        lst = self._free[small].get(stream)
+        if lst is None:
+            lst = self._free[small][stream] = []
+        segs = self._segs
+        if address not in segs:
+            p = fend.pop(address, None)
+            if p is not None:
+                psize = fsize.pop(p)
+                del lst[bisect_left(lst, psize << _SHIFT | p)]
+                address = p
+                size += psize
+        end = address + size
+        if end not in segs:
+            nsize = fsize.pop(end, None)
+            if nsize is not None:
+                del fend[end + nsize]
+                del lst[bisect_left(lst, nsize << _SHIFT | end)]
+                size += nsize
+        insort(lst, size << _SHIFT | address)
+        fsize[address] = size
+        fend[address + size] = address
+
+    def record_stream(self, address: int, stream: int) -> None:
+        """Mark the allocated block at ``address`` as used on ``stream`` (``Tensor.record_stream``).
+
+        Its free is then deferred until :meth:`process_events`. The block's own stream is
+        ignored, as in PyTorch.
+
+        Example:
+            >>> a = CachingAllocator()
+            >>> p = a.malloc(512, stream=0); a.record_stream(p, 7); a.free(p)
+            >>> a.events[-1][0], a.allocated_bytes, a.active_bytes
+            ('free_requested', 0, 512)
+            >>> a.process_events(); a.events[-1][0], a.active_bytes
+            ('free_completed', 0)
+        """
+        t = self._alloc.get(address)
+        if t is None:
+            raise InvalidInputError(
+                f"record_stream of address {address}, which is not an allocated block; call it "
+                "between malloc and free"
+            )
+        if stream != t[2]:
+            self._uses.setdefault(address, set()).add(stream)
+            self._special = True
+
+    def process_events(self) -> None:
+        """Complete every pending cross-stream free (the other streams have passed their events).
+
+        Blocks return to their pools in the order their frees were requested, each with a
+        ``free_completed`` event. Call it where the real program's next allocation would find
+        the other streams done.
+
+        Example:
+            >>> a = CachingAllocator()
+            >>> p = a.malloc(512); a.record_stream(p, 3); a.free(p); a.process_events()
+            >>> [e[0] for e in a.events]
+            ['segment_alloc', 'alloc', 'free_requested', 'free_completed']
+        """
+        pending = self._pending
+        while pending:
+            address = next(iter(pending))
+            bsize, requested, stream, small = pending.pop(address)
+            del self._uses[address]
+            self._free_block(address, bsize, requested, stream, small)
+
+    def synchronize(self) -> None:
+        """Wait for every stream: the same as :meth:`process_events` in the simulation.
+
+        Example:
+            >>> a = CachingAllocator(); a.synchronize(); a.events
+            []
+        """
+        self.process_events()
 
     def empty_cache(self) -> None:
-        """Release every free segment that is a single unsplit block (large pool, then small).
+        """Synchronize, then release every free segment that is a single unsplit block (large pool,
+        then small) and unmap the free whole pages of expandable segments.
 
         Example:
             >>> a = CachingAllocator()
@@ -205,18 +432,30 @@ class CachingAllocator:
             >>> a.free(q); a.empty_cache(); a.reserved_bytes
             2097152
         """
-        for small in (False, True):
-            keys = self._free[small]
-            kept: list[tuple[int, int, int]] = []
-            for key in keys:
-                block = self._free_blocks[key[2]]
-                if block.prev is None and block.next is None:
-                    del self._free_blocks[block.addr]
-                    self.reserved_bytes -= block.size
-                    self.events.append(("segment_free", block.addr, block.size, block.stream))
-                else:
-                    kept.append(key)
-            self._free[small] = kept
+        self._release_cached_blocks()
+
+    @property
+    def active_bytes(self) -> int:
+        """Bytes of active blocks: allocated, or freed but waiting for other streams.
+
+        Example:
+            >>> a = CachingAllocator(); p = a.malloc(100); a.active_bytes
+            512
+        """
+        return self.allocated_bytes + sum(t[0] for t in self._pending.values())
+
+    def reset_peak(self) -> None:
+        """Reset :attr:`max_allocated_bytes` and :attr:`max_reserved_bytes` to the current values.
+
+        Example:
+            >>> a = CachingAllocator(); a.free(a.malloc(4096)); a.reset_peak()
+            >>> a.max_allocated_bytes, a.max_reserved_bytes
+            (0, 2097152)
+        """
+        self.max_allocated_bytes = self.allocated_bytes
+        self.max_reserved_bytes = self.reserved_bytes
+
+    # -- seeding ------------------------------------------------------------------------------
 
     def add_segment(
         self,
@@ -236,6 +475,11 @@ class CachingAllocator:
         event is recorded: the segment was there before the simulation started. Segments the
         simulator creates later never overlap a seeded one.
 
+        ``expandable=True`` seeds one mapped range of an expandable segment: the first such
+        range of a (stream, pool) opens a virtual range at ``address`` (as large as the
+        allocator would reserve, cut short before the next segment); later ranges inside it
+        are mapped into it, with unmapped pages between.
+
         Example:
             >>> a = CachingAllocator()
             >>> a.add_segment(1 << 30, 2 << 20, 0, [(0, 1024, 1000), (1024, (2 << 20) - 1024, 0)],
@@ -245,35 +489,39 @@ class CachingAllocator:
             (1024, 2097152, 1024)
         """
         self._check_segment(address, size, stream, blocks)
-        made: list[_Block] = []
+        small = bool(small)
+        if expandable:
+            self._seed_expandable_range(address, size, stream, small)
+        else:
+            for start, seg in self._segs.items():
+                if address < start + seg.size and start < address + size:
+                    raise InvalidInputError(
+                        f"add_segment(address={address:#x}, size={size}): overlaps the existing "
+                        f"segment [{start:#x}, {start + seg.size:#x}); segments must not overlap"
+                    )
+            self._segs[address] = _Seg(address, size, stream, small, 0)
+            self.reserved_bytes += size
         allocated: list[int] = []
-        prev: _Block | None = None
         for offset, bsize, requested in blocks:
-            block = _Block(address + offset, bsize, stream, small)
-            block.expandable = expandable
-            block.prev = prev
-            if prev is not None:
-                prev.next = block
-            made.append(block)
-            prev = block
+            addr = address + offset
             if requested > 0:
-                block.allocated = True
-                block.requested = requested
-        for block in made:
-            if block.allocated:
-                self._active[block.addr] = block
-                self.allocated_bytes += block.size
-                allocated.append(block.addr)
+                self._alloc[addr] = (bsize, requested, stream, small)
+                self.allocated_bytes += bsize
+                allocated.append(addr)
             else:
-                self._insert_free(block)
-        self.reserved_bytes += size
-        self._seeded.append((address, address + size))
-        self._seeded.sort()
+                self._insert_free(addr, bsize, stream, small)
         self._next_address = max(self._next_address, address + size)
+        self.max_allocated_bytes = max(self.max_allocated_bytes, self.allocated_bytes)
+        self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
         return allocated
+
+    # -- views --------------------------------------------------------------------------------
 
     def layout(self) -> list[tuple[int, int, int, list[tuple[int, int, bool]]]]:
         """The segments, by address: ``(address, size, stream, [(offset, size, allocated)])``.
+
+        ``allocated`` is true for active blocks (including those whose free is pending). An
+        expandable segment shows one entry per contiguous mapped range.
 
         Example:
             >>> a = CachingAllocator()
@@ -281,18 +529,495 @@ class CachingAllocator:
             >>> a.layout()
             [(4294967296, 2097152, 0, [(0, 1024, True), (1024, 2096128, False)])]
         """
-        heads = [b for b in (*self._active.values(), *self._free_blocks.values()) if b.prev is None]
+        return [
+            (start, size, stream, [(off, bsize, state != "inactive") for off, bsize, _, state in blocks])
+            for start, size, stream, _, _, blocks in self._segment_states()
+        ]
+
+    def snapshot(self, device: int = 0) -> Snapshot:
+        """The allocator's state and trace as a :class:`~torchmem.model.snapshot.Snapshot`.
+
+        Segments with their blocks (``active_allocated``, ``active_pending_free``, ``inactive``),
+        ``segment_type``, ``is_expandable``, the config's ``allocator_settings`` and the device
+        trace with every event (``time_us`` = the event's index), as PyTorch's
+        ``torch.cuda.memory._snapshot()`` would give, so torchmem's analyses, its writer and
+        PyTorch's ``_memory_viz`` read it.
+
+        Example:
+            >>> a = CachingAllocator()
+            >>> p = a.malloc(1000, frames=[{"filename": "t.py", "line": 3, "name": "f"}])
+            >>> s = a.snapshot()
+            >>> s.segments[0].blocks[0].state, s.segments[0].blocks[0].frames[0].name
+            ('active_allocated', 'f')
+            >>> [e.action for e in s.trace(0)], s.allocator_settings["max_split_size"]
+            (['segment_alloc', 'alloc'], -1)
+        """
+        return build_snapshot(
+            device,
+            self._segment_states(),
+            self.events,
+            self._event_frames,
+            self._frames,
+            self.config.to_settings(),
+        )
+
+    # -- internals: states --------------------------------------------------------------------
+
+    def _segment_states(self) -> list[tuple[int, int, int, bool, bool, list[tuple[int, int, int, str]]]]:
+        """``(address, size, stream, small, expandable, [(offset, size, requested, state)])``."""
         out = []
-        for head in sorted(heads, key=lambda b: b.addr):
-            blocks: list[tuple[int, int, bool]] = []
-            b: _Block | None = head
-            while b is not None:
-                blocks.append((b.addr - head.addr, b.size, b.allocated))
-                b = b.next
-            out.append((head.addr, sum(s for _, s, _ in blocks), head.stream, blocks))
+        for start in sorted(self._segs):
+            seg = self._segs[start]
+            end = start + seg.size
+            a = start
+            run: list[tuple[int, int, int, str]] = []
+            run_start = start
+            while a < end:
+                t = self._alloc.get(a)
+                if t is not None:
+                    run.append((a - run_start, t[0], t[1], "active_allocated"))
+                    a += t[0]
+                    continue
+                t = self._pending.get(a)
+                if t is not None:
+                    run.append((a - run_start, t[0], t[1], "active_pending_free"))
+                    a += t[0]
+                    continue
+                s = self._fsize.get(a)
+                if s is not None:
+                    run.append((a - run_start, s, 0, "inactive"))
+                    a += s
+                    continue
+                s = self._usize[a]  # unmapped: ends a mapped range
+                if run:
+                    out.append((run_start, a - run_start, seg.stream, seg.small, True, run))
+                a += s
+                run, run_start = [], a
+            if run:
+                out.append((run_start, end - run_start, seg.stream, seg.small, seg.page > 0, run))
         return out
 
-    # -- internals ----------------------------------------------------------------------------
+    # -- internals: the pools -----------------------------------------------------------------
+
+    def _insert_free(self, addr: int, size: int, stream: int, small: bool) -> None:
+        pools = self._free[small]
+        lst = pools.get(stream)
+        if lst is None:
+            lst = pools[stream] = []
+        insort(lst, size << _SHIFT | addr)
+        self._fsize[addr] = size
+        self._fend[addr + size] = addr
+        if self._gc:
+            self._gc_base[addr] = self._gc_count[small]
+
+    def _remove_free(self, addr: int, size: int, stream: int, small: bool) -> None:
+        lst = self._free[small][stream]
+        del lst[bisect_left(lst, size << _SHIFT | addr)]
+        del self._fsize[addr]
+        del self._fend[addr + size]
+
+    def _free_block(self, addr: int, size: int, requested: int, stream: int, small: bool) -> None:
+        if self._frames:
+            self._frames.pop(addr, None)
+        self.events.append(("free_completed", addr, requested, stream))
+        fsize = self._fsize
+        fend = self._fend
+        lst = self._free[small].get(stream)
+        if lst is None:
+            lst = self._free[small][stream] = []
+        segs = self._segs
+        if addr not in segs:
+            p = fend.pop(addr, None)
+            if p is not None:
+                psize = fsize.pop(p)
+                del lst[bisect_left(lst, psize << _SHIFT | p)]
+                addr = p
+                size += psize
+        end = addr + size
+        if end not in segs:
+            nsize = fsize.pop(end, None)
+            if nsize is not None:
+                del fend[end + nsize]
+                del lst[bisect_left(lst, nsize << _SHIFT | end)]
+                size += nsize
+        insort(lst, size << _SHIFT | addr)
+        fsize[addr] = size
+        fend[addr + size] = addr
+        if self._gc:
+            self._gc_base[addr] = self._gc_count[small]
+
+    def _alloc_size(self, rounded: int) -> int:
+        if rounded <= SMALL_SIZE:
+            return SMALL_BUFFER
+        if rounded < MIN_LARGE_ALLOC:
+            return self._large_seg
+        return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
+
+    def _alloc_new(self, size: int, rounded: int, small: bool, stream: int) -> tuple[int, int]:
+        """No cached block fits: GC, a new segment, the two retries, else the OOM event and error."""
+        if self._gc:
+            self._garbage_collect()
+        alloc_size = self._alloc_size(rounded)
+        got = self._alloc_block(rounded, alloc_size, small, stream)
+        if got is None and self._release_available_cached_blocks(rounded, small, stream):
+            got = self._alloc_block(rounded, alloc_size, small, stream)
+        if got is None:
+            self._release_cached_blocks()
+            self.num_alloc_retries += 1
+            got = self._alloc_block(rounded, alloc_size, small, stream)
+        if got is None:
+            self._oom(size, rounded, alloc_size, stream)
+        return got
+
+    def _alloc_block(self, rounded: int, alloc_size: int, small: bool, stream: int) -> tuple[int, int] | None:
+        """cudaMalloc (or map pages of) a new segment; ``None`` when it does not fit."""
+        if self.allowed_bytes is not None and self.reserved_bytes + alloc_size > self.allowed_bytes:
+            return None
+        if self._expandable:
+            return self._try_allocate_expandable_block(rounded, small, stream)
+        if self.capacity is not None and self.reserved_bytes + alloc_size > self.capacity:
+            return None
+        addr = self._segment_address(alloc_size)
+        self._segs[addr] = _Seg(addr, alloc_size, stream, small, 0)
+        self.reserved_bytes += alloc_size
+        if self.reserved_bytes > self.max_reserved_bytes:
+            self.max_reserved_bytes = self.reserved_bytes
+        self.events.append(("segment_alloc", addr, alloc_size, stream))
+        return addr, alloc_size
+
+    def _segment_address(self, size: int) -> int:
+        """Where the next new segment of ``size`` bytes starts (a subclass may choose)."""
+        addr = self._next_address
+        self._next_address += size
+        return addr
+
+    def _expandable_address(self, size: int) -> int:
+        """Where the next expandable virtual range of ``size`` bytes starts (a subclass may choose)."""
+        addr = self._next_address
+        self._next_address += size
+        return addr
+
+    def _release_block(self, addr: int, size: int, stream: int, small: bool) -> None:
+        """cudaFree a whole free segment."""
+        self._remove_free(addr, size, stream, small)
+        self._gc_base.pop(addr, None)
+        del self._segs[addr]
+        self.reserved_bytes -= size
+        self.events.append(("segment_free", addr, size, stream))
+
+    def _is_whole_segment(self, addr: int, size: int) -> bool:
+        seg = self._segs.get(addr)
+        return seg is not None and seg.size == size and seg.page == 0
+
+    def _in_expandable(self, addr: int) -> bool:
+        xs = self._xstarts
+        if not xs:
+            return False
+        i = bisect_left(xs, addr + 1) - 1
+        if i < 0:
+            return False
+        seg = self._segs[xs[i]]
+        return addr < seg.addr + seg.size
+
+    def _release_cached_blocks(self) -> None:
+        """emptyCache: synchronize, then release whole free segments and unmap free pages."""
+        self.synchronize()
+        for small in (False, True):
+            pools = self._free[small]
+            to_unmap: list[tuple[int, int, int]] = []
+            for stream in sorted(pools):
+                for key in list(pools[stream]):
+                    addr, size = key & _MASK, key >> _SHIFT
+                    if self._xstarts and self._in_expandable(addr):
+                        to_unmap.append((addr, size, stream))
+                    elif self._is_whole_segment(addr, size):
+                        self._release_block(addr, size, stream, small)
+            for addr, size, stream in to_unmap:
+                self._unmap_block(addr, size, stream, small)
+
+    def _release_available_cached_blocks(self, rounded: int, small: bool, stream: int) -> bool:
+        """Free cached oversize blocks (at least ``max_split_size``) of the stream; only with it set."""
+        mss = self._max_split
+        if mss == SIZE_MAX:
+            return False
+        lst = self._free[small].get(stream) or []
+        key = max(rounded, mss)
+        i = bisect_left(lst, key << _SHIFT)
+        if i < len(lst) and not self._in_expandable(lst[i] & _MASK):
+            addr, size = lst[i] & _MASK, lst[i] >> _SHIFT
+            if not self._is_whole_segment(addr, size):
+                return False
+            self._release_block(addr, size, stream, small)
+            return True
+        released = 0
+        j = i - 1
+        while released < key and j >= 0 and (lst[j] >> _SHIFT) >= mss:
+            addr, size = lst[j] & _MASK, lst[j] >> _SHIFT
+            if not self._in_expandable(addr) and self._is_whole_segment(addr, size):
+                self._release_block(addr, size, stream, small)
+                released += size
+            j -= 1
+        return released >= key
+
+    def _garbage_collect(self) -> None:
+        """Free cached whole large-pool segments whose age is at least the average, until the
+        reserved bytes fall under ``garbage_collection_threshold`` x the allowed bytes."""
+        assert self.allowed_bytes is not None
+        threshold = int(self.config.garbage_collection_threshold * self.allowed_bytes)
+        if self.reserved_bytes <= threshold:
+            return
+        target = self.reserved_bytes - threshold
+        count = self._gc_count[False]
+        pools = self._free[False]
+
+        def candidates() -> list[tuple[int, int, int]]:
+            return [
+                (key & _MASK, key >> _SHIFT, stream)
+                for stream in sorted(pools)
+                for key in pools[stream]
+                if self._is_whole_segment(key & _MASK, key >> _SHIFT)
+            ]
+
+        cands = candidates()
+        total_age = sum(count - self._gc_base[a] for a, _, _ in cands)
+        n = len(cands)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and n > 0:
+            threshold_age = total_age / n
+            freed = False
+            for addr, size, stream in candidates():
+                age = count - self._gc_base[addr]
+                if age >= threshold_age:
+                    freed = True
+                    reclaimed += size
+                    total_age -= age
+                    n -= 1
+                    self._release_block(addr, size, stream, False)
+
+    def _oom(self, size: int, rounded: int, alloc_size: int, stream: int) -> NoReturn:
+        free = 0 if self.capacity is None else max(self.capacity - self.reserved_bytes, 0)
+        self.events.append(("oom", free, rounded, stream))
+        self.num_ooms += 1
+        limit = f"capacity {self.capacity} bytes"
+        if self.allowed_bytes is not None:
+            limit += f" ({self.allowed_bytes} allowed by the memory fraction)"
+        raise SimulatedOutOfMemoryError(
+            f"simulated CUDA out of memory: tried to allocate {alloc_size} bytes for a request of "
+            f"{size} bytes on stream {stream} (rounded to {rounded}); {limit}, {free} free, "
+            f"{self.reserved_bytes} reserved, {self.allocated_bytes} allocated, "
+            f"{self.reserved_bytes - self.allocated_bytes} reserved but unallocated after "
+            "emptying the cache. Fix: a smaller request, a larger capacity, or free memory first"
+        )
+
+    # -- internals: expandable segments -------------------------------------------------------
+
+    def _expandable_best_fit(self, lst: list[int], i: int) -> int:
+        """get_free_block's expandable twist: compare by the size the block could grow to."""
+        usize, segs = self._usize, self._segs
+
+        def grow(key: int) -> int:
+            a, s = key & _MASK, key >> _SHIFT
+            nxt = a + s
+            return s + (usize.get(nxt, 0) if nxt not in segs else 0)
+
+        n = len(lst)
+        while self._in_expandable(lst[i] & _MASK) and i + 1 < n and grow(lst[i + 1]) < grow(lst[i]):
+            i += 1
+        return i
+
+    def _va_size(self, page: int) -> int:
+        total = self.capacity if self.capacity is not None else _DEFAULT_DEVICE_BYTES
+        want = total + total // 8
+        return page * ((want + page - 1) // page)
+
+    def _new_expandable_range(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
+        self._special = True
+        self._segs[addr] = _Seg(addr, size, stream, small, page)
+        insort(self._xstarts, addr)
+        self._insert_unmapped(addr, size, stream, small)
+
+    def _insert_unmapped(self, addr: int, size: int, stream: int, small: bool) -> None:
+        self._usize[addr] = size
+        self._uend[addr + size] = addr
+        insort(self._unmapped.setdefault((small, stream), []), addr)
+
+    def _remove_unmapped(self, addr: int, stream: int, small: bool) -> int:
+        size = self._usize.pop(addr)
+        del self._uend[addr + size]
+        lst = self._unmapped[(small, stream)]
+        del lst[bisect_left(lst, addr)]
+        return size
+
+    def _find_expandable_block(self, rounded: int, small: bool, stream: int) -> int:
+        fsize, usize, segs = self._fsize, self._usize, self._segs
+        for ua in self._unmapped.get((small, stream), ()):
+            c = ua
+            if ua not in segs and ua in self._fend:
+                c = self._fend[ua]
+            total, b = 0, c
+            while total < rounded:
+                s = fsize.get(b)
+                if s is None:
+                    s = usize.get(b)
+                if s is None:
+                    break
+                total += s
+                b += s
+                if b in segs:
+                    break
+            if total >= rounded:
+                return c
+        page = SMALL_BUFFER if small else self._large_seg
+        va = self._va_size(page)
+        addr = self._expandable_address(va)
+        self._new_expandable_range(addr, va, stream, small, page)
+        return addr
+
+    def _try_allocate_expandable_block(self, rounded: int, small: bool, stream: int) -> tuple[int, int] | None:
+        c = self._find_expandable_block(rounded, small, stream)
+        if c in self._usize:
+            c = self._map_block(c, min(self._usize[c], rounded), stream, small)
+            if c < 0:
+                return None
+        while self._fsize[c] < rounded:
+            nxt = c + self._fsize[c]
+            c = self._map_block(nxt, min(rounded - self._fsize[c], self._usize[nxt]), stream, small)
+            if c < 0:
+                return None
+        size = self._fsize[c]
+        self._remove_free(c, size, stream, small)
+        return c, size
+
+    def _seg_of(self, addr: int) -> _Seg:
+        return self._segs[self._xstarts[bisect_left(self._xstarts, addr + 1) - 1]]
+
+    def _map_block(self, addr: int, size: int, stream: int, small: bool) -> int:
+        """Map the pages covering ``size`` bytes from the unmapped block at ``addr``; merge the
+        mapped part with free neighbours; return the merged free block's address, -1 if full."""
+        seg = self._seg_of(addr)
+        page = seg.page
+        off = addr - seg.addr
+        first = off // page
+        last = (off + size + page - 1) // page
+        mapped = (last - first) * page
+        if self.capacity is not None and self.reserved_bytes + mapped > self.capacity:
+            return -1
+        map_start = seg.addr + first * page
+        usz = self._remove_unmapped(addr, stream, small)
+        if usz > mapped:
+            self._insert_unmapped(addr + mapped, usz - mapped, stream, small)
+        # merge with free mapped neighbours (try_merge_blocks with prev, then next)
+        start, total = addr, mapped
+        if addr not in self._segs and addr in self._fend:
+            p = self._fend[addr]
+            psize = self._fsize[p]
+            self._remove_free(p, psize, stream, small)
+            start, total = p, total + psize
+        end = start + total
+        if end not in self._segs and end in self._fsize:
+            nsize = self._fsize[end]
+            self._remove_free(end, nsize, stream, small)
+            total += nsize
+        self._insert_free(start, total, stream, small)
+        self.reserved_bytes += mapped
+        if self.reserved_bytes > self.max_reserved_bytes:
+            self.max_reserved_bytes = self.reserved_bytes
+        self.events.append(("segment_map", map_start, mapped, stream))
+        return start
+
+    def _unmap_block(self, addr: int, size: int, stream: int, small: bool) -> None:
+        """Unmap the whole pages inside the free block; release the range if all is unmapped."""
+        seg = self._seg_of(addr)
+        page = seg.page
+        begin = -(-(addr - seg.addr) // page) * page + seg.addr
+        end = ((addr + size - seg.addr) // page) * page + seg.addr
+        if begin >= end:
+            return
+        self._remove_free(addr, size, stream, small)
+        self._gc_base.pop(addr, None)
+        if begin > addr:
+            self._insert_free(addr, begin - addr, stream, small)
+        if addr + size > end:
+            self._insert_free(end, addr + size - end, stream, small)
+        ustart, usize = begin, end - begin
+        if ustart not in self._segs and ustart in self._uend:
+            p = self._uend[ustart]
+            usize += self._remove_unmapped(p, stream, small)
+            ustart = p
+        if ustart + usize in self._usize and ustart + usize not in self._segs:
+            usize += self._remove_unmapped(ustart + usize, stream, small)
+        self._insert_unmapped(ustart, usize, stream, small)
+        self.reserved_bytes -= end - begin
+        self.events.append(("segment_unmap", begin, end - begin, stream))
+        if ustart == seg.addr and usize == seg.size:  # nothing mapped: release the range
+            self._remove_unmapped(ustart, stream, small)
+            del self._segs[seg.addr]
+            self._xstarts.remove(seg.addr)
+
+    def _seed_expandable_range(self, address: int, size: int, stream: int, small: bool) -> None:
+        page = SMALL_BUFFER if small else self._large_seg
+        if size % page:
+            raise InvalidInputError(
+                f"add_segment(address={address:#x}, size={size}, expandable=True): a mapped range "
+                f"is whole pages of {page} bytes in the {'small' if small else 'large'} pool"
+            )
+        host = None
+        for ua in self._unmapped.get((small, stream), ()):
+            if ua <= address and address + size <= ua + self._usize[ua]:
+                host = ua
+                break
+        if host is None:
+            for start, seg in self._segs.items():
+                if address < start + seg.size and start < address + size:
+                    raise InvalidInputError(
+                        f"add_segment(address={address:#x}, size={size}): overlaps the existing "
+                        f"segment [{start:#x}, {start + seg.size:#x}); segments must not overlap"
+                    )
+            va = self._va_size(page)
+            later = [s for s in self._segs if s > address]
+            if later:
+                va = min(va, (min(later) - address) // page * page)
+            self._new_expandable_range(address, va, stream, small, page)
+            host = address
+        elif (address - self._seg_of(address).addr) % page:
+            raise InvalidInputError(
+                f"add_segment(address={address:#x}, expandable=True): not on a page boundary of "
+                "the expandable range that holds it"
+            )
+        usz = self._remove_unmapped(host, stream, small)
+        if address > host:
+            self._insert_unmapped(host, address - host, stream, small)
+        if host + usz > address + size:
+            self._insert_unmapped(address + size, host + usz - address - size, stream, small)
+        self.reserved_bytes += size
+
+    # -- internals: input checks --------------------------------------------------------------
+
+    def _check_size(self, size: Any) -> int:
+        try:
+            n = size.__index__()
+        except (AttributeError, TypeError):
+            n = None
+        if n is None or isinstance(size, bool) or n < 1:
+            raise InvalidInputError(
+                f"malloc size must be an int >= 1 byte, got {size!r} (PyTorch never calls the "
+                "allocator for 0 bytes)"
+            )
+        if n >= _HUGE:
+            raise SimulatedOutOfMemoryError(
+                f"simulated CUDA out of memory: tried to allocate {n} bytes, more than 1 EiB "
+                "(PyTorch refuses such requests before the allocator)"
+            )
+        return int(n)
+
+    def _bad_free(self, address: int) -> NoReturn:
+        if address in self._pending:
+            raise InvalidInputError(f"double free of address {address}: its free is pending")
+        raise InvalidInputError(
+            f"free of address {address}, which is not an allocated block; pass an address "
+            "malloc returned, once"
+        )
 
     def _check_segment(
         self, address: int, size: int, stream: int, blocks: Sequence[tuple[int, int, int]]
@@ -349,53 +1074,3 @@ class CachingAllocator:
             raise InvalidInputError(
                 f"{where}: the blocks cover {expected_offset} bytes, not the segment's {size}"
             )
-        for start, end in self._segment_ranges():
-            if address < end and start < address + size:
-                raise InvalidInputError(
-                    f"{where}: overlaps the existing segment [{start:#x}, {end:#x}); seeded "
-                    "segments must not overlap"
-                )
-
-    def _segment_ranges(self) -> list[tuple[int, int]]:
-        return [(addr, addr + size) for addr, size, _, _ in self.layout()]
-
-    def _segment_address(self, size: int) -> int:
-        """Where the next new segment of ``size`` bytes starts (a subclass may choose)."""
-        addr = self._next_address
-        self._next_address += size
-        return addr
-
-    def _insert_free(self, block: _Block) -> None:
-        insort(self._free[block.small], (block.stream, block.size, block.addr))
-        self._free_blocks[block.addr] = block
-
-    def _remove_free(self, block: _Block) -> None:
-        keys = self._free[block.small]
-        i = bisect_left(keys, (block.stream, block.size, block.addr))
-        del keys[i]
-        del self._free_blocks[block.addr]
-
-    def _take_free(self, small: bool, stream: int, size: int) -> _Block | None:
-        keys = self._free[small]
-        i = bisect_left(keys, (stream, size, -1))
-        if i == len(keys) or keys[i][0] != stream:
-            return None
-        addr = keys.pop(i)[2]
-        return self._free_blocks.pop(addr)
-
-    def _new_segment(self, size: int, rounded: int, small: bool, stream: int) -> _Block:
-        seg = segment_size(rounded)
-        cap = self.capacity
-        if cap is not None and self.reserved_bytes + seg > cap:
-            self.empty_cache()
-            if self.reserved_bytes + seg > cap:
-                raise SimulatedOutOfMemoryError(
-                    f"simulated CUDA out of memory: a request of {size} bytes on stream {stream} "
-                    f"(rounded to {rounded}) needs a new {seg}-byte segment, but {self.reserved_bytes} "
-                    f"of the capacity {cap} are reserved ({self.allocated_bytes} allocated) after "
-                    "emptying the cache"
-                )
-        addr = self._segment_address(seg)
-        self.reserved_bytes += seg
-        self.events.append(("segment_alloc", addr, seg, stream))
-        return _Block(addr, seg, stream, small)
