@@ -115,6 +115,7 @@ def _run(seed: int, n: int, cut: int) -> tuple[Snapshot, list[Any]]:
     at_cut: list[Any] = []
     for step in range(n):
         if len(a.events) >= cut and not at_cut:
+            cut = len(a.events)  # a step boundary
             at_cut = [
                 (addr, size, stream,
                  [(off, bs, requested[addr + off] if on else 0) for off, bs, on in blocks])
@@ -142,9 +143,7 @@ def _run(seed: int, n: int, cut: int) -> tuple[Snapshot, list[Any]]:
                         "state": "active_allocated" if on else "inactive"}
                        for off, bs, on in blocks]})
     trace: list[dict[str, Any]] = []
-    for act, addr, size, stream in a.events[cut:]:
-        if act == "free_completed":
-            trace.append({"action": "free_requested", "addr": addr, "size": size, "stream": stream})
+    for act, addr, size, stream in a.events[cut:]:  # free_requested, then free_completed
         trace.append({"action": act, "addr": addr, "size": size, "stream": stream})
     return from_pytorch({"segments": segments, "device_traces": [trace]}), at_cut
 

@@ -44,11 +44,12 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from torchmem.errors import InvalidInputError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim.allocator import CachingAllocator, round_size
+from torchmem.sim.config import AllocatorConfig
 from torchmem.units import format_bytes
 
 __all__ = ["ReplayResult", "StartSegment", "TraceReplay", "replay", "start_state"]
@@ -167,7 +168,7 @@ def _fail(device: int, i: int | None, what: str) -> InvalidInputError:
 
 
 def start_state(
-    snapshot: Snapshot, device: int = 0, rounding: Any = round_size
+    snapshot: Snapshot, device: int = 0, rounding: Callable[[int], int] = round_size
 ) -> list[StartSegment]:
     """The allocator's segments and live blocks at the start of ``device``'s trace.
 
@@ -295,11 +296,8 @@ def _front_slack(t: Any, lo: int, hi: int, stop: int) -> int | None:
 class _TraceAllocator(CachingAllocator):
     """A simulator whose new segments take the addresses the real allocator got, in order."""
 
-    def __init__(self, capacity: int | None = None, config: Any = None) -> None:
-        if config is None:
-            super().__init__(capacity)
-        else:
-            super().__init__(capacity, config=config)  # type: ignore[call-arg]
+    def __init__(self, capacity: int | None = None, config: AllocatorConfig | None = None) -> None:
+        super().__init__(capacity, config)
         self.real_addresses: list[int] = []  # the trace's segment_alloc addresses, in order
         self._used = 0
 
@@ -312,18 +310,13 @@ class _TraceAllocator(CachingAllocator):
         return super()._segment_address(size)
 
 
-def _config_from(snapshot: Snapshot, config: Any) -> Any:
+def _config_from(snapshot: Snapshot, config: AllocatorConfig | str | None) -> AllocatorConfig:
     """The allocator configuration: ``config`` if given, else the snapshot's settings."""
+    if isinstance(config, str):
+        return AllocatorConfig.parse(config)
     if config is not None:
         return config
-    settings = snapshot.allocator_settings
-    if not settings:
-        return None
-    try:
-        from torchmem.sim.allocator import AllocatorConfig  # type: ignore[attr-defined]
-    except ImportError:  # a simulator without options: default settings only
-        return None
-    return AllocatorConfig.from_settings(settings)
+    return AllocatorConfig.from_settings(snapshot.allocator_settings)
 
 
 class TraceReplay:
@@ -353,7 +346,7 @@ class TraceReplay:
         snapshot: Snapshot,
         device: int = 0,
         *,
-        config: Any = None,
+        config: AllocatorConfig | str | None = None,
         capacity: int | None = None,
         start: list[StartSegment] | None = None,
     ) -> None:
@@ -661,8 +654,8 @@ class TraceReplay:
         )
 
 
-def _rounding(cfg: Any) -> Any:
-    return getattr(cfg, "round_size", None) or round_size
+def _rounding(cfg: AllocatorConfig) -> Callable[[int], int]:
+    return lambda size: round_size(size, cfg)
 
 
 def _free_block_at(sim: CachingAllocator, address: int) -> int | None:
@@ -676,7 +669,7 @@ def _free_block_at(sim: CachingAllocator, address: int) -> int | None:
     return None
 
 
-def _settle(snapshot: Snapshot, device: int, cfg: Any) -> list[StartSegment]:
+def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[StartSegment]:
     """:func:`start_state`, then the slack the trace leaves open chosen to agree with it.
 
     A large block freed in the trace may carry up to 1 MiB of slack before a free block; when no
@@ -723,7 +716,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: Any) -> list[StartSegment]:
     return segs
 
 
-def replay(snapshot: Snapshot, device: int = 0, *, config: Any = None) -> ReplayResult:
+def replay(snapshot: Snapshot, device: int = 0, *, config: AllocatorConfig | str | None = None) -> ReplayResult:
     """Replay ``snapshot``'s trace of ``device`` through the simulator and compare.
 
     A mid-run trace starts from the state :func:`start_state` rebuilds. ``config`` overrides the
