@@ -296,8 +296,13 @@ def _front_slack(t: Any, lo: int, hi: int, stop: int) -> int | None:
 class _TraceAllocator(CachingAllocator):
     """A simulator whose new segments take the addresses the real allocator got, in order."""
 
-    def __init__(self, capacity: int | None = None, config: AllocatorConfig | None = None) -> None:
-        super().__init__(capacity, config)
+    def __init__(
+        self,
+        capacity: int | None = None,
+        config: AllocatorConfig | None = None,
+        memory_fraction: float | None = None,
+    ) -> None:
+        super().__init__(capacity, config, memory_fraction=memory_fraction)
         self.real_addresses: list[int] = []  # the trace's segment_alloc addresses, in order
         self._used = 0
 
@@ -328,7 +333,11 @@ class TraceReplay:
     replayed so far (0 for other entries). ``config`` overrides the snapshot's allocator settings
     (an ``AllocatorConfig`` or a ``PYTORCH_CUDA_ALLOC_CONF`` string) and ``capacity`` limits the
     simulated device (then an ``alloc`` may raise
-    :class:`~torchmem.errors.SimulatedOutOfMemoryError`).
+    :class:`~torchmem.errors.SimulatedOutOfMemoryError`), ``memory_fraction`` as in
+    :class:`~torchmem.sim.CachingAllocator`. ``real_addresses=False`` gives new segments fresh
+    simulated addresses instead of the trace's (for what-if runs under other settings, whose
+    segments differ from the real ones). ``start`` is a start state to use instead of the one
+    rebuilt from the snapshot.
 
     Example:
         >>> from torchmem.io.pytorch_snapshot import from_pytorch
@@ -349,6 +358,8 @@ class TraceReplay:
         config: AllocatorConfig | str | None = None,
         capacity: int | None = None,
         start: list[StartSegment] | None = None,
+        memory_fraction: float | None = None,
+        real_addresses: bool = True,
     ) -> None:
         self.snapshot = snapshot
         self.device = device
@@ -365,10 +376,11 @@ class TraceReplay:
         if start is None:
             start = _settle(snapshot, device, cfg)
         self.start_segments = start
-        sim = _TraceAllocator(capacity, cfg)
-        sim.real_addresses = [
-            t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
-        ]
+        sim = _TraceAllocator(capacity, cfg, memory_fraction)
+        if real_addresses:
+            sim.real_addresses = [
+                t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
+            ]
         self.allocator: CachingAllocator = sim
         self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
         self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
