@@ -329,3 +329,20 @@ def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_
     assert code == 2 and "no such file" in err
     code, _, err = _cli(capsys, "replay", str(DATA / TRACED[0]), "--device", "5")
     assert code == 2 and "device 5 has no segments or trace entries" in err
+
+
+def test_a_capacity_stops_the_replay_at_the_request_that_does_not_fit() -> None:
+    from torchmem.errors import SimulatedOutOfMemoryError
+
+    a = CachingAllocator()
+    x = a.malloc(600 * MiB)
+    a.free(x)
+    a.malloc(50 * MiB)
+    snap = a.snapshot()  # trace: segment_alloc, alloc 600 MiB, free x2, alloc 50 MiB
+    tr = TraceReplay(snap, capacity=500 * MiB, real_addresses=False)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        tr.run()
+    assert tr.position == 1 and snap.trace(0)[1].action == "alloc"  # the 600 MiB request
+    ok = TraceReplay(snap, capacity=600 * MiB)
+    ok.run()
+    assert ok.result().final_layout_equal and ok.peak_reserved_bytes == 600 * MiB

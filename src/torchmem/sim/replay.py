@@ -411,6 +411,8 @@ class TraceReplay:
         self._allocs_matched = 0
         self._alloc_divergence: dict[str, Any] | None = None
         self._last = ""
+        self._at = 0
+        self._halt = False  # stop at the first alloc that lands elsewhere (for _settle's probes)
 
     def run(self, stop: int | None = None) -> None:
         """Apply the trace's entries up to (not including) entry ``stop`` (default: all).
@@ -426,7 +428,19 @@ class TraceReplay:
         sim = self.allocator
         events = sim.events
         amap = self._addr_map
-        for i in range(self.position, stop):
+        halt = self._halt
+        i = self.position
+        try:
+            self._run(i, stop, names, acts, addrs, sizes, streams, sim, events, amap, halt)
+        finally:
+            self.position = max(self.position, self._at)
+
+    def _run(
+        self, first: int, stop: int, names: list[str], acts: Any, addrs: Any, sizes: Any,
+        streams: Any, sim: CachingAllocator, events: list[Any], amap: dict[int, int], halt: bool,
+    ) -> None:
+        for i in range(first, stop):
+            self._at = i  # the entry being applied (where an error leaves the replay)
             act = names[acts[i]]
             a = addrs[i]
             if act == "alloc":
@@ -448,6 +462,9 @@ class TraceReplay:
                     self._allocs_matched += 1
                 elif self._alloc_divergence is None:
                     self._alloc_divergence = self._describe_alloc(k, i, a, sa, bsize)
+                    if halt:
+                        self._at = i + 1
+                        return
                 self.allocated_bytes += bsize
                 self.requested_bytes += size
                 if self.allocated_bytes > self.peak_allocated_bytes:
@@ -466,8 +483,8 @@ class TraceReplay:
                 except InvalidInputError:
                     raise InvalidInputError(
                         f"device {self.device}, trace entry {i} frees the address {a:#x}, which "
-                        "the trace never allocated and the rebuilt start state does not hold (the "
-                        "snapshot lists no segments of this device, so the state before the trace "
+                        "the trace never allocated and the start state does not hold (when the "
+                        "snapshot lists no segments of this device, the state before the trace "
                         "cannot be rebuilt); replay needs the snapshot's segments or a trace that "
                         "is complete from empty"
                     ) from None
@@ -484,7 +501,7 @@ class TraceReplay:
             ):
                 sim.empty_cache()
             self._last = act
-        self.position = max(self.position, stop)
+        self._at = stop
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -698,6 +715,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
     t = snapshot.trace(device)
     for _ in range(4 * len(rows) + 4 if rows else 0):
         probe = TraceReplay(snapshot, device, config=cfg, start=segs)
+        probe._halt = True
         probe.run()
         d = probe._alloc_divergence
         if d is None:
