@@ -14,7 +14,8 @@ reference model (``torchmem.sim._reference.ReferenceAllocator``, every search a 
 plain list of blocks) on the first ``--ref-requests`` requests (its cost grows with the number of
 blocks, so all of it would take minutes); their event lists on that prefix are asserted equal,
 and the fast one's events on the prefix are those of the full run. Prints requests/s for each,
-the ratio, and the peak RSS of the process.
+the ratio, and the peak RSS of the process; also the fast simulator's speed with
+``expandable_segments:True`` on the whole stream.
 
 Run:  python benchmarks/bench_sim.py [--quick]
 """
@@ -146,6 +147,11 @@ def main() -> None:
     dt = drive(fast, ops)
     print(f"torchmem.sim.CachingAllocator: {n:,} requests in {dt:.2f} s = {n / dt:,.0f} requests/s "
           f"({len(fast.events):,} events, peak reserved {fast.max_reserved_bytes / MiB:,.0f} MiB)")
+
+    fast_x = CachingAllocator(config="expandable_segments:True")
+    dt_x = drive(fast_x, ops)
+    print(f"  with expandable_segments:True: {dt_x:.2f} s = {n / dt_x:,.0f} requests/s "
+          f"({len(fast_x.events):,} events, peak reserved {fast_x.max_reserved_bytes / MiB:,.0f} MiB)")
 
     prefix = ops[:ref_n]
     fast_p = CachingAllocator()

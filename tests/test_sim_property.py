@@ -24,6 +24,11 @@ CONFIGS: list[tuple[str, int | None, float | None]] = [
     ("garbage_collection_threshold:0.5", 200 * MiB, 0.8),
     ("garbage_collection_threshold:0.3,max_split_size_mb:30", 240 * MiB, 0.6),
     ("", 300 * MiB, 0.5),
+    ("expandable_segments:True", 300 * MiB, None),
+    ("expandable_segments:True", None, None),
+    ("expandable_segments:True,max_split_size_mb:40", 260 * MiB, None),
+    ("expandable_segments:True,garbage_collection_threshold:0.5", 300 * MiB, 0.8),
+    ("expandable_segments:True,large_segment_size_mb:32,roundup_power2_divisions:4", 400 * MiB, None),
 ]
 
 
@@ -113,4 +118,5 @@ def test_the_streams_exercise_every_path() -> None:
         seen.update(e[0] for e in sim.events)
         if sim.num_alloc_retries:
             seen.add("retry")
-    assert {"oom", "segment_free", "free_requested", "free_completed", "retry"} <= seen
+    assert {"oom", "segment_free", "free_requested", "free_completed", "retry", "segment_map",
+            "segment_unmap"} <= seen

@@ -29,6 +29,9 @@ The rules (``c10/cuda/CUDACachingAllocator.cpp``, restated; options in :mod:`.co
   (``segment_map``) and unmapping them in ``empty_cache`` (``segment_unmap``).
 
 Not modelled: CUDA graph capture and private pools (MemPool), IPC, ``backend:cudaMallocAsync``.
+This module is over the usual 600 lines because it is one state machine (pools, the
+out-of-memory chain, GC, deferred frees, seeding, views) and half of it is docstrings with
+examples; expandable segments live in :mod:`._expandable`, the seeding checks in :mod:`._checks`.
 A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
 (the simulation has no GPU clock to say when the other stream is done).
 
@@ -51,6 +54,8 @@ from typing import Any, NoReturn
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
 from torchmem.model.snapshot import Snapshot
+from torchmem.sim._checks import check_segment
+from torchmem.sim._expandable import SMALL_BUFFER, ExpandableMixin, Seg
 from torchmem.sim._snapshot import Frames, build_snapshot
 from torchmem.sim.config import AllocatorConfig
 
@@ -62,13 +67,11 @@ __all__ = [
 
 MIN_BLOCK_SIZE = 512
 SMALL_SIZE = 1 << 20  # 1 MiB: the largest small-pool request
-SMALL_BUFFER = 2 << 20  # 2 MiB: every small-pool segment
 LARGE_BUFFER = 20 << 20  # 20 MiB: the default segment of a large request under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20  # 10 MiB
 ROUND_LARGE = 2 << 20  # 2 MiB: larger segments are rounded up to this
 SIZE_MAX = (1 << 64) - 1
 _BASE_ADDRESS = 1 << 32  # where simulated segments start (any 2 MiB-aligned value would do)
-_DEFAULT_DEVICE_BYTES = 80 << 30  # device memory assumed for expandable ranges without a capacity
 _SHIFT = 64  # free-block keys: size << 64 | address (one int compares faster than a tuple)
 _MASK = (1 << _SHIFT) - 1
 _HUGE = 1 << 60  # PyTorch refuses requests of 1 EiB and more outright
@@ -129,20 +132,24 @@ def segment_size(rounded: int, config: AllocatorConfig | None = None) -> int:
     return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-class _Seg:
-    """A segment: one cudaMalloc, or one expandable virtual range (``page`` > 0)."""
+class _SegmentLayout(tuple[int, int, int, list[tuple[int, int, bool]]]):
+    """One entry of :meth:`CachingAllocator.layout`: a 4-tuple that also says its pool and
+    whether it is a mapped range of an expandable segment."""
 
-    __slots__ = ("addr", "size", "stream", "small", "page")
+    is_expandable: bool
+    small: bool
 
-    def __init__(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
-        self.addr = addr
-        self.size = size
-        self.stream = stream
+    def __new__(
+        cls, address: int, size: int, stream: int, blocks: list[tuple[int, int, bool]],
+        is_expandable: bool, small: bool,
+    ) -> _SegmentLayout:
+        self = super().__new__(cls, (address, size, stream, blocks))
+        self.is_expandable = is_expandable
         self.small = small
-        self.page = page
+        return self
 
 
-class CachingAllocator:
+class CachingAllocator(ExpandableMixin):
     """PyTorch 2.13's CUDA caching allocator for one device, simulated in Python.
 
     ``capacity`` (bytes, ``None`` for unlimited) is what cudaMalloc may reserve in total (the
@@ -237,7 +244,7 @@ class CachingAllocator:
         # blocks whose free waits for other streams: address -> (size, requested, stream, small)
         self._pending: dict[int, tuple[int, int, int, bool]] = {}
         self._uses: dict[int, set[int]] = {}  # record_stream: address -> other streams
-        self._segs: dict[int, _Seg] = {}  # by start address
+        self._segs: dict[int, Seg] = {}  # by start address
         # expandable segments: unmapped blocks by address / end, and sorted per (small, stream)
         self._usize: dict[int, int] = {}
         self._uend: dict[int, int] = {}
@@ -278,9 +285,9 @@ class CachingAllocator:
         addr = -1
         if lst:
             i = bisect_left(lst, rounded << _SHIFT)
-            if i < len(lst):
-                if special and self._xstarts:
-                    i = self._expandable_best_fit(lst, i)
+            if i < len(lst) and special and self._xstarts:
+                i = self._expandable_best_fit(lst, i)
+            if 0 <= i < len(lst):
                 key = lst[i]
                 bsize = key >> _SHIFT
                 mss = self._max_split
@@ -488,7 +495,7 @@ class CachingAllocator:
             >>> a.allocated_bytes, a.reserved_bytes, a.malloc(512) - (1 << 30)
             (1024, 2097152, 1024)
         """
-        self._check_segment(address, size, stream, blocks)
+        check_segment(address, size, stream, blocks)
         small = bool(small)
         if expandable:
             self._seed_expandable_range(address, size, stream, small)
@@ -499,7 +506,7 @@ class CachingAllocator:
                         f"add_segment(address={address:#x}, size={size}): overlaps the existing "
                         f"segment [{start:#x}, {start + seg.size:#x}); segments must not overlap"
                     )
-            self._segs[address] = _Seg(address, size, stream, small, 0)
+            self._segs[address] = Seg(address, size, stream, small, 0)
             self.reserved_bytes += size
         allocated: list[int] = []
         for offset, bsize, requested in blocks:
@@ -521,17 +528,24 @@ class CachingAllocator:
         """The segments, by address: ``(address, size, stream, [(offset, size, allocated)])``.
 
         ``allocated`` is true for active blocks (including those whose free is pending). An
-        expandable segment shows one entry per contiguous mapped range.
+        expandable segment shows one entry per contiguous mapped range; each entry also has the
+        attributes ``is_expandable`` and ``small`` (its pool).
 
         Example:
             >>> a = CachingAllocator()
             >>> _ = a.malloc(1000)
             >>> a.layout()
             [(4294967296, 2097152, 0, [(0, 1024, True), (1024, 2096128, False)])]
+            >>> a.layout()[0].is_expandable, a.layout()[0].small
+            (False, True)
         """
         return [
-            (start, size, stream, [(off, bsize, state != "inactive") for off, bsize, _, state in blocks])
-            for start, size, stream, _, _, blocks in self._segment_states()
+            _SegmentLayout(
+                start, size, stream,
+                [(off, bsize, state != "inactive") for off, bsize, _, state in blocks],
+                expandable, small,
+            )
+            for start, size, stream, small, expandable, blocks in self._segment_states()
         ]
 
     def snapshot(self, device: int = 0) -> Snapshot:
@@ -678,7 +692,7 @@ class CachingAllocator:
         if self.capacity is not None and self.reserved_bytes + alloc_size > self.capacity:
             return None
         addr = self._segment_address(alloc_size)
-        self._segs[addr] = _Seg(addr, alloc_size, stream, small, 0)
+        self._segs[addr] = Seg(addr, alloc_size, stream, small, 0)
         self.reserved_bytes += alloc_size
         if self.reserved_bytes > self.max_reserved_bytes:
             self.max_reserved_bytes = self.reserved_bytes
@@ -687,12 +701,6 @@ class CachingAllocator:
 
     def _segment_address(self, size: int) -> int:
         """Where the next new segment of ``size`` bytes starts (a subclass may choose)."""
-        addr = self._next_address
-        self._next_address += size
-        return addr
-
-    def _expandable_address(self, size: int) -> int:
-        """Where the next expandable virtual range of ``size`` bytes starts (a subclass may choose)."""
         addr = self._next_address
         self._next_address += size
         return addr
@@ -708,16 +716,6 @@ class CachingAllocator:
     def _is_whole_segment(self, addr: int, size: int) -> bool:
         seg = self._segs.get(addr)
         return seg is not None and seg.size == size and seg.page == 0
-
-    def _in_expandable(self, addr: int) -> bool:
-        xs = self._xstarts
-        if not xs:
-            return False
-        i = bisect_left(xs, addr + 1) - 1
-        if i < 0:
-            return False
-        seg = self._segs[xs[i]]
-        return addr < seg.addr + seg.size
 
     def _release_cached_blocks(self) -> None:
         """emptyCache: synchronize, then release whole free segments and unmap free pages."""
@@ -810,188 +808,6 @@ class CachingAllocator:
             "emptying the cache. Fix: a smaller request, a larger capacity, or free memory first"
         )
 
-    # -- internals: expandable segments -------------------------------------------------------
-
-    def _expandable_best_fit(self, lst: list[int], i: int) -> int:
-        """get_free_block's expandable twist: compare by the size the block could grow to."""
-        usize, segs = self._usize, self._segs
-
-        def grow(key: int) -> int:
-            a, s = key & _MASK, key >> _SHIFT
-            nxt = a + s
-            return s + (usize.get(nxt, 0) if nxt not in segs else 0)
-
-        n = len(lst)
-        while self._in_expandable(lst[i] & _MASK) and i + 1 < n and grow(lst[i + 1]) < grow(lst[i]):
-            i += 1
-        return i
-
-    def _va_size(self, page: int) -> int:
-        total = self.capacity if self.capacity is not None else _DEFAULT_DEVICE_BYTES
-        want = total + total // 8
-        return page * ((want + page - 1) // page)
-
-    def _new_expandable_range(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
-        self._special = True
-        self._segs[addr] = _Seg(addr, size, stream, small, page)
-        insort(self._xstarts, addr)
-        self._insert_unmapped(addr, size, stream, small)
-
-    def _insert_unmapped(self, addr: int, size: int, stream: int, small: bool) -> None:
-        self._usize[addr] = size
-        self._uend[addr + size] = addr
-        insort(self._unmapped.setdefault((small, stream), []), addr)
-
-    def _remove_unmapped(self, addr: int, stream: int, small: bool) -> int:
-        size = self._usize.pop(addr)
-        del self._uend[addr + size]
-        lst = self._unmapped[(small, stream)]
-        del lst[bisect_left(lst, addr)]
-        return size
-
-    def _find_expandable_block(self, rounded: int, small: bool, stream: int) -> int:
-        fsize, usize, segs = self._fsize, self._usize, self._segs
-        for ua in self._unmapped.get((small, stream), ()):
-            c = ua
-            if ua not in segs and ua in self._fend:
-                c = self._fend[ua]
-            total, b = 0, c
-            while total < rounded:
-                s = fsize.get(b)
-                if s is None:
-                    s = usize.get(b)
-                if s is None:
-                    break
-                total += s
-                b += s
-                if b in segs:
-                    break
-            if total >= rounded:
-                return c
-        page = SMALL_BUFFER if small else self._large_seg
-        va = self._va_size(page)
-        addr = self._expandable_address(va)
-        self._new_expandable_range(addr, va, stream, small, page)
-        return addr
-
-    def _try_allocate_expandable_block(self, rounded: int, small: bool, stream: int) -> tuple[int, int] | None:
-        c = self._find_expandable_block(rounded, small, stream)
-        if c in self._usize:
-            c = self._map_block(c, min(self._usize[c], rounded), stream, small)
-            if c < 0:
-                return None
-        while self._fsize[c] < rounded:
-            nxt = c + self._fsize[c]
-            c = self._map_block(nxt, min(rounded - self._fsize[c], self._usize[nxt]), stream, small)
-            if c < 0:
-                return None
-        size = self._fsize[c]
-        self._remove_free(c, size, stream, small)
-        return c, size
-
-    def _seg_of(self, addr: int) -> _Seg:
-        return self._segs[self._xstarts[bisect_left(self._xstarts, addr + 1) - 1]]
-
-    def _map_block(self, addr: int, size: int, stream: int, small: bool) -> int:
-        """Map the pages covering ``size`` bytes from the unmapped block at ``addr``; merge the
-        mapped part with free neighbours; return the merged free block's address, -1 if full."""
-        seg = self._seg_of(addr)
-        page = seg.page
-        off = addr - seg.addr
-        first = off // page
-        last = (off + size + page - 1) // page
-        mapped = (last - first) * page
-        if self.capacity is not None and self.reserved_bytes + mapped > self.capacity:
-            return -1
-        map_start = seg.addr + first * page
-        usz = self._remove_unmapped(addr, stream, small)
-        if usz > mapped:
-            self._insert_unmapped(addr + mapped, usz - mapped, stream, small)
-        # merge with free mapped neighbours (try_merge_blocks with prev, then next)
-        start, total = addr, mapped
-        if addr not in self._segs and addr in self._fend:
-            p = self._fend[addr]
-            psize = self._fsize[p]
-            self._remove_free(p, psize, stream, small)
-            start, total = p, total + psize
-        end = start + total
-        if end not in self._segs and end in self._fsize:
-            nsize = self._fsize[end]
-            self._remove_free(end, nsize, stream, small)
-            total += nsize
-        self._insert_free(start, total, stream, small)
-        self.reserved_bytes += mapped
-        if self.reserved_bytes > self.max_reserved_bytes:
-            self.max_reserved_bytes = self.reserved_bytes
-        self.events.append(("segment_map", map_start, mapped, stream))
-        return start
-
-    def _unmap_block(self, addr: int, size: int, stream: int, small: bool) -> None:
-        """Unmap the whole pages inside the free block; release the range if all is unmapped."""
-        seg = self._seg_of(addr)
-        page = seg.page
-        begin = -(-(addr - seg.addr) // page) * page + seg.addr
-        end = ((addr + size - seg.addr) // page) * page + seg.addr
-        if begin >= end:
-            return
-        self._remove_free(addr, size, stream, small)
-        self._gc_base.pop(addr, None)
-        if begin > addr:
-            self._insert_free(addr, begin - addr, stream, small)
-        if addr + size > end:
-            self._insert_free(end, addr + size - end, stream, small)
-        ustart, usize = begin, end - begin
-        if ustart not in self._segs and ustart in self._uend:
-            p = self._uend[ustart]
-            usize += self._remove_unmapped(p, stream, small)
-            ustart = p
-        if ustart + usize in self._usize and ustart + usize not in self._segs:
-            usize += self._remove_unmapped(ustart + usize, stream, small)
-        self._insert_unmapped(ustart, usize, stream, small)
-        self.reserved_bytes -= end - begin
-        self.events.append(("segment_unmap", begin, end - begin, stream))
-        if ustart == seg.addr and usize == seg.size:  # nothing mapped: release the range
-            self._remove_unmapped(ustart, stream, small)
-            del self._segs[seg.addr]
-            self._xstarts.remove(seg.addr)
-
-    def _seed_expandable_range(self, address: int, size: int, stream: int, small: bool) -> None:
-        page = SMALL_BUFFER if small else self._large_seg
-        if size % page:
-            raise InvalidInputError(
-                f"add_segment(address={address:#x}, size={size}, expandable=True): a mapped range "
-                f"is whole pages of {page} bytes in the {'small' if small else 'large'} pool"
-            )
-        host = None
-        for ua in self._unmapped.get((small, stream), ()):
-            if ua <= address and address + size <= ua + self._usize[ua]:
-                host = ua
-                break
-        if host is None:
-            for start, seg in self._segs.items():
-                if address < start + seg.size and start < address + size:
-                    raise InvalidInputError(
-                        f"add_segment(address={address:#x}, size={size}): overlaps the existing "
-                        f"segment [{start:#x}, {start + seg.size:#x}); segments must not overlap"
-                    )
-            va = self._va_size(page)
-            later = [s for s in self._segs if s > address]
-            if later:
-                va = min(va, (min(later) - address) // page * page)
-            self._new_expandable_range(address, va, stream, small, page)
-            host = address
-        elif (address - self._seg_of(address).addr) % page:
-            raise InvalidInputError(
-                f"add_segment(address={address:#x}, expandable=True): not on a page boundary of "
-                "the expandable range that holds it"
-            )
-        usz = self._remove_unmapped(host, stream, small)
-        if address > host:
-            self._insert_unmapped(host, address - host, stream, small)
-        if host + usz > address + size:
-            self._insert_unmapped(address + size, host + usz - address - size, stream, small)
-        self.reserved_bytes += size
-
     # -- internals: input checks --------------------------------------------------------------
 
     def _check_size(self, size: Any) -> int:
@@ -1018,59 +834,3 @@ class CachingAllocator:
             f"free of address {address}, which is not an allocated block; pass an address "
             "malloc returned, once"
         )
-
-    def _check_segment(
-        self, address: int, size: int, stream: int, blocks: Sequence[tuple[int, int, int]]
-    ) -> None:
-        """Validate :meth:`add_segment`'s arguments; raise InvalidInputError saying what is wrong."""
-        where = f"add_segment(address={address!r}, size={size!r})"
-        if not isinstance(address, int) or address < 0 or address % MIN_BLOCK_SIZE:
-            raise InvalidInputError(
-                f"{where}: address must be a non-negative multiple of {MIN_BLOCK_SIZE}, got "
-                f"{address!r}; pass the segment's address from the snapshot"
-            )
-        if not isinstance(size, int) or size < MIN_BLOCK_SIZE or size % MIN_BLOCK_SIZE:
-            raise InvalidInputError(
-                f"{where}: size must be a positive multiple of {MIN_BLOCK_SIZE} bytes, got {size!r}"
-            )
-        if not isinstance(stream, int) or stream < 0:
-            raise InvalidInputError(f"{where}: stream must be an int >= 0, got {stream!r}")
-        if not blocks:
-            raise InvalidInputError(
-                f"{where}: blocks is empty; give (offset, size, requested) tuples covering the "
-                "segment"
-            )
-        expected_offset = 0
-        prev_free = False
-        for i, item in enumerate(blocks):
-            if len(item) != 3:
-                raise InvalidInputError(
-                    f"{where}: block {i} must be (offset, size, requested), got {item!r}"
-                )
-            offset, bsize, requested = item
-            if offset != expected_offset:
-                raise InvalidInputError(
-                    f"{where}: block {i} starts at offset {offset}, expected {expected_offset}: "
-                    "blocks must cover the segment in order without gaps or overlaps"
-                )
-            if bsize < MIN_BLOCK_SIZE or bsize % MIN_BLOCK_SIZE:
-                raise InvalidInputError(
-                    f"{where}: block {i} size must be a positive multiple of {MIN_BLOCK_SIZE} "
-                    f"bytes, got {bsize}"
-                )
-            if requested < 0 or requested > bsize:
-                raise InvalidInputError(
-                    f"{where}: block {i} requested size must be 0 (free) or 1..{bsize} (the "
-                    f"block's size), got {requested}"
-                )
-            if requested == 0 and prev_free:
-                raise InvalidInputError(
-                    f"{where}: blocks {i - 1} and {i} are both free; the allocator always merges "
-                    "free neighbours, so give them as one free block"
-                )
-            prev_free = requested == 0
-            expected_offset += bsize
-        if expected_offset != size:
-            raise InvalidInputError(
-                f"{where}: the blocks cover {expected_offset} bytes, not the segment's {size}"
-            )

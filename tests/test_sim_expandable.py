@@ -1,0 +1,106 @@
+"""Expandable segments: seeding mapped ranges, and invariants on random request streams
+(reserved bytes equal the mapped pages the events report, whole pages, merged free blocks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
+from torchmem.sim import CachingAllocator
+
+MiB = 1 << 20
+BASE = 1 << 40
+
+
+def test_seeded_expandable_ranges_grow_in_place() -> None:
+    a = CachingAllocator(capacity=400 * MiB, config="expandable_segments:True")
+    # two mapped ranges of one large-pool range, 40 MiB apart: pages are 20 MiB
+    got = a.add_segment(BASE, 20 * MiB, 0, [(0, 8 * MiB, 8 * MiB), (8 * MiB, 12 * MiB, 0)],
+                        small=False, expandable=True)
+    a.add_segment(BASE + 60 * MiB, 20 * MiB, 0, [(0, 20 * MiB, 20 * MiB)], small=False, expandable=True)
+    assert got == [BASE] and a.reserved_bytes == 40 * MiB
+    snap = a.snapshot()
+    assert [(s.address, s.total_size, s.is_expandable) for s in snap.segments] == [
+        (BASE, 20 * MiB, True), (BASE + 60 * MiB, 20 * MiB, True),
+    ]
+    x = a.malloc(30 * MiB)  # 12 MiB free + 18 MiB of the unmapped gap: one more page mapped
+    assert x == BASE + 8 * MiB
+    assert a.events == [("segment_map", BASE + 20 * MiB, 20 * MiB, 0), ("alloc", x, 30 * MiB, 0)]
+    y = a.malloc(12 * MiB)  # 2 MiB free + the last gap page: the ranges join
+    assert y == BASE + 38 * MiB
+    assert a.layout() == [(BASE, 80 * MiB, 0, [
+        (0, 8 * MiB, True), (8 * MiB, 30 * MiB, True), (38 * MiB, 12 * MiB, True),
+        (50 * MiB, 10 * MiB, False), (60 * MiB, 20 * MiB, True),
+    ])]
+    with pytest.raises(InvalidInputError, match="whole pages of 20971520 bytes"):
+        a.add_segment(BASE + 200 * MiB, 2 * MiB, 0, [(0, 2 * MiB, 0)], small=False, expandable=True)
+
+
+def _check(a: CachingAllocator) -> None:
+    mapped = 0
+    for act, _, size, _ in a.events:
+        if act == "segment_map":
+            mapped += size
+        elif act == "segment_unmap":
+            mapped -= size
+    assert mapped == a.reserved_bytes
+    segs = a.snapshot().segments
+    assert sum(s.total_size for s in segs) == a.reserved_bytes
+    assert sum(b.size for s in segs for b in s.blocks if b.state == "active_allocated") == a.allocated_bytes
+    for s in segs:
+        assert s.is_expandable
+        page = 2 * MiB if s.segment_type == "small" else 20 * MiB
+        va_start = a._seg_of(s.address).addr  # the virtual range holding this mapped range
+        assert (s.address - va_start) % page == 0 and s.total_size % page == 0
+        states = [b.state for b in s.blocks]
+        assert all(b.size % 512 == 0 and b.requested_size <= b.size for b in s.blocks)
+        assert not any(p == q == "inactive" for p, q in zip(states, states[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_streams_keep_the_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    conf = rng.choice(["expandable_segments:True", "expandable_segments:True,max_split_size_mb:40",
+                       "expandable_segments:True,garbage_collection_threshold:0.5"])
+    a = CachingAllocator(capacity=300 * MiB, config=conf, memory_fraction=0.9)
+    live: list[int] = []
+    ooms = 0
+    for _ in range(800):
+        r = rng.random()
+        if r < 0.55 or not live:
+            size = rng.choice((rng.randint(1, 1 << 20), rng.randint(1 << 20, 30 * MiB)))
+            try:
+                live.append(a.malloc(size, stream=rng.choice((0, 0, 1))))
+            except SimulatedOutOfMemoryError:
+                ooms += 1
+        elif r < 0.9:
+            a.free(live.pop(rng.randrange(len(live))))
+        elif r < 0.95:
+            a.record_stream(rng.choice(live), 3)
+        elif r < 0.97:
+            a.process_events()
+        else:
+            a.empty_cache()
+        _check(a)
+    for p in live:
+        a.free(p)
+    a.empty_cache()
+    _check(a)
+    assert a.reserved_bytes == 0 and a.layout() == []
+    assert {"segment_map", "segment_unmap"} <= {e[0] for e in a.events}
+
+
+def test_expandable_blocks_are_skipped_when_the_option_is_off() -> None:
+    """PyTorch's get_free_block skips blocks of expandable segments when expandable_segments
+    was turned off after they were made (e.g. for IPC); empty_cache still unmaps them."""
+    a = CachingAllocator()
+    a.add_segment(BASE, 20 * MiB, 0, [(0, 20 * MiB, 0)], small=False, expandable=True)
+    a.add_segment(BASE + 100 * (1 << 30), 20 * MiB, 0, [(0, 4 * MiB, 1), (4 * MiB, 16 * MiB, 0)], small=False)
+    x = a.malloc(6 * MiB)  # the expandable 20 MiB is skipped; the plain 16 MiB block is taken
+    assert x == BASE + 100 * (1 << 30) + 4 * MiB
+    y = a.malloc(12 * MiB)  # only the expandable block would fit: a new 12 MiB segment
+    assert a.events[-2] == ("segment_alloc", y, 12 * MiB, 0)
+    a.empty_cache()
+    assert a.events[-1] == ("segment_unmap", BASE, 20 * MiB, 0)
