@@ -74,8 +74,9 @@ def _run(seed: int, conf: str, cap: int | None, frac: float | None, n: int = 150
             fast.record_stream(a, s)
             ref.record_stream(b, s)
         elif r < 0.985:
-            fast.process_events()
-            ref.process_events()
+            which = rng.choice((None, [1], [3], [0, 1]))
+            fast.process_events(which)
+            ref.process_events(which)
         else:
             fast.empty_cache()
             ref.empty_cache()

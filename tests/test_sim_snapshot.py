@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchmem import analysis
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
 from torchmem.io import load_snapshot, write_snapshot
 from torchmem.model.snapshot import Frame
 from torchmem.sim import CachingAllocator
@@ -124,3 +124,18 @@ def test_decomfl_requests_give_the_real_runs_figures() -> None:
     assert sorted((s.total_size, s.segment_type) for s in snap.segments) == sorted(
         (s.total_size, s.segment_type) for s in real.segments
     )
+
+
+def test_frames_follow_the_request_into_segment_and_oom_entries() -> None:
+    a = CachingAllocator(capacity=64 * MiB)
+    fwd = [{"filename": "m.py", "line": 3, "name": "fwd"}]
+    big = [{"filename": "m.py", "line": 9, "name": "big"}]
+    a.malloc(30 * MiB, frames=fwd)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(40 * MiB, frames=big)
+    snap = a.snapshot()
+    rows = [(e.action, [f.name for f in e.frames]) for e in snap.trace(0)]
+    assert rows == [("segment_alloc", ["fwd"]), ("alloc", ["fwd"]), ("oom", ["big"])]
+    ooms = analysis.oom(snap)
+    assert [(o.requested_bytes, o.device_free_bytes) for o in ooms] == [(40 * MiB, 34 * MiB)]
+    assert analysis.flame(snap) == ["cuda:0;m.py:3:fwd 31457280"]

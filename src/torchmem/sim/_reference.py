@@ -196,11 +196,17 @@ class ReferenceAllocator:
         if stream != b.stream:
             b.uses.add(stream)
 
-    def process_events(self) -> None:
-        while self.freed_order:
-            self.complete(self.freed_order.pop(0))
+    def process_events(self, streams: list[int] | None = None) -> None:
+        for b in list(self.freed_order):
+            if streams is not None:
+                b.uses -= set(streams)
+                if b.uses:
+                    continue
+            self.freed_order.remove(b)
+            self.complete(b)
 
-    synchronize = process_events
+    def synchronize(self) -> None:
+        self.process_events()
 
     def empty_cache(self) -> None:
         self.synchronize()
@@ -365,7 +371,8 @@ class ReferenceAllocator:
             p = self.neighbour(u, -1)
             if p is not None and p.state == "free":
                 c = p
-            total, b = 0, c
+            total = 0
+            b: _B | None = c
             while b is not None and b.state in ("free", "unmapped") and total < rounded:
                 total += b.size
                 b = self.neighbour(b, 1)

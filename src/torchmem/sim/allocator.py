@@ -49,7 +49,7 @@ Example:
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
@@ -297,7 +297,7 @@ class CachingAllocator(ExpandableMixin):
                     del self._fsize[addr]
                     del self._fend[addr + bsize]
         if addr < 0:
-            addr, bsize = self._alloc_new(size, rounded, small, stream)
+            addr, bsize = self._alloc_new(size, rounded, small, stream, frames)
             lst = self._free[small].get(stream)
         remaining = bsize - rounded
         if (
@@ -400,22 +400,33 @@ class CachingAllocator(ExpandableMixin):
             self._uses.setdefault(address, set()).add(stream)
             self._special = True
 
-    def process_events(self) -> None:
-        """Complete every pending cross-stream free (the other streams have passed their events).
+    def process_events(self, streams: Iterable[int] | None = None) -> None:
+        """Complete pending cross-stream frees whose other streams have passed their events.
 
-        Blocks return to their pools in the order their frees were requested, each with a
-        ``free_completed`` event. Call it where the real program's next allocation would find
-        the other streams done.
+        ``streams`` names the streams that caught up (``None``: all of them). A block waits for
+        every stream recorded on it; when the last one has passed, it returns to its pool with
+        a ``free_completed`` event. Blocks complete in the order their frees were requested
+        (each stream's events are a FIFO). Call it where the real program's next allocation
+        would find those streams done; :meth:`synchronize` and :meth:`empty_cache` wait for all.
 
         Example:
             >>> a = CachingAllocator()
-            >>> p = a.malloc(512); a.record_stream(p, 3); a.free(p); a.process_events()
-            >>> [e[0] for e in a.events]
+            >>> p = a.malloc(512); a.record_stream(p, 3); a.record_stream(p, 4); a.free(p)
+            >>> a.process_events([3]); a.events[-1][0]
+            'free_requested'
+            >>> a.process_events([4]); [e[0] for e in a.events]
             ['segment_alloc', 'alloc', 'free_requested', 'free_completed']
         """
         pending = self._pending
-        while pending:
-            address = next(iter(pending))
+        if not pending:
+            return
+        done = None if streams is None else set(streams)
+        for address in list(pending):
+            waiting = self._uses[address]
+            if done is not None:
+                waiting -= done
+                if waiting:
+                    continue
             bsize, requested, stream, small = pending.pop(address)
             del self._uses[address]
             self._free_block(address, bsize, requested, stream, small)
@@ -667,21 +678,33 @@ class CachingAllocator(ExpandableMixin):
             return self._large_seg
         return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
-    def _alloc_new(self, size: int, rounded: int, small: bool, stream: int) -> tuple[int, int]:
-        """No cached block fits: GC, a new segment, the two retries, else the OOM event and error."""
-        if self._gc:
-            self._garbage_collect()
-        alloc_size = self._alloc_size(rounded)
-        got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None and self._release_available_cached_blocks(rounded, small, stream):
+    def _alloc_new(
+        self, size: int, rounded: int, small: bool, stream: int, frames: Frames | None = None
+    ) -> tuple[int, int]:
+        """No cached block fits: GC, a new segment, the two retries, else the OOM event and error.
+
+        Every event this records carries the request's ``frames`` (PyTorch records them with
+        the allocation's context)."""
+        n0 = len(self.events)
+        try:
+            if self._gc:
+                self._garbage_collect()
+            alloc_size = self._alloc_size(rounded)
             got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None:
-            self._release_cached_blocks()
-            self.num_alloc_retries += 1
-            got = self._alloc_block(rounded, alloc_size, small, stream)
-        if got is None:
-            self._oom(size, rounded, alloc_size, stream)
-        return got
+            if got is None and self._release_available_cached_blocks(rounded, small, stream):
+                got = self._alloc_block(rounded, alloc_size, small, stream)
+            if got is None:
+                self._release_cached_blocks()
+                self.num_alloc_retries += 1
+                got = self._alloc_block(rounded, alloc_size, small, stream)
+            if got is None:
+                self._oom(size, rounded, alloc_size, stream)
+            return got
+        finally:
+            if frames is not None:
+                for k in range(n0, len(self.events)):
+                    self._event_frames[k] = frames
+                self._special = True
 
     def _alloc_block(self, rounded: int, alloc_size: int, small: bool, stream: int) -> tuple[int, int] | None:
         """cudaMalloc (or map pages of) a new segment; ``None`` when it does not fit."""
