@@ -17,7 +17,7 @@ from torchmem.errors import InvalidInputError
 from torchmem.io import load_snapshot
 from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.model.snapshot import Snapshot
-from torchmem.sim import CachingAllocator, replay
+from torchmem.sim import AllocatorConfig, CachingAllocator, replay, round_size
 from torchmem.sim.replay import TraceReplay, start_state
 
 MiB = 1 << 20
@@ -346,3 +346,48 @@ def test_a_capacity_stops_the_replay_at_the_request_that_does_not_fit() -> None:
     ok = TraceReplay(snap, capacity=600 * MiB)
     ok.run()
     assert ok.result().final_layout_equal and ok.peak_reserved_bytes == 600 * MiB
+
+
+def _run_conf(seed: int, config: str, n: int = 1500, cut: int = 900) -> tuple[Snapshot, list[Any]]:
+    """Like _run, under ``config``, written by the simulator's own snapshot() and cut mid-way."""
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+
+    rng = random.Random(seed)
+    a = CachingAllocator(config=config)
+    live: list[int] = []
+    at_cut: list[Any] = []
+    for step in range(n):
+        if len(a.events) >= cut and not at_cut:
+            cut = len(a.events)
+            at_cut = a.layout()
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.malloc(rng.choice([rng.randint(1, 8192), rng.randint(MiB, 9 * MiB),
+                                             rng.randint(10 * MiB, 40 * MiB)])))
+        if step % 97 == 96:
+            a.empty_cache()
+    raw = to_pytorch_dict(a.snapshot())
+    raw["device_traces"][0] = raw["device_traces"][0][cut:]
+    return from_pytorch(raw), at_cut
+
+
+@pytest.mark.parametrize(("seed", "config"), [
+    (4, "expandable_segments:True"), (5, "expandable_segments:True"), (6, "expandable_segments:True"),
+    (4, "max_split_size_mb:64,roundup_power2_divisions:4"), (5, "large_segment_size_mb:32"),
+])
+def test_mid_run_traces_under_other_settings_replay_exactly(seed: int, config: str) -> None:
+    snap, at_cut = _run_conf(seed, config)
+    actions = [e.action for e in snap.trace(0)]
+    if config.startswith("expandable"):
+        assert "segment_map" in actions and "segment_unmap" in actions  # pages mapped and unmapped
+    cfg = AllocatorConfig.from_settings(snap.allocator_settings)
+    assert cfg.settings == config  # the file carries its settings
+    segs = start_state(snap, 0, lambda size: round_size(size, cfg))
+    assert [(s.address, s.size, s.stream) for s in segs] == [x[:3] for x in at_cut]
+    r = replay(snap, 0)
+    assert r.start == "rebuilt" and r.allocs_expected == actions.count("alloc")
+    assert r.allocs_matched == r.allocs_expected
+    assert r.segment_allocs_matched == r.segment_allocs_expected
+    assert r.final_layout_equal and r.first_divergence is None
+

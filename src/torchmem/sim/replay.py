@@ -197,11 +197,16 @@ def start_state(
     segs: dict[int, StartSegment] = {}
     live: dict[int, list[Any]] = {}  # address -> [size or None, requested, pending]
     first_free: dict[int, int] = {}  # address -> index of its earliest free entry
+    # expandable segments: mapped pieces, start -> [end, stream, small]; merged into runs later
+    mapped: dict[int, list[Any]] = {}
     for end_seg in snapshot.segments_of(device):
-        segs[end_seg.address] = StartSegment(
-            end_seg.address, end_seg.total_size, end_seg.stream, end_seg.segment_type == "small",
-            end_seg.is_expandable, [],
-        )
+        small = end_seg.segment_type == "small"
+        if end_seg.is_expandable:
+            mapped[end_seg.address] = [end_seg.address + end_seg.total_size, end_seg.stream, small]
+        else:
+            segs[end_seg.address] = StartSegment(
+                end_seg.address, end_seg.total_size, end_seg.stream, small, False, []
+            )
         for blk in end_seg.blocks:
             if blk.state != "inactive":
                 live[blk.address] = [blk.size, blk.requested_size, blk.state == "active_pending_free"]
@@ -232,12 +237,13 @@ def start_state(
                 raise _fail(device, i, f"the segment at {a:#x} is freed while it did not exist")
             size = sizes[i]
             segs[a] = StartSegment(a, size, streams[i], size == _SMALL_BUFFER, False, [])
-        elif act in ("segment_map", "segment_unmap"):
-            raise InvalidInputError(
-                f"device {device}, trace entry {i}: {act}: rebuilding the start state of a trace "
-                "with expandable segments (segment_map/segment_unmap) is not supported yet; "
-                "replay a trace recorded without expandable_segments"
-            )
+        elif act == "segment_map":  # the pages were unmapped before
+            if not _unmap_piece(mapped, a, a + sizes[i]):
+                raise _fail(device, i, f"the pages mapped at {a:#x} are not mapped later")
+        elif act == "segment_unmap":  # the pages were mapped (and free) before
+            _map_piece(mapped, a, a + sizes[i], streams[i])
+    for start, end, stream, small in _runs(mapped):
+        segs[start] = StartSegment(start, end - start, stream, small, True, [])
     # assign the live blocks to their segments, then size the ones freed in the trace
     order = sorted(segs)
     for a in sorted(live):
@@ -276,6 +282,69 @@ def start_state(
                     "next block or its segment's end",
                 )
     return [segs[a] for a in order]
+
+
+def _seeding_order(segs: list[StartSegment]) -> list[StartSegment]:
+    """Ordinary segments first; then the lowest mapped run of each expandable (stream, pool),
+    highest first (a virtual range opened by the simulator ends before any range seeded
+    already), then the other runs in address order (mapped into the range below them)."""
+    plain = [s for s in segs if not s.expandable]
+    firsts: dict[tuple[int, bool], StartSegment] = {}
+    for s in segs:
+        if s.expandable:
+            firsts.setdefault((s.stream, s.small), s)
+    heads = sorted(firsts.values(), key=lambda s: -s.address)
+    rest = [s for s in segs if s.expandable and firsts[(s.stream, s.small)] is not s]
+    return plain + heads + rest
+
+
+def _unmap_piece(mapped: dict[int, list[Any]], lo: int, hi: int) -> bool:
+    """Remove ``[lo, hi)`` from the mapped pieces (False when it is not mapped)."""
+    for start, (end, stream, small) in list(mapped.items()):
+        while end < hi and end in mapped and mapped[end][1:] == [stream, small]:
+            end = mapped.pop(end)[0]  # a run mapped in pieces
+            mapped[start][0] = end
+        if start <= lo and hi <= end:
+            del mapped[start]
+            if start < lo:
+                mapped[start] = [lo, stream, small]
+            if hi < end:
+                mapped[hi] = [end, stream, small]
+            return True
+    return False
+
+
+def _map_piece(mapped: dict[int, list[Any]], lo: int, hi: int, stream: int) -> None:
+    """Add ``[lo, hi)`` to the mapped pieces; its pool is its mapped neighbour's (else by size:
+    large-pool pages are ``large_segment_size`` (20 MiB), small-pool pages 2 MiB)."""
+    small = None
+    for start, (end, s, sm) in mapped.items():
+        if s == stream and (end == lo or start == hi):
+            small = sm
+            break
+    if small is None:
+        small = (hi - lo) % (20 << 20) != 0
+    for start, (end, s, sm) in list(mapped.items()):  # coalesce with mapped neighbours
+        if s == stream and sm == small:
+            if end == lo:
+                del mapped[start]
+                lo = start
+            elif start == hi:
+                del mapped[start]
+                hi = end
+    mapped[lo] = [hi, stream, small]
+
+
+def _runs(mapped: dict[int, list[Any]]) -> list[tuple[int, int, int, bool]]:
+    """Contiguous mapped runs (as a snapshot shows them): (start, end, stream, small)."""
+    runs: list[list[Any]] = []
+    for start in sorted(mapped):
+        end, stream, small = mapped[start]
+        if runs and runs[-1][1] == start and runs[-1][2] == stream and runs[-1][3] == small:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end, stream, small])
+    return [(a, b, c, d) for a, b, c, d in runs]
 
 
 def _max_slack(gap: int) -> int:
@@ -387,11 +456,12 @@ class TraceReplay:
         self._req: dict[int, int] = {}  # real address of a live block -> requested size
         self._addr_map: dict[int, int] = {}  # real -> simulated, for blocks allocated in the trace
         allocated = requested = 0
-        for seg in self.start_segments:
+        for seg in _seeding_order(self.start_segments):
             sim.add_segment(
                 seg.address, seg.size, seg.stream, seg.layout(), small=seg.small,
                 expandable=seg.expandable,
             )
+        for seg in self.start_segments:
             for addr, size, req, pending in seg.blocks:
                 self._bsize[addr] = size
                 self._req[addr] = req
@@ -610,6 +680,20 @@ class TraceReplay:
             "found room in its cache (the trace has no such segment_alloc)"
         )
 
+    def _expandable_prefix(self) -> bool:
+        lowest: dict[int, int] = {}
+        for seg in self.start_segments:
+            if seg.expandable:
+                lowest[seg.stream] = min(lowest.get(seg.stream, seg.address), seg.address)
+        if not lowest:
+            return False
+        t = self._trace
+        return any(
+            self._names[t.actions[i]] == "segment_map"
+            and t.streams[i] in lowest and t.addrs[i] < lowest[t.streams[i]]
+            for i in range(len(t))
+        )
+
     def _layouts_equal(self) -> bool:
         real_layout = sorted(
             (
@@ -649,7 +733,14 @@ class TraceReplay:
                 "simulator was only seeded with the rebuilt state and the layout comparison is "
                 "trivial"
             )
-        elif n_segs:
+        if self._expandable_prefix():
+            notes.append(
+                "underdetermined: the trace maps expandable-segment pages below the lowest page "
+                "mapped at its start, so that virtual range began lower than any state in the "
+                "file shows; the simulator's range starts at its lowest mapped page and may "
+                "place blocks differently there"
+            )
+        if n_segs and (self._allocs or self._expected):
             inferred = sum(s.inferred for s in self.start_segments)
             open_ = sum(s.undetermined for s in self.start_segments)
             note = (
