@@ -391,3 +391,25 @@ def test_mid_run_traces_under_other_settings_replay_exactly(seed: int, config: s
     assert r.segment_allocs_matched == r.segment_allocs_expected
     assert r.final_layout_equal and r.first_divergence is None
 
+
+
+def test_pages_mapped_below_the_start_state_are_reported_as_underdetermined() -> None:
+    # Two 40 MiB blocks in one expandable range; the first is freed and its pages unmapped.
+    # The trace starts there: the range's lowest mapped page is 40 MiB above its real start,
+    # which no state in the file shows, and the next 10 MiB request maps the range's first page.
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+
+    a = CachingAllocator(config="expandable_segments:True")
+    x = a.malloc(40 * MiB)
+    a.malloc(40 * MiB)
+    a.free(x)
+    a.empty_cache()
+    cut = len(a.events)
+    z = a.malloc(10 * MiB)
+    assert a.events[cut] == ("segment_map", z, 20 * MiB, 0) and z == x
+    raw = to_pytorch_dict(a.snapshot())
+    raw["device_traces"][0] = raw["device_traces"][0][cut:]
+    r = replay(from_pytorch(raw))
+    d = r.first_divergence
+    assert d is not None and d["kind"] == "alloc" and d["expected"]["address"] == x
+    assert r.notes[0].startswith("underdetermined: the trace maps expandable-segment pages below")

@@ -681,18 +681,25 @@ class TraceReplay:
         )
 
     def _expandable_prefix(self) -> bool:
-        lowest: dict[int, int] = {}
+        """Whether the trace maps pages below the lowest run of a virtual range at its start
+        (the run above the page belongs to another pool than the run below it, or none is)."""
+        runs: dict[int, list[tuple[int, bool]]] = {}
         for seg in self.start_segments:
             if seg.expandable:
-                lowest[seg.stream] = min(lowest.get(seg.stream, seg.address), seg.address)
-        if not lowest:
+                runs.setdefault(seg.stream, []).append((seg.address, seg.small))
+        if not runs:
             return False
         t = self._trace
-        return any(
-            self._names[t.actions[i]] == "segment_map"
-            and t.streams[i] in lowest and t.addrs[i] < lowest[t.streams[i]]
-            for i in range(len(t))
-        )
+        for i in range(len(t)):
+            if self._names[t.actions[i]] != "segment_map" or t.streams[i] not in runs:
+                continue
+            a = t.addrs[i]
+            rs = runs[t.streams[i]]
+            above = min((r for r in rs if r[0] > a), default=None)
+            below = max((r for r in rs if r[0] <= a), default=None)
+            if above is not None and (below is None or below[1] != above[1]):
+                return True
+        return False
 
     def _layouts_equal(self) -> bool:
         real_layout = sorted(
@@ -733,12 +740,12 @@ class TraceReplay:
                 "simulator was only seeded with the rebuilt state and the layout comparison is "
                 "trivial"
             )
-        if self._expandable_prefix():
+        if first is not None and self._expandable_prefix():
             notes.append(
                 "underdetermined: the trace maps expandable-segment pages below the lowest page "
                 "mapped at its start, so that virtual range began lower than any state in the "
-                "file shows; the simulator's range starts at its lowest mapped page and may "
-                "place blocks differently there"
+                "file shows; the simulator's range starts at its lowest mapped page and places "
+                "blocks differently there (the likely cause of the divergence)"
             )
         if n_segs and (self._allocs or self._expected):
             inferred = sum(s.inferred for s in self.start_segments)
