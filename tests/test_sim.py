@@ -204,7 +204,8 @@ def test_replay_reports_the_first_divergence() -> None:
     d = r.first_divergence
     assert d is not None
     assert {k: d[k] for k in ("index", "entry", "expected", "got")} == {
-        "index": 1, "entry": 2, "expected": {"size": 20 * MiB, "stream": 0}, "got": None,
+        "index": 1, "entry": 2, "expected": {"size": 20 * MiB, "stream": 0, "pool": "large"},
+        "got": None,
     }
 
 

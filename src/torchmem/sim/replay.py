@@ -18,7 +18,8 @@ allocated bytes, as PyTorch's statistics do), a run of ``segment_free``/``segmen
 one ``empty_cache()``. New simulated segments take the addresses of the trace's ``segment_alloc``
 entries in order, so with a correct simulator every block lands at its real address.
 
-Checks: the k-th simulated ``segment_alloc`` must have the size and stream of the trace's k-th;
+Checks: the k-th simulated ``segment_alloc`` must have the size, stream and pool of the trace's
+k-th (the pool of the request it served);
 every ``alloc`` should land at its real address; at the end the simulator's segments must equal
 the snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream
 and blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at
@@ -63,11 +64,11 @@ class ReplayResult:
     """How well the simulator reproduced one device trace.
 
     ``first_divergence`` is ``None`` when every decision matched, else a dict with ``kind``
-    (``"segment_alloc"``: the k-th new segment differs or is missing on one side; ``"alloc"``: a
-    block landed at another address), ``index`` (k, the 0-based ``segment_alloc`` count, or the
+    (``"segment_alloc"``: the k-th new segment differs in size, stream or pool, or is missing on
+    one side; ``"alloc"``: a block landed at another address), ``index`` (k, the 0-based ``segment_alloc`` count, or the
     0-based ``alloc`` count), ``entry`` (the trace-entry index where it shows), ``expected`` and
-    ``got`` (for ``segment_alloc``: each ``{"size", "stream"}`` or ``None`` when that side made no
-    k-th ``segment_alloc``; for ``alloc``: ``{"address", "segment", "offset"}``), ``request`` (the
+    ``got`` (for ``segment_alloc``: each ``{"size", "stream", "pool"}`` or ``None`` when that side
+    made no k-th ``segment_alloc``; for ``alloc``: ``{"address", "segment", "offset"}``), ``request`` (the
     ``alloc`` entry behind it: ``{"entry", "size", "stream"}``), ``simulated`` (what the simulator
     did instead: the block it gave and its segment) and ``explanation`` (in words).
     ``final_layout_equal`` says whether the simulator's final segments equal the snapshot's.
@@ -442,6 +443,7 @@ class TraceReplay:
         self.block_sizes = array("q", bytes(8 * n))
         self.notes: list[str] = []
         cfg = _config_from(snapshot, config)
+        self._round = _rounding(cfg)
         if start is None:
             start = _settle(snapshot, device, cfg)
         self.start_segments = start
@@ -616,6 +618,12 @@ class TraceReplay:
                 return j
         return None
 
+    def _pool_of(self, entry: int | None) -> str | None:
+        """The pool of the request at ``entry`` (small: rounded to at most 1 MiB)."""
+        if entry is None:
+            return None
+        return "small" if self._round(self._trace.sizes[entry]) <= _SMALL_SIZE else "large"
+
     def _segment_divergence(self) -> tuple[int, dict[str, Any] | None]:
         expected, got = self._expected, self._got
         matched = 0
@@ -623,7 +631,10 @@ class TraceReplay:
         for k in range(max(len(expected), len(got))):
             exp = expected[k] if k < len(expected) else None
             sim_k = got[k] if k < len(got) else None
-            if exp is not None and sim_k is not None and sim_k[1:3] == exp[1:3]:
+            exp_pool = self._pool_of(self._next_alloc(exp[0])) if exp is not None else None
+            got_pool = self._pool_of(sim_k[0]) if sim_k is not None else None
+            if (exp is not None and sim_k is not None and sim_k[1:3] == exp[1:3]
+                    and exp_pool == got_pool):
                 matched += 1
                 continue
             entry = min(x[0] for x in (exp, sim_k) if x is not None) if (exp or sim_k) else n_trace - 1
@@ -636,8 +647,8 @@ class TraceReplay:
                 "kind": "segment_alloc",
                 "index": k,
                 "entry": exp[0] if exp is not None else entry,
-                "expected": None if exp is None else {"size": exp[1], "stream": exp[2]},
-                "got": None if sim_k is None else {"size": sim_k[1], "stream": sim_k[2]},
+                "expected": None if exp is None else {"size": exp[1], "stream": exp[2], "pool": exp_pool},
+                "got": None if sim_k is None else {"size": sim_k[1], "stream": sim_k[2], "pool": got_pool},
                 "request": request,
                 "simulated": None,
             }
@@ -654,8 +665,9 @@ class TraceReplay:
         if exp is not None and got is not None:
             return (
                 f"segment_alloc #{k}: for the {what} the real allocator created a "
-                f"{format_bytes(exp['size'])} segment on stream {exp['stream']}, the simulator a "
-                f"{format_bytes(got['size'])} segment on stream {got['stream']}"
+                f"{format_bytes(exp['size'])} {exp['pool']}-pool segment on stream {exp['stream']}, "
+                f"the simulator a {format_bytes(got['size'])} {got['pool']}-pool segment on stream "
+                f"{got['stream']}"
             )
         if exp is not None:
             reuse = ""
