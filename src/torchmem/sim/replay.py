@@ -211,24 +211,32 @@ def start_state(
         for blk in end_seg.blocks:
             if blk.state != "inactive":
                 live[blk.address] = [blk.size, blk.requested_size, blk.state == "active_pending_free"]
+    # the three common actions by code (a name the trace does not use gets no code: -1)
+    code = {name: k for k, name in enumerate(names)}
+    c_alloc, c_fc, c_fr = (code.get(x, -1) for x in ("alloc", "free_completed", "free_requested"))
+    pop, get = live.pop, live.get
     for i in range(len(acts) - 1, -1, -1):
-        act = names[acts[i]]
+        c = acts[i]
         a = addrs[i]
-        if act == "alloc":
-            if live.pop(a, None) is None:
+        if c == c_alloc:
+            if pop(a, None) is None:
                 raise _fail(device, i, f"the alloc at {a:#x} is neither freed later nor live at the end")
-        elif act == "free_completed":
+            continue
+        if c == c_fc:
             if a in live:
                 raise _fail(device, i, f"the block at {a:#x} is freed while it was already free")
             live[a] = [None, sizes[i], True]
             first_free[a] = i
-        elif act == "free_requested":
+            continue
+        if c == c_fr:
             first_free[a] = i
-            row = live.get(a)
+            row = get(a)
             if row is None:
                 raise _fail(device, i, f"free_requested of {a:#x} without a live block there")
             row[2] = False
-        elif act == "segment_alloc":
+            continue
+        act = names[c]
+        if act == "segment_alloc":
             if segs.pop(a, None) is None:
                 raise _fail(
                     device, i, f"the segment_alloc at {a:#x} is neither freed later nor in the end state"
@@ -407,7 +415,9 @@ class TraceReplay:
     :class:`~torchmem.sim.CachingAllocator`. ``real_addresses=False`` gives new segments fresh
     simulated addresses instead of the trace's (for what-if runs under other settings, whose
     segments differ from the real ones). ``start`` is a start state to use instead of the one
-    rebuilt from the snapshot.
+    rebuilt from the snapshot. ``stop_at_divergence`` makes :meth:`run` stop after the first
+    ``alloc`` that lands at another address than the real one (when only an exact replay is
+    useful).
 
     Example:
         >>> from torchmem.io.pytorch_snapshot import from_pytorch
@@ -430,6 +440,7 @@ class TraceReplay:
         start: list[StartSegment] | None = None,
         memory_fraction: float | None = None,
         real_addresses: bool = True,
+        stop_at_divergence: bool = False,
     ) -> None:
         self.snapshot = snapshot
         self.device = device
@@ -484,7 +495,7 @@ class TraceReplay:
         self._alloc_divergence: dict[str, Any] | None = None
         self._last = ""
         self._at = 0
-        self._halt = False  # stop at the first alloc that lands elsewhere (for _settle's probes)
+        self._halt = stop_at_divergence  # stop at the first alloc that lands elsewhere
 
     def run(self, stop: int | None = None) -> None:
         """Apply the trace's entries up to (not including) entry ``stop`` (default: all).
@@ -739,9 +750,7 @@ class TraceReplay:
         first = min(divs, key=lambda d: d["entry"]) if divs else None
         notes = list(self.notes)
         t = self._trace
-        n_replayable = sum(
-            1 for c in t.actions if self._names[c] in ("alloc", "free_requested", "free_completed")
-        )
+        n_replayable = sum(t.count(x) for x in ("alloc", "free_requested", "free_completed"))
         n_segs = len(self.start_segments)
         n_live = sum(len(s.blocks) for s in self.start_segments)
         if not self._allocs and not self._expected:
@@ -824,8 +833,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
     excluded: dict[int, list[tuple[int, int]]] = {}
     t = snapshot.trace(device)
     for _ in range(4 * len(rows) + 4 if rows else 0):
-        probe = TraceReplay(snapshot, device, config=cfg, start=segs)
-        probe._halt = True
+        probe = TraceReplay(snapshot, device, config=cfg, start=segs, stop_at_divergence=True)
         probe.run()
         d = probe._alloc_divergence
         if d is None:

@@ -209,7 +209,7 @@ def _block_sizes(model: Snapshot, dev: int, lt: Lifetimes) -> tuple[array, str]:
     the simulator cannot reproduce the trace; the page then rounds requests to 512 B.
     """
     try:
-        tr = TraceReplay(model, dev)
+        tr = TraceReplay(model, dev, stop_at_divergence=True)
         tr.run()
         result = tr.result()
     except TorchmemError as e:
