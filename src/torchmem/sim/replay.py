@@ -522,69 +522,95 @@ class TraceReplay:
         self, first: int, stop: int, names: list[str], acts: Any, addrs: Any, sizes: Any,
         streams: Any, sim: CachingAllocator, events: list[Any], amap: dict[int, int], halt: bool,
     ) -> None:
-        for i in range(first, stop):
-            self._at = i  # the entry being applied (where an error leaves the replay)
-            act = names[acts[i]]
-            a = addrs[i]
-            if act == "alloc":
-                size, stream = sizes[i], streams[i]
-                n_events = len(events)
-                before = sim.allocated_bytes
-                sa = sim.malloc(size, stream)
-                bsize = sim.allocated_bytes - before
-                for ev in events[n_events:]:
-                    if ev[0] == "segment_alloc":
-                        self._got.append((i, ev[2], ev[3], ev[1]))
-                self.block_sizes[i] = bsize
-                self._bsize[a] = bsize
-                self._req[a] = size
-                k = self._allocs
-                self._allocs += 1
-                amap[a] = sa
-                if sa == a:
-                    self._allocs_matched += 1
-                elif self._alloc_divergence is None:
-                    self._alloc_divergence = self._describe_alloc(k, i, a, sa, bsize)
-                    if halt:
-                        self._at = i + 1
-                        return
-                self.allocated_bytes += bsize
-                self.requested_bytes += size
-                if self.allocated_bytes > self.peak_allocated_bytes:
-                    self.peak_allocated_bytes = self.allocated_bytes
-                if self.requested_bytes > self.peak_requested_bytes:
-                    self.peak_requested_bytes = self.requested_bytes
-                if sim.reserved_bytes > self.peak_reserved_bytes:
-                    self.peak_reserved_bytes = sim.reserved_bytes
-            elif act == "free_requested":
-                if a not in self._pending:
-                    self._pending.add(a)
-                    self.allocated_bytes -= self._bsize.get(a, 0)
-            elif act == "free_completed":
-                try:
-                    sim.free(amap.pop(a, a))
-                except InvalidInputError:
-                    raise InvalidInputError(
-                        f"device {self.device}, trace entry {i} frees the address {a:#x}, which "
-                        "the trace never allocated and the start state does not hold (when the "
-                        "snapshot lists no segments of this device, the state before the trace "
-                        "cannot be rebuilt); replay needs the snapshot's segments or a trace that "
-                        "is complete from empty"
-                    ) from None
-                if a in self._pending:
-                    self._pending.discard(a)
-                else:
-                    self.allocated_bytes -= self._bsize.get(a, 0)
-                self.requested_bytes -= self._req.pop(a, 0)
-                self._bsize.pop(a, None)
-            elif act == "segment_alloc":
-                self._expected.append((i, sizes[i], streams[i]))
-            elif act in ("segment_free", "segment_unmap") and self._last not in (
-                "segment_free", "segment_unmap"
-            ):
-                sim.empty_cache()
-            self._last = act
-        self._at = stop
+        code = {name: k for k, name in enumerate(names)}
+        c_alloc, c_fr, c_fc = (code.get(x, -1) for x in ("alloc", "free_requested", "free_completed"))
+        bsizes, reqs, pending = self._bsize, self._req, self._pending
+        block_sizes, got = self.block_sizes, self._got
+        malloc, free = sim.malloc, sim.free
+        allocated, requested = self.allocated_bytes, self.requested_bytes
+        peak_a, peak_q, peak_r = (
+            self.peak_allocated_bytes, self.peak_requested_bytes, self.peak_reserved_bytes
+        )
+        n_allocs, matched, last = self._allocs, self._allocs_matched, self._last
+        i = first
+        try:
+            for i in range(first, stop):
+                c = acts[i]
+                a = addrs[i]
+                if c == c_alloc:
+                    size = sizes[i]
+                    n_events = len(events)
+                    before = sim.allocated_bytes
+                    sa = malloc(size, streams[i])
+                    bsize = sim.allocated_bytes - before
+                    if len(events) - n_events > 1:  # more than the alloc: a new segment, ...
+                        for ev in events[n_events:]:
+                            if ev[0] == "segment_alloc":
+                                got.append((i, ev[2], ev[3], ev[1]))
+                    block_sizes[i] = bsize
+                    bsizes[a] = bsize
+                    reqs[a] = size
+                    amap[a] = sa
+                    n_allocs += 1
+                    if sa == a:
+                        matched += 1
+                    elif self._alloc_divergence is None:
+                        self._alloc_divergence = self._describe_alloc(n_allocs - 1, i, a, sa, bsize)
+                        if halt:
+                            i += 1
+                            return
+                    allocated += bsize
+                    requested += size
+                    if allocated > peak_a:
+                        peak_a = allocated
+                    if requested > peak_q:
+                        peak_q = requested
+                    if sim.reserved_bytes > peak_r:
+                        peak_r = sim.reserved_bytes
+                    last = "alloc"
+                    continue
+                if c == c_fc:
+                    try:
+                        free(amap.pop(a, a))
+                    except InvalidInputError:
+                        raise InvalidInputError(
+                            f"device {self.device}, trace entry {i} frees the address {a:#x}, "
+                            "which the trace never allocated and the start state does not hold "
+                            "(when the snapshot lists no segments of this device, the state "
+                            "before the trace cannot be rebuilt); replay needs the snapshot's "
+                            "segments or a trace that is complete from empty"
+                        ) from None
+                    if a in pending:
+                        pending.discard(a)
+                    else:
+                        allocated -= bsizes.get(a, 0)
+                    requested -= reqs.pop(a, 0)
+                    bsizes.pop(a, None)
+                    last = "free_completed"
+                    continue
+                if c == c_fr:
+                    if a not in pending:
+                        pending.add(a)
+                        allocated -= bsizes.get(a, 0)
+                    last = "free_requested"
+                    continue
+                act = names[c]
+                if act == "segment_alloc":
+                    self._expected.append((i, sizes[i], streams[i]))
+                elif act in ("segment_free", "segment_unmap") and last not in (
+                    "segment_free", "segment_unmap"
+                ):
+                    sim.empty_cache()
+                    if sim.reserved_bytes > peak_r:
+                        peak_r = sim.reserved_bytes
+                last = act
+            i = stop
+        finally:
+            self._at = i  # the entry an error stopped at, or where the replay ends
+            self.allocated_bytes, self.requested_bytes = allocated, requested
+            self.peak_allocated_bytes, self.peak_requested_bytes = peak_a, peak_q
+            self.peak_reserved_bytes = peak_r
+            self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
 
     # -- reporting ------------------------------------------------------------------------------
 
