@@ -25,7 +25,7 @@ from torchmem.analysis.replay import OOM, DeviceReplay
 from torchmem.errors import SimulatedOutOfMemoryError, TorchmemError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim.config import AllocatorConfig
-from torchmem.sim.replay import TraceReplay
+from torchmem.sim.replay import StartSegment, TraceReplay
 from torchmem.units import format_bytes as _fb
 
 __all__ = ["OomEvent", "oom", "oom_report"]
@@ -218,7 +218,9 @@ def _simulate(
     alternatives: list[dict[str, Any]] = []
     if div is not None:
         return sim, alternatives  # what-ifs on an unfaithful replay would prove nothing
-    same = _what_if(snap, dev, i, size, stream, base, None, capacity, "the snapshot's own settings")
+    start = tr.start_segments  # the state at the trace's start is the real settings' doing
+    same = _what_if(snap, dev, i, size, stream, base, None, capacity, start,
+                    "the snapshot's own settings")
     sim["reproduces_oom"] = same["avoided"] is False
     if same["avoided"] is not False:
         return sim, alternatives
@@ -228,17 +230,23 @@ def _simulate(
         except TorchmemError as e:  # e.g. a max_split_size below the large segment size
             alternatives.append({"setting": label, "avoided": None, "detail": str(e)})
             continue
-        alternatives.append(_what_if(snap, dev, i, size, stream, cfg, fraction, capacity, label))
+        alternatives.append(
+            _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start, label)
+        )
     return sim, alternatives
 
 
 def _what_if(
     snap: Snapshot, dev: int, i: int, size: int, stream: int, cfg: AllocatorConfig,
-    fraction: float | None, capacity: int, label: str,
+    fraction: float | None, capacity: int, start: list[StartSegment], label: str,
 ) -> dict[str, Any]:
     """Replay up to entry ``i`` under ``cfg`` on a device of ``capacity`` bytes, then retry."""
-    tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, memory_fraction=fraction,
-                     real_addresses=False)
+    try:
+        tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, memory_fraction=fraction,
+                         real_addresses=False, start=start)
+    except SimulatedOutOfMemoryError:  # the start state alone does not fit
+        return {"setting": label, "avoided": False,
+                "detail": "the state at the trace's start does not fit the device"}
     t = snap.trace(dev)
     try:
         tr.run(i)
