@@ -166,3 +166,21 @@ def test_allocator_takes_a_string_or_a_config() -> None:
         CachingAllocator(capacity=1 << 30, memory_fraction=2.0)
     a = CachingAllocator(capacity=1000 * MiB, config="per_process_memory_fraction:0.25")
     assert a.allowed_bytes == 250 * MiB
+
+
+def test_equality_ignores_how_the_options_were_written() -> None:
+    a = AllocatorConfig.parse("max_split_size_mb:64,expandable_segments:True")
+    b = AllocatorConfig.parse(" expandable_segments : True , max_split_size_mb : 64 ")
+    assert a == b and hash(a) == hash(b) and a.settings != b.settings
+    assert a != AllocatorConfig.parse("max_split_size_mb:64")
+
+
+def test_notes_on_older_snapshots() -> None:
+    new = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "graph_capture_record_stream_reuse": False}
+    old = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64",
+           "max_split_size": 64 * MiB, "expandable_segments": True}
+    assert len(AllocatorConfig.from_settings(new).notes) == 1  # only: what the dict lacks
+    notes = AllocatorConfig.from_settings(old).notes
+    assert any("torch <= about 2.8" in n for n in notes)
+    assert any("also freed expandable blocks" in n for n in notes)
+    assert AllocatorConfig.from_settings(old) == AllocatorConfig.parse(old["PYTORCH_CUDA_ALLOC_CONF"])

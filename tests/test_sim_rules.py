@@ -327,3 +327,23 @@ def test_bad_sizes() -> None:
     with pytest.raises(SimulatedOutOfMemoryError, match="more than 1 EiB"):
         a.malloc(1 << 60)
     assert a.events == []
+
+
+def test_memory_stats_under_pytorchs_names() -> None:
+    a = CachingAllocator(capacity=60 * MiB)
+    x = a.malloc(30 * MiB)
+    y = a.malloc(1000)
+    a.record_stream(y, 1)
+    a.free(y)  # pending: active and requested, not allocated
+    a.free(x)
+    a.malloc(40 * MiB)  # 30 + 2 + 40 > 60: the retry releases x's segment
+    s = a.memory_stats()
+    assert s["allocated_bytes.all.current"] == 40 * MiB
+    assert s["allocated_bytes.all.peak"] == 40 * MiB
+    # the retry synchronized (the pending small block completed), released the 30 MiB and the
+    # 2 MiB segments, then made the 40 MiB one: the peak is 40, not 30 + 2 + 40
+    assert s["reserved_bytes.all.current"] == s["reserved_bytes.all.peak"] == 40 * MiB
+    assert s["requested_bytes.all.current"] == 40 * MiB
+    assert (s["num_alloc_retries"], s["num_ooms"]) == (1, 0)
+    assert (s["num_device_alloc"], s["num_device_free"]) == (3, 2)
+    assert s["segment.all.current"] == 1

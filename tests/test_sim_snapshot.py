@@ -139,3 +139,26 @@ def test_frames_follow_the_request_into_segment_and_oom_entries() -> None:
     ooms = analysis.oom(snap)
     assert [(o.requested_bytes, o.device_free_bytes) for o in ooms] == [(40 * MiB, 34 * MiB)]
     assert analysis.flame(snap) == ["cuda:0;m.py:3:fwd 31457280"]
+
+
+def test_expandable_snapshot_reads_in_pytorch(tmp_path: Path) -> None:
+    mv = pytest.importorskip("torch.cuda._memory_viz")
+    a = CachingAllocator(capacity=1 << 30, config="expandable_segments:True")
+    x = a.malloc(30 * MiB)
+    a.malloc(1000)
+    a.free(x)
+    a.empty_cache()  # the large range is unmapped again; the small one keeps its 2 MiB page
+    path = tmp_path / "x.pickle"
+    write_snapshot(path, a.snapshot())
+    with open(path, "rb") as fh:
+        data = pickle.load(fh)
+    assert [(s["total_size"], s["is_expandable"], s["segment_type"]) for s in data["segments"]] == [
+        (2 * MiB, True, "small"),
+    ]
+    text = mv.segsum(data)
+    assert "segments: 1\n" in text and f"total_reserved: {mv.Bytes(2 * MiB)}\n" in text
+    assert [e["action"] for e in data["device_traces"][0]] == [
+        "segment_map", "alloc", "segment_map", "alloc", "free_requested", "free_completed",
+        "segment_unmap",
+    ]
+    assert "7 entries" in mv.trace(data)

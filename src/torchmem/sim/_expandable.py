@@ -66,7 +66,6 @@ class ExpandableMixin:
     max_reserved_bytes: int
     events: list[tuple[str, int, int, int]]
     _expandable: bool
-    _special: bool
     _large_seg: int
     _segs: dict[int, Seg]
     _fsize: dict[int, int]
@@ -105,22 +104,29 @@ class ExpandableMixin:
         expandable range by the size it could grow to (itself plus the unmapped block after
         it); with them off (ranges seeded earlier), skip such blocks. -1: nothing fits."""
         n = len(lst)
-        if not self._in_expandable(lst[i] & _MASK):
+        usize, segs = self._usize, self._segs
+        only_expandable = len(segs) == len(self._xstarts)  # no cudaMalloc'd segment to tell apart
+        in_exp = self._in_expandable
+        if not only_expandable and not in_exp(lst[i] & _MASK):
             return i
         if not self._expandable:
             i += 1
-            while i < n and self._in_expandable(lst[i] & _MASK):
+            while i < n and in_exp(lst[i] & _MASK):
                 i += 1
             return i if i < n else -1
-        usize, segs = self._usize, self._segs
 
         def grow(key: int) -> int:
             a, s = key & _MASK, key >> _SHIFT
             nxt = a + s
             return s + (usize.get(nxt, 0) if nxt not in segs else 0)
 
-        while self._in_expandable(lst[i] & _MASK) and i + 1 < n and grow(lst[i + 1]) < grow(lst[i]):
+        g = grow(lst[i])
+        while i + 1 < n:
+            g_next = grow(lst[i + 1])
+            if g_next >= g or not (only_expandable or in_exp(lst[i] & _MASK)):
+                break
             i += 1
+            g = g_next
         return i
 
     def _va_size(self, page: int) -> int:
@@ -129,7 +135,6 @@ class ExpandableMixin:
         return page * ((want + page - 1) // page)
 
     def _new_expandable_range(self, addr: int, size: int, stream: int, small: bool, page: int) -> None:
-        self._special = True
         self._segs[addr] = Seg(addr, size, stream, small, page)
         insort(self._xstarts, addr)
         self._insert_unmapped(addr, size, stream, small)

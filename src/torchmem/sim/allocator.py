@@ -29,11 +29,12 @@ The rules (``c10/cuda/CUDACachingAllocator.cpp``, restated; options in :mod:`.co
   (``segment_map``) and unmapping them in ``empty_cache`` (``segment_unmap``).
 
 Not modelled: CUDA graph capture and private pools (MemPool), IPC, ``backend:cudaMallocAsync``.
+A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
+(the simulation has no GPU clock to say when the other stream is done).
+
 This module is over the usual 600 lines because it is one state machine (pools, the
 out-of-memory chain, GC, deferred frees, seeding, views) and half of it is docstrings with
 examples; expandable segments live in :mod:`._expandable`, the seeding checks in :mod:`._checks`.
-A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
-(the simulation has no GPU clock to say when the other stream is done).
 
 Example:
     >>> a = CachingAllocator()
@@ -253,8 +254,8 @@ class CachingAllocator(ExpandableMixin):
         self._frames: dict[int, Frames] = {}  # allocated block -> its allocation's frames
         self._event_frames: dict[int, Frames] = {}  # event index -> frames
         self._next_address = _BASE_ADDRESS
-        # anything off the common path: GC, expandable ranges, record_stream uses, frames
-        self._special = self._gc or self._expandable
+        # frees off the inlined path: GC ages, frames to drop
+        self._special = self._gc
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -279,13 +280,12 @@ class CachingAllocator(ExpandableMixin):
             rounded = round_size(size, div)
         small = rounded <= SMALL_SIZE
         lst = self._free[small].get(stream)
-        special = self._special
-        if special and self._gc:
+        if self._gc:
             self._gc_count[small] += 1
         addr = -1
         if lst:
             i = bisect_left(lst, rounded << _SHIFT)
-            if i < len(lst) and special and self._xstarts:
+            if i < len(lst) and self._xstarts:
                 i = self._expandable_best_fit(lst, i)
             if 0 <= i < len(lst):
                 key = lst[i]
@@ -311,7 +311,7 @@ class CachingAllocator(ExpandableMixin):
             insort(lst, remaining << _SHIFT | rest)
             self._fsize[rest] = remaining
             self._fend[rest + remaining] = rest
-            if special and self._gc:
+            if self._gc:
                 self._gc_base[rest] = self._gc_count[small]
             bsize = rounded
         self._alloc[addr] = (bsize, size, stream, small)
@@ -344,10 +344,10 @@ class CachingAllocator(ExpandableMixin):
         self.allocated_bytes -= size
         events = self.events
         events.append(("free_requested", address, requested, stream))
+        if self._uses and address in self._uses:
+            self._pending[address] = t
+            return
         if self._special:
-            if self._uses and address in self._uses:
-                self._pending[address] = t
-                return
             self._free_block(address, size, requested, stream, small)
             return
         # the common case, inlined: free_block with its merges (see _free_block)
@@ -398,7 +398,6 @@ class CachingAllocator(ExpandableMixin):
             )
         if stream != t[2]:
             self._uses.setdefault(address, set()).add(stream)
-            self._special = True
 
     def process_events(self, streams: Iterable[int] | None = None) -> None:
         """Complete pending cross-stream frees whose other streams have passed their events.
@@ -461,6 +460,37 @@ class CachingAllocator(ExpandableMixin):
             512
         """
         return self.allocated_bytes + sum(t[0] for t in self._pending.values())
+
+    def memory_stats(self) -> dict[str, int]:
+        """The counters ``torch.cuda.memory_stats()`` reports, under its key names, for what the
+        simulation tracks: ``allocated_bytes`` / ``reserved_bytes`` (current and peak),
+        ``active_bytes`` and ``requested_bytes`` (current), ``segment`` (mapped ranges count as
+        one each), ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc`` / ``num_device_free``
+        (cudaMalloc/cudaFree and page map/unmap calls).
+
+        Example:
+            >>> a = CachingAllocator(); p = a.malloc(1000); s = a.memory_stats()
+            >>> s["allocated_bytes.all.current"], s["requested_bytes.all.current"], s["segment.all.current"]
+            (1024, 1000, 1)
+        """
+        counts = {"segment_alloc": 0, "segment_map": 0, "segment_free": 0, "segment_unmap": 0}
+        for e in self.events:
+            if e[0] in counts:
+                counts[e[0]] += 1
+        requested = sum(t[1] for t in self._alloc.values()) + sum(t[1] for t in self._pending.values())
+        return {
+            "allocated_bytes.all.current": self.allocated_bytes,
+            "allocated_bytes.all.peak": self.max_allocated_bytes,
+            "reserved_bytes.all.current": self.reserved_bytes,
+            "reserved_bytes.all.peak": self.max_reserved_bytes,
+            "active_bytes.all.current": self.active_bytes,
+            "requested_bytes.all.current": requested,
+            "segment.all.current": len(self._segment_states()),
+            "num_alloc_retries": self.num_alloc_retries,
+            "num_ooms": self.num_ooms,
+            "num_device_alloc": counts["segment_alloc"] + counts["segment_map"],
+            "num_device_free": counts["segment_free"] + counts["segment_unmap"],
+        }
 
     def reset_peak(self) -> None:
         """Reset :attr:`max_allocated_bytes` and :attr:`max_reserved_bytes` to the current values.

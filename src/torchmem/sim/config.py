@@ -27,6 +27,14 @@ The rules (2.13):
 
 Host-side (pinned memory) options are accepted, validated and kept, and change nothing here.
 
+Older versions, where a snapshot from one is configured (:meth:`AllocatorConfig.from_settings`
+puts the ones that apply in :attr:`AllocatorConfig.notes`): before about 2.10 there was no
+``large_segment_size_mb`` (20 MiB, the default) and ``PYTORCH_ALLOC_CONF`` won over
+``PYTORCH_CUDA_ALLOC_CONF``; before about 2.5 ``max_non_split_rounding_mb`` was a fixed 20 MiB
+and garbage collection and the oversize release also freed blocks of expandable segments (the
+simulator follows 2.13 and skips them). A snapshot stores the resolved
+``roundup_power2_divisions`` table, so the changed meaning of ``>`` does not matter there.
+
 Example:
     >>> c = AllocatorConfig.parse("max_split_size_mb:128,roundup_power2_divisions:[256:1,>:4]")
     >>> c.max_split_size >> 20, c.divisions_for(300 << 20), c.divisions_for(600 << 20)
@@ -96,7 +104,8 @@ class AllocatorConfig:
     Sizes are in MiB as in the settings string; ``max_split_size_mb=None`` means unlimited and
     ``max_non_split_rounding_mb=None`` means "equal to ``large_segment_size_mb``".
     ``roundup_power2_divisions`` holds the 16 per-interval divisions (0 = plain 512 B rounding).
-    ``settings`` is the string it was parsed from (PyTorch's ``last_allocator_settings``).
+    ``settings`` is the string it was parsed from (PyTorch's ``last_allocator_settings``); it
+    does not take part in ``==``, so the same options written differently compare equal.
     The byte-valued properties (:attr:`max_split_size`, ...) are what the simulator uses.
 
     Example:
@@ -121,7 +130,8 @@ class AllocatorConfig:
     pinned_use_cuda_host_register: bool = False
     pinned_num_register_threads: int = 1
     host_options: tuple[tuple[str, str], ...] = field(default=())
-    settings: str = ""
+    settings: str = field(default="", compare=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         lss = self.large_segment_size_mb
@@ -325,7 +335,8 @@ class AllocatorConfig:
         MiB interval start) and the last settings string (``PYTORCH_CUDA_ALLOC_CONF``), from which
         the options the dict lacks (``large_segment_size_mb``, ``max_non_split_rounding_mb``,
         ``per_process_memory_fraction``) are recovered. ``None`` (no settings in the file) gives
-        the defaults.
+        the defaults. :attr:`notes` says where the recording torch (judged by the keys the dict
+        has) behaved differently from 2.13 under these settings.
 
         Example:
             >>> c = AllocatorConfig.from_settings({"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
@@ -365,7 +376,8 @@ class AllocatorConfig:
         rd = settings.get("roundup_power2_divisions")
         if rd is not None:
             kw["roundup_power2_divisions"] = _divisions_from_dict(rd)
-        return replace(base, **kw)
+        cfg = replace(base, **kw)
+        return replace(cfg, notes=_version_notes(settings, cfg))
 
     def to_settings(self) -> dict[str, Any]:
         """The ``allocator_settings`` dict PyTorch (2.11-2.13) writes into a snapshot.
@@ -396,6 +408,23 @@ class AllocatorConfig:
             if getattr(self, f.name) != f.default
         ]
         return f"AllocatorConfig({', '.join(parts)})"
+
+
+def _version_notes(settings: Mapping[str, Any], cfg: AllocatorConfig) -> tuple[str, ...]:
+    """Where a torch older than 2.13 (judged by the settings' keys) behaved differently."""
+    notes = ["the snapshot's settings do not record large_segment_size_mb, "
+             "max_non_split_rounding_mb or per_process_memory_fraction: taken from the settings "
+             f"string {cfg.settings!r} (defaults where it does not set them)"]
+    if "graph_capture_record_stream_reuse" not in settings:  # keys of torch <= about 2.8
+        notes.append("recorded by torch <= about 2.8: PYTORCH_ALLOC_CONF, if set, won over "
+                     "PYTORCH_CUDA_ALLOC_CONF there (2.13: the CUDA variable wins)")
+        if cfg.expandable_segments and (
+            cfg.garbage_collection_threshold > 0 or cfg.max_split_size_mb is not None
+        ):
+            notes.append("with expandable segments, torch before about 2.5 also freed "
+                         "expandable blocks in garbage collection and the oversize release; "
+                         "the simulator follows 2.13 and skips them")
+    return tuple(notes)
 
 
 def _store(values: dict[str, Any], host: list[tuple[str, str]], key: str, v: Any, raw: str) -> None:
