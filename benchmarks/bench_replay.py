@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from torchmem.analysis.replay import DeviceReplay  # noqa: E402
 from torchmem.io import load_snapshot  # noqa: E402
-from torchmem.sim.replay import replay, start_state  # noqa: E402  (start_state: sim._start)
+from torchmem.sim.replay import replay, start_state  # noqa: E402
 
 FILES = [
     "DeComFL__memory.pickle",
