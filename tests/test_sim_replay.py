@@ -413,3 +413,23 @@ def test_pages_mapped_below_the_start_state_are_reported_as_underdetermined() ->
     d = r.first_divergence
     assert d is not None and d["kind"] == "alloc" and d["expected"]["address"] == x
     assert r.notes[0].startswith("underdetermined: the trace maps expandable-segment pages below")
+
+
+def test_an_oversize_release_is_reported_where_empty_cache_releases_more() -> None:
+    # max_split_size_mb:20, 80 MiB device: a 60 MiB block and a 100 kB one are freed (both
+    # segments cached), then 25 MiB may not take the oversize 60 MiB block and a new 26 MiB
+    # segment would exceed 80 MiB: the OOM retry releases only the oversize block. A run of
+    # segment_free is replayed as empty_cache, which also releases the small segment.
+    a = CachingAllocator(capacity=80 * MiB, config="max_split_size_mb:20")
+    x = a.malloc(60 * MiB)
+    y = a.malloc(100_000)
+    a.free(x)
+    a.free(y)
+    a.malloc(25 * MiB)
+    snap = a.snapshot()
+    assert [e.action for e in snap.trace(0)].count("segment_free") == 1
+    r = replay(snap)
+    assert r.segment_allocs_matched == r.segment_allocs_expected == 3 and r.allocs_matched == 3
+    assert not r.final_layout_equal  # the simulator lost the cached 2 MiB segment
+    assert any("released 1 cached segment(s), the replay's empty_cache 2" in n for n in r.notes)
+    assert r.peak_reserved_bytes == 62 * MiB

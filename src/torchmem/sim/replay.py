@@ -234,6 +234,9 @@ class TraceReplay:
         self._alloc_divergence: dict[str, Any] | None = None
         self._last = ""
         self._at = 0
+        #: (entry, segments the trace released, segments empty_cache released) at the first run
+        #: of segment_free entries that empty_cache did not reproduce
+        self._release_mismatch: tuple[int, int, int] | None = None
         self._halt = stop_at_divergence  # stop at the first alloc that lands elsewhere
 
     def run(self, stop: int | None = None) -> None:
@@ -339,9 +342,10 @@ class TraceReplay:
                 elif act in ("segment_free", "segment_unmap") and last not in (
                     "segment_free", "segment_unmap"
                 ):
+                    n_events = len(events)
                     sim.empty_cache()
-                    if sim.reserved_bytes > peak_r:
-                        peak_r = sim.reserved_bytes
+                    if act == "segment_free" and self._release_mismatch is None:
+                        self._check_release(i, n_events)
                 last = act
             i = stop
         finally:
@@ -350,6 +354,18 @@ class TraceReplay:
             self.peak_allocated_bytes, self.peak_requested_bytes = peak_a, peak_q
             self.peak_reserved_bytes = peak_r
             self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
+
+    def _check_release(self, i: int, n_events: int) -> None:
+        """Compare the run of segment_free entries from ``i`` with what empty_cache released."""
+        t, names = self._trace, self._names
+        real: set[int] = set()
+        j = i
+        while j < len(t) and names[t.actions[j]] == "segment_free":
+            real.add(t.addrs[j])
+            j += 1
+        done = {ev[1] for ev in self.allocator.events[n_events:] if ev[0] == "segment_free"}
+        if done != real:
+            self._release_mismatch = (i, len(real), len(done))
 
     # -- reporting ------------------------------------------------------------------------------
 
@@ -525,6 +541,14 @@ class TraceReplay:
                 "snapshot), so no decision of the allocator is recorded to compare with; the "
                 "simulator was only seeded with the rebuilt state and the layout comparison is "
                 "trivial"
+            )
+        if self._release_mismatch is not None:
+            at, n_real, n_sim = self._release_mismatch
+            notes.append(
+                f"at trace entry {at} the real allocator released {n_real} cached segment(s), the "
+                f"replay's empty_cache {n_sim}: a run of segment_free is replayed as empty_cache, "
+                "which releases every free unsplit segment, while the out-of-memory retry with "
+                "max_split_size_mb set releases only oversize blocks"
             )
         if first is not None and self._expandable_prefix():
             notes.append(
