@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from torchmem.errors import InvalidInputError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim.allocator import round_size
+from torchmem.sim.config import AllocatorConfig
 
 __all__ = ["StartSegment", "start_state"]
 
@@ -57,8 +58,8 @@ class StartSegment:
     inferred: int = 0
     undetermined: int = 0
     #: Blocks whose slack the trace leaves open: address -> (rounded request, gap to the next
-    #: live block); the slack is at most ``min(1 MiB, gap - 1 MiB - 512)``.
-    open_slack: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: live block, the most slack the block can carry); see :func:`slack_candidates`.
+    open_slack: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
     def layout(self) -> list[tuple[int, int, int]]:
         """The segment as ``(offset, size, requested)``, free gaps included (requested 0).
@@ -90,13 +91,14 @@ def _fail(device: int, i: int | None, what: str) -> InvalidInputError:
 
 
 def start_state(
-    snapshot: Snapshot, device: int = 0, rounding: Callable[[int], int] = round_size
+    snapshot: Snapshot, device: int = 0, config: AllocatorConfig | None = None
 ) -> list[StartSegment]:
     """The allocator's segments and live blocks at the start of ``device``'s trace.
 
     Rebuilt from the snapshot's end state by walking the trace backwards (see the module
-    docstring); ``rounding`` is the request rounding in force (the default settings' when not
-    given). A device without segments in the snapshot starts empty (a trace complete from empty,
+    docstring); ``config`` is the allocator's configuration (the default settings when not
+    given): its rounding, and its ``max_split_size`` (a block at least that large is never
+    split, so it may carry up to ``max_non_split_rounding`` of slack). A device without segments in the snapshot starts empty (a trace complete from empty,
     or one without an end state). Raises :class:`~torchmem.errors.InvalidInputError` when the
     trace contradicts the end state (it frees a block twice, allocates in a segment that did not
     exist, ...).
@@ -182,6 +184,9 @@ def start_state(
         if seg is None or a >= seg.address + seg.size:
             raise _fail(device, None, f"the block at {a:#x}, live at the start, lies in no segment")
         seg.blocks.append([a, *live[a]])
+    cfg = config if config is not None else AllocatorConfig()
+    max_split = cfg.max_split_size
+    oversize_limit = max(cfg.max_non_split_rounding_size, _SMALL_BUFFER) - 512
     for seg in segs.values():
         blocks = seg.blocks
         end = seg.address + seg.size
@@ -189,19 +194,23 @@ def start_state(
             nxt = blocks[j + 1][0] if j + 1 < len(blocks) else end
             if row[1] is None:
                 seg.inferred += 1
-                r = rounding(row[2])
+                r = round_size(row[2], cfg)
                 gap = nxt - (row[0] + r)
                 large = not seg.small and not seg.expandable
+                # a split leaves more than 1 MiB; an oversize block (>= max_split_size) is never
+                # split: it took a whole free block less than max_non_split_rounding larger
+                limit = oversize_limit if r >= max_split else SMALL_SIZE
                 if large and 0 < gap <= SMALL_SIZE:
                     row[1] = r + gap  # too small to be a free large-pool block: slack
                 elif large and gap > SMALL_SIZE:
-                    # slack s <= 1 MiB and a free block after it, or no slack: the first alloc the
-                    # trace puts in that free block (before this block's free) lands at its front
-                    slack = _front_slack(t, row[0] + r, nxt, first_free.get(row[0], len(t)))
-                    if slack is None:  # not shown by the trace: no slack (a split block) first
+                    # slack and a free block after it, or no slack: the first alloc the trace puts
+                    # in that free block (before this block's free) lands at its front
+                    stop = first_free.get(row[0], len(t))
+                    slack = _front_slack(t, row[0] + r, nxt, stop, limit)
+                    if slack is None:  # not shown by the trace: see slack_candidates
                         seg.undetermined += 1
-                        seg.open_slack[row[0]] = (r, gap)
-                        slack = 0
+                        seg.open_slack[row[0]] = (r, gap, limit)
+                        slack = slack_candidates(r >= max_split, gap, limit)[0]
                     row[1] = r + slack
                 else:
                     row[1] = r
@@ -277,16 +286,28 @@ def _runs(mapped: dict[int, list[Any]]) -> list[tuple[int, int, int, bool]]:
     return [(a, b, c, d) for a, b, c, d in runs]
 
 
-def max_slack(gap: int) -> int:
-    """The most slack a large block can carry with a free large-pool block of ``gap - slack``."""
-    return max(0, min(SMALL_SIZE, gap - SMALL_SIZE - 512))
+def slack_candidates(oversize: bool, gap: int, limit: int) -> list[int]:
+    """The slacks a large block can carry before a gap of ``gap`` bytes to the next live block,
+    most likely first: up to ``limit``, leaving a free large-pool block (over 1 MiB) or nothing.
+    A split block (under ``max_split_size``) most often has none; an oversize block took a whole
+    cached block, so the whole gap when it can be slack.
+
+    Example:
+        >>> slack_candidates(False, 3 << 20, 1 << 20)[:3], slack_candidates(True, 3 << 20, 20 << 20)[0]
+        ([0, 512, 1024], 3145728)
+    """
+    top = min(limit, gap - SMALL_SIZE - 512)
+    out = list(range(0, top + 1, 512)) if top >= 0 else []
+    if gap <= limit:
+        out.insert(0, gap) if oversize else out.append(gap)
+    return out or [0]
 
 
-def _front_slack(t: Any, lo: int, hi: int, stop: int) -> int | None:
+def _front_slack(t: Any, lo: int, hi: int, stop: int, limit: int) -> int | None:
     """Slack implied by the first ``alloc`` before entry ``stop`` in ``[lo, hi)`` (None if none)."""
     names, acts, addrs = t.action_names, t.actions, t.addrs
     for i in range(stop):
         a = addrs[i]
         if lo <= a < hi and names[acts[i]] == "alloc":
-            return a - lo if a - lo <= SMALL_SIZE else 0
+            return a - lo if a - lo <= limit else 0
     return None

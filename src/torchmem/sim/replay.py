@@ -46,10 +46,16 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from torchmem.errors import InvalidInputError
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
 from torchmem.model.snapshot import Snapshot
-from torchmem.sim._start import SMALL_SIZE, StartSegment, max_slack, seeding_order, start_state
-from torchmem.sim.allocator import CachingAllocator, round_size
+from torchmem.sim._start import (
+    SMALL_SIZE,
+    StartSegment,
+    seeding_order,
+    slack_candidates,
+    start_state,
+)
+from torchmem.sim.allocator import CachingAllocator, round_size, segment_size
 from torchmem.sim.config import AllocatorConfig
 from torchmem.units import format_bytes
 
@@ -193,6 +199,7 @@ class TraceReplay:
         self.block_sizes = array("q", bytes(8 * n))
         self.notes: list[str] = []
         cfg = _config_from(snapshot, config)
+        self._cfg = cfg
         self._round = _rounding(cfg)
         if start is None:
             start = _settle(snapshot, device, cfg)
@@ -237,6 +244,9 @@ class TraceReplay:
         #: (entry, segments the trace released, segments empty_cache released) at the first run
         #: of segment_free entries that empty_cache did not reproduce
         self._release_mismatch: tuple[int, int, int] | None = None
+        #: the alloc entry whose out-of-memory retry released the segments of a run of
+        #: segment_free that is not a whole empty_cache, and the addresses it released
+        self._retry: tuple[int, set[int]] | None = None
         self._halt = stop_at_divergence  # stop at the first alloc that lands elsewhere
 
     def run(self, stop: int | None = None) -> None:
@@ -283,7 +293,10 @@ class TraceReplay:
                     size = sizes[i]
                     n_events = len(events)
                     before = sim.allocated_bytes
-                    sa = malloc(size, streams[i])
+                    if self._retry is not None and self._retry[0] == i:
+                        sa = self._malloc_after_release(size, streams[i])
+                    else:
+                        sa = malloc(size, streams[i])
                     bsize = sim.allocated_bytes - before
                     if len(events) - n_events > 1:  # more than the alloc: a new segment, ...
                         for ev in events[n_events:]:
@@ -342,10 +355,11 @@ class TraceReplay:
                 elif act in ("segment_free", "segment_unmap") and last not in (
                     "segment_free", "segment_unmap"
                 ):
-                    n_events = len(events)
-                    sim.empty_cache()
-                    if act == "segment_free" and self._release_mismatch is None:
-                        self._check_release(i, n_events)
+                    if act != "segment_free" or not self._oversize_release(i):
+                        n_events = len(events)
+                        sim.empty_cache()
+                        if act == "segment_free" and self._release_mismatch is None:
+                            self._check_release(i, n_events)
                 last = act
             i = stop
         finally:
@@ -354,6 +368,52 @@ class TraceReplay:
             self.peak_allocated_bytes, self.peak_requested_bytes = peak_a, peak_q
             self.peak_reserved_bytes = peak_r
             self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
+
+    def _oversize_release(self, i: int) -> bool:
+        """Whether the run of segment_free from entry ``i`` is the out-of-memory retry of the
+        alloc after it, releasing fewer segments than empty_cache would (``max_split_size``'s
+        oversize release): then that alloc is replayed on a device just too small for a new
+        segment, so that the simulator takes the same retry path itself."""
+        if self._cfg.max_split_size_mb is None or self._cfg.expandable_segments:
+            return False
+        t, names = self._trace, self._names
+        real: set[int] = set()
+        j = i
+        while j < len(t) and names[t.actions[j]] == "segment_free":
+            real.add(t.addrs[j])
+            j += 1
+        if j + 1 >= len(t) or names[t.actions[j]] != "segment_alloc" or names[t.actions[j + 1]] != "alloc":
+            return False
+        cached = {
+            addr for addr, _size, _stream, blocks in self.allocator.layout()
+            if len(blocks) == 1 and not blocks[0][2]
+        }
+        if cached == real:
+            return False  # a whole empty_cache: replayed as one
+        self._retry = (j + 1, real)
+        return True
+
+    def _malloc_after_release(self, size: int, stream: int) -> int:
+        sim = self.allocator
+        rounded = round_size(size, self._cfg)
+        need = segment_size(rounded, self._cfg)
+        n_events = len(sim.events)
+        saved = sim.capacity
+        sim.capacity = sim.reserved_bytes + need - 1  # the new segment does not fit as things are
+        try:
+            sa = sim.malloc(size, stream)
+        except SimulatedOutOfMemoryError:  # it released all it could and still did not fit
+            sim.capacity = saved
+            sa = sim.malloc(size, stream)
+        finally:
+            sim.capacity = saved
+        assert self._retry is not None
+        at, real = self._retry
+        done = {ev[1] for ev in sim.events[n_events:] if ev[0] == "segment_free"}
+        if done != real and self._release_mismatch is None:
+            self._release_mismatch = (at, len(real), len(done))
+        self._retry = None
+        return sa
 
     def _check_release(self, i: int, n_events: int) -> None:
         """Compare the run of segment_free entries from ``i`` with what empty_cache released."""
@@ -546,9 +606,10 @@ class TraceReplay:
             at, n_real, n_sim = self._release_mismatch
             notes.append(
                 f"at trace entry {at} the real allocator released {n_real} cached segment(s), the "
-                f"replay's empty_cache {n_sim}: a run of segment_free is replayed as empty_cache, "
-                "which releases every free unsplit segment, while the out-of-memory retry with "
-                "max_split_size_mb set releases only oversize blocks"
+                f"replay {n_sim}: a run of segment_free is replayed as empty_cache (every free "
+                "unsplit segment) unless it is the out-of-memory retry of the next alloc with "
+                "max_split_size_mb set (oversize blocks only), which the simulator then retries "
+                "itself"
             )
         if first is not None and self._expandable_prefix():
             notes.append(
@@ -617,7 +678,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
     and the replay is tried again with the smallest slack left.
     """
     rounding = _rounding(cfg)
-    segs = start_state(snapshot, device, rounding)
+    segs = start_state(snapshot, device, cfg)
     rows = {row[0]: (seg, row) for seg in segs for row in seg.blocks if row[0] in seg.open_slack}
     excluded: dict[int, list[tuple[int, int]]] = {}
     t = snapshot.trace(device)
@@ -632,7 +693,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
         if hit is None:
             break
         seg, row = rows[hit]
-        r, gap = seg.open_slack[hit]
+        r, gap, limit = seg.open_slack[hit]
         i = d["entry"]
         before = TraceReplay(snapshot, device, config=cfg, start=segs)
         before.run(i)
@@ -643,7 +704,7 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
         grown = gap + now - (gap - (row[1] - r))  # gap plus what merged into it
         excluded.setdefault(hit, []).append((grown - big if big is not None else -1, grown - q))
         slack = next(
-            (x for x in range(0, max_slack(gap) + 1, 512)
+            (x for x in slack_candidates(r >= cfg.max_split_size, gap, limit)
              if not any(lo <= x <= hi for lo, hi in excluded[hit])),
             None,
         )
