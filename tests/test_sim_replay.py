@@ -484,3 +484,43 @@ def test_runs_with_max_split_size_and_out_of_memory_retries_replay_exactly(seed:
         assert r.allocs_matched == r.allocs_expected > 0
         assert r.segment_allocs_matched == r.segment_allocs_expected
         assert r.final_layout_equal and r.first_divergence is None
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_two_streams_with_deferred_frees_replay_exactly(seed: int) -> None:
+    """Streams 0 and 5, blocks used on the other stream (record_stream): their frees complete
+    later (free_requested ... free_completed), so blocks are pending at the cut and at the end."""
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+
+    rng = random.Random(seed)
+    a = CachingAllocator()
+    live: list[int] = []
+    for step in range(1500):
+        if live and rng.random() < 0.45:
+            p = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.3:
+                a.record_stream(p, 5)
+            a.free(p)
+        else:
+            size = rng.choice([rng.randint(1, 8192), rng.randint(MiB, 9 * MiB),
+                               rng.randint(10 * MiB, 40 * MiB)])
+            live.append(a.malloc(size, rng.choice([0, 0, 5])))
+        if rng.random() < 0.05:
+            a.process_events()
+        if step % 97 == 96:
+            a.empty_cache()
+    snap = a.snapshot()
+    assert any(b.state == "active_pending_free" for s in snap.segments for b in s.blocks)
+    raw = to_pytorch_dict(snap)
+    trace = raw["device_traces"][0]
+    k = len(trace) // 2
+    while trace[k]["action"] != "alloc":
+        k += 1
+    while trace[k - 1]["action"] in ("segment_alloc", "segment_free"):
+        k -= 1
+    for cut in (0, k):
+        raw["device_traces"][0] = trace[cut:]
+        r = replay(from_pytorch(raw))
+        assert r.allocs_matched == r.allocs_expected > 0
+        assert r.segment_allocs_matched == r.segment_allocs_expected
+        assert r.final_layout_equal and r.first_divergence is None
