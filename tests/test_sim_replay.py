@@ -489,7 +489,7 @@ def test_runs_with_max_split_size_and_out_of_memory_retries_replay_exactly(seed:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_two_streams_with_deferred_frees_replay_exactly(seed: int) -> None:
     """Streams 0 and 5, blocks used on the other stream (record_stream): their frees complete
-    later (free_requested ... free_completed), so blocks are pending at the cut and at the end."""
+    later (free_requested ... free_completed), so some blocks are pending at the cut."""
     from torchmem.io.pytorch_snapshot import to_pytorch_dict
 
     rng = random.Random(seed)
@@ -509,10 +509,11 @@ def test_two_streams_with_deferred_frees_replay_exactly(seed: int) -> None:
             a.process_events()
         if step % 97 == 96:
             a.empty_cache()
-    snap = a.snapshot()
-    assert any(b.state == "active_pending_free" for s in snap.segments for b in s.blocks)
-    raw = to_pytorch_dict(snap)
+    raw = to_pytorch_dict(a.snapshot())
     trace = raw["device_traces"][0]
+    deferred = [i for i, e in enumerate(trace[:-1]) if e["action"] == "free_requested"
+                and trace[i + 1]["action"] != "free_completed"]
+    assert len(deferred) > 20
     k = len(trace) // 2
     while trace[k]["action"] != "alloc":
         k += 1
