@@ -469,6 +469,7 @@ def test_allocator_state_history_is_the_simulators_state(browser: Any, tmp_path:
         p.js("window.__torchmem.showTab('stats')")
         assert "simulated: every alloc replayed at its real address" in p.page.inner_text("#stats")
         p.js("window.__torchmem.showTab('state')")
+        assert "block sizes: exact (allocator simulator)" in p.page.inner_text("#state-summary")
         for k in (0, n // 3, (2 * n) // 3 + 1, n):
             tr = TraceReplay(snap, 0)
             tr.run(k)

@@ -155,7 +155,14 @@
     api._map = { segments: segs.length, blocks: nblocks, reserved, allocated, active, ms: performance.now() - t0 };
     $('state-summary').innerHTML = segs.length + ' segments, ' + fmtBytes(reserved) + ' reserved &middot; ' + nblocks + ' live blocks, ' +
       fmtBytes(allocated) + ' allocated, ' + fmtBytes(active - allocated) + ' pending free &middot; one pixel column = ' + fmtBytes(bpc) +
-      ' &middot; replayed in ' + (performance.now() - t0).toFixed(0) + ' ms';
+      ' &middot; replayed in ' + (performance.now() - t0).toFixed(0) + ' ms' + stateModelNote();
+  }
+  // Whether block sizes are the allocator simulator's (exact) or requests rounded to 512 B.
+  function stateModelNote() {
+    const m = (D.stats || {}).allocator_state;
+    if (!m) return '';
+    const exact = m.startsWith('simulated');
+    return ' &middot; <span title="' + esc(m) + '">block sizes: ' + (exact ? 'exact (allocator simulator)' : 'approximate (requests rounded to 512 B)') + '</span>';
   }
   function statePickAt(clientX, clientY) {
     const cv = st.canvas, r = cv.getBoundingClientRect();
