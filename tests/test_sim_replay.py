@@ -525,3 +525,21 @@ def test_two_streams_with_deferred_frees_replay_exactly(seed: int) -> None:
         assert r.allocs_matched == r.allocs_expected > 0
         assert r.segment_allocs_matched == r.segment_allocs_expected
         assert r.final_layout_equal and r.first_divergence is None
+
+
+def test_cli_names_a_device_that_is_not_cuda(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import json
+
+    from torchmem.io import write_snapshot
+
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        _e("segment_alloc", 4096, 4096), _e("alloc", 4096, 4096)]]})
+    snap.device_names = {0: "cpu"}  # as torchmem's CPU tracker writes it
+    path = tmp_path / "cpu.json"
+    write_snapshot(path, snap, format="json")
+    code, out, _ = _cli(capsys, "replay", str(path))
+    assert code == 0 and out.startswith("cpu: the simulator diverged")
+    assert "cpu is not a CUDA device" in out
+    code, out, _ = _cli(capsys, "replay", str(path), "--json")
+    dev = json.loads(out)["devices"][0]
+    assert dev["name"] == "cpu" and dev["segment_allocs_matched"] == 0

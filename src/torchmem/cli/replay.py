@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only this device index (default: every device with data)")
 
 
-def _render(results: list[dict[str, Any]], name: str = "") -> str:
+def _render(results: list[dict[str, Any]]) -> str:
     """The text report of :func:`run`: one paragraph per device (``ReplayResult.to_dict()``).
 
     Example:
@@ -60,7 +60,7 @@ def _render(results: list[dict[str, Any]], name: str = "") -> str:
             head = "nothing to check (no alloc or segment_alloc in the trace)"
         elif r.get("start") == "rebuilt":
             head += " (from a rebuilt start state)"
-        out.append(f"{name}cuda:{r['device']}: {head}")
+        out.append(f"{r.get('name') or 'cuda:' + str(r['device'])}: {head}")
         out.append(
             f"  segment_allocs matched   {r['segment_allocs_matched']} of "
             f"{r['segment_allocs_expected']} (same size, stream and pool, in order)"
@@ -102,7 +102,16 @@ def run(args: argparse.Namespace) -> int:
         if tty:
             n = len(snap.trace(dev))
             print(f"replaying device {dev}: {n} trace entries ...", file=sys.stderr, flush=True)
-        results.append(replay(snap, dev).to_dict())
+        d = replay(snap, dev).to_dict()
+        name = snap.device_name(dev)
+        if not name.startswith("cuda"):
+            d["notes"].append(
+                f"{name} is not a CUDA device: its trace does not come from PyTorch's CUDA caching "
+                "allocator (a CPU run recorded by torchmem's tracker has one segment per "
+                "storage), so the simulator is not expected to reproduce it"
+            )
+        d["name"] = name
+        results.append(d)
     if args.json:
         emit_json({"devices": results})
     else:
