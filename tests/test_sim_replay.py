@@ -543,3 +543,22 @@ def test_cli_names_a_device_that_is_not_cuda(capsys: pytest.CaptureFixture[str],
     code, out, _ = _cli(capsys, "replay", str(path), "--json")
     dev = json.loads(out)["devices"][0]
     assert dev["name"] == "cpu" and dev["segment_allocs_matched"] == 0
+
+
+def test_a_mid_run_trace_that_releases_everything_is_rebuilt_without_end_segments() -> None:
+    a = CachingAllocator()
+    x = a.malloc(3 * MiB)  # a 20 MiB segment, split
+    cut = len(a.events)
+    a.free(x)
+    a.empty_cache()
+    snap = a.snapshot()
+    assert snap.segments == []
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+
+    raw = to_pytorch_dict(snap)
+    raw["device_traces"][0] = raw["device_traces"][0][cut:]  # free_requested/completed, segment_free
+    snap = from_pytorch(raw)
+    (seg,) = start_state(snap, 0)
+    assert (seg.size, seg.blocks) == (20 * MiB, [[x, 3 * MiB, 3 * MiB, False]])
+    r = replay(snap)
+    assert r.start == "rebuilt" and r.final_layout_equal and r.peak_reserved_bytes == 20 * MiB

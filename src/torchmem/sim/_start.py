@@ -98,8 +98,9 @@ def start_state(
     Rebuilt from the snapshot's end state by walking the trace backwards (see the module
     docstring); ``config`` is the allocator's configuration (the default settings when not
     given): its rounding, and its ``max_split_size`` (a block at least that large is never
-    split, so it may carry up to ``max_non_split_rounding`` of slack). A device without segments in the snapshot starts empty (a trace complete from empty,
-    or one without an end state). Raises :class:`~torchmem.errors.InvalidInputError` when the
+    split, so it may carry up to ``max_non_split_rounding`` of slack). A device without segments
+    at the end whose trace does not agree with that starts empty (a trace without an end state).
+    Raises :class:`~torchmem.errors.InvalidInputError` when the
     trace contradicts the end state (it frees a block twice, allocates in a segment that did not
     exist, ...).
 
@@ -113,9 +114,18 @@ def start_state(
         >>> [(s.address, s.blocks) for s in start_state(snap)]
         [(0, [[1024, 1024, 700, False]])]
     """
+    if snapshot.segments_of(device):
+        return _walk_back(snapshot, device, config)
+    try:  # no segment at the end: everything may have been released, or there is no end state
+        return _walk_back(snapshot, device, config)
+    except InvalidInputError:
+        return []  # a trace without an end state (hand-made): start empty
+
+
+def _walk_back(
+    snapshot: Snapshot, device: int, config: AllocatorConfig | None
+) -> list[StartSegment]:
     t = snapshot.trace(device)
-    if not snapshot.segments_of(device):
-        return []  # a trace without an end state (hand-made, or complete from empty): start empty
     names = t.action_names
     acts, addrs, sizes, streams = t.actions, t.addrs, t.sizes, t.streams
     segs: dict[int, StartSegment] = {}
