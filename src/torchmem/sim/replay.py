@@ -2,28 +2,25 @@
 
 Most traces are a ring buffer that starts mid-run, so the allocator's state at the start of the
 trace is rebuilt from the snapshot's end state by walking the trace backwards
-(:func:`start_state`): a segment the trace ``segment_alloc``-ed did not exist before it, one it
-``segment_free``-d did; a block the trace allocates was free before (part of a larger free block,
-since free neighbours always merge), one it frees was allocated before with the requested size the
-free carries (``active_pending_free`` when the trace holds its ``free_completed`` but not its
-``free_requested``). Blocks that were live at the start and never touched keep their end-state
-size; the size of a block freed in the trace is its rounded request plus the slack the allocator
-must have left (a large-pool gap of at most 1 MiB cannot be a free block: every large-pool block is
-larger than 1 MiB). Free memory is what the live blocks leave of each segment.
+(:func:`start_state`, in :mod:`torchmem.sim._start`); slack that no entry records is then settled
+against the trace's own best-fit decisions.
 
 The simulator (configured from the snapshot's ``allocator_settings``) is seeded with that state
 (:meth:`~torchmem.sim.CachingAllocator.add_segment`, at the real addresses), then fed the trace:
 ``alloc`` -> ``malloc``, ``free_completed`` -> ``free`` (a ``free_requested`` only lowers the
 allocated bytes, as PyTorch's statistics do), a run of ``segment_free``/``segment_unmap`` ->
-one ``empty_cache()``. New simulated segments take the addresses of the trace's ``segment_alloc``
-entries in order, so with a correct simulator every block lands at its real address.
+one ``empty_cache()``, unless it is the out-of-memory retry of the next alloc with
+``max_split_size`` set (only oversize blocks released): then the simulator retries that alloc
+itself on a device just too small for it. New simulated segments take the addresses of the
+trace's ``segment_alloc`` entries in order, so with a correct simulator every block lands at its
+real address.
 
 Checks: the k-th simulated ``segment_alloc`` must have the size, stream and pool of the trace's
-k-th (the pool of the request it served);
-every ``alloc`` should land at its real address; at the end the simulator's segments must equal
-the snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream
-and blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at
-``free_requested``), requested and reserved bytes over the trace are reported too.
+k-th (the pool of the request it served); every ``alloc`` should land at its real address; at the
+end the simulator's segments must equal the snapshot's (``final_layout_equal``: the same multiset
+of segments, each with its size, stream and blocks as offset, size and whether active). The peaks
+of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
+trace are reported too.
 
 Example:
     >>> from torchmem.io.pytorch_snapshot import from_pytorch
