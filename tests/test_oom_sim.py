@@ -8,6 +8,8 @@ what-ifs are checked against direct runs of the same requests under each setting
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import snapshot_synth as synth
@@ -115,3 +117,20 @@ def test_a_trace_the_simulator_does_not_reproduce_gets_no_what_ifs() -> None:
     assert o.simulated is not None and o.simulated["exact"] is False
     assert o.alternatives == []
     assert "approximate" in o.explanation and o.verdict == "fragmentation"
+
+
+def test_torchmem_stats_prints_the_simulated_oom(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import json
+    import pickle
+
+    from torchmem.cli import main
+
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(to_pytorch_dict(_oom_snapshot())))
+    assert main(["stats", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Simulated at the OOM: stream 0 large pool 550.00 MiB free, largest block 550.00 MiB" in out
+    assert "Would have avoided it (replayed on a device of the same size): expandable_segments:True" in out
+    assert main(["stats", str(path), "--json"]) == 0
+    (o,) = json.loads(capsys.readouterr().out)["oom"]
+    assert {a["setting"]: a["avoided"] for a in o["alternatives"]} == WHAT_IF
