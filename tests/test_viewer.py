@@ -316,3 +316,37 @@ def test_view_command_does_not_import_torch(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip().splitlines()[-1] == "[]"
     assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["DeComFL__memory.pickle", "MAGMA27_a2__memory_snapshot.pickle",
+     "notHanmin_a2__memory_snapshot_forward.pickle"],
+)
+def test_block_sizes_of_the_state_history_are_the_files_blocks(name: str) -> None:
+    """The simulated block size of every allocation live at the end equals the size of its block
+    in the file (slack included), and the page is told the state is simulated."""
+    raw = _raw(DATA / name)
+    dev = build_payload(raw)["devices"][0]
+    cols = dev["columns"]
+    assert dev["stats"]["allocator_state"].startswith("simulated: every alloc replayed")
+    size_of = {b["address"]: b["size"] for s in raw["segments"] for b in s["blocks"]
+               if b["state"] != "inactive"}
+    live = [(int(cols["al_addr"][i]), cols["al_bsize"][i]) for i in range(dev["n_allocs"])
+            if cols["al_end"][i] == dev["n_events"]]
+    assert len(live) == len(size_of)
+    assert all(size_of[addr] == bsize for addr, bsize in live)
+    # every block holds its rounded request; some carry large-pool slack that rounding misses
+    rounded = [max(512, -(-int(cols["al_size"][i]) // 512) * 512) for i in range(dev["n_allocs"])]
+    assert all(r <= cols["al_bsize"][i] for i, r in enumerate(rounded))
+    assert any(r < cols["al_bsize"][i] for i, r in enumerate(rounded))
+
+
+def test_a_trace_the_simulator_cannot_reproduce_falls_back_to_rounding() -> None:
+    # a 40 MiB segment for a 10 MiB request: not what the allocator does
+    raw = {"segments": [], "device_traces": [[
+        {"action": "segment_alloc", "addr": 1 << 30, "size": 40 << 20, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 1 << 30, "size": 10 << 20, "stream": 0, "frames": []}]]}
+    dev = build_payload(raw)["devices"][0]
+    assert len(dev["columns"]["al_bsize"]) == 0
+    assert dev["stats"]["allocator_state"].startswith("approximate (request rounded to 512 B)")

@@ -1,5 +1,13 @@
 """Out-of-memory entries explained: a full device, or fragmentation of the allocator's cache.
 
+Each ``oom`` entry is explained from the allocator simulator's replay of the trace up to it
+(:class:`torchmem.sim.replay.TraceReplay`, the one allocator model of the codebase): the free
+memory per stream and pool and the largest free block at that moment, exact when the replay
+reproduced every decision before it. Then the trace is replayed again under other settings on a
+device of the same size (the reserved bytes at the OOM plus the device's free bytes) to say
+whether ``expandable_segments``, a ``max_split_size_mb``, or garbage collection (with a
+per-process memory fraction) would have avoided it.
+
 Example:
     >>> from torchmem.io.pytorch_snapshot import from_pytorch
     >>> s = from_pytorch({"segments": [], "device_traces": [[{"action": "oom",
@@ -10,11 +18,14 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torchmem.analysis.replay import OOM, DeviceReplay
+from torchmem.errors import SimulatedOutOfMemoryError, TorchmemError
 from torchmem.model.snapshot import Snapshot
+from torchmem.sim.config import AllocatorConfig
+from torchmem.sim.replay import StartSegment, TraceReplay
 from torchmem.units import format_bytes as _fb
 
 __all__ = ["OomEvent", "oom", "oom_report"]
@@ -46,6 +57,13 @@ class OomEvent:
     largest_free_block: int | None
     verdict: str
     explanation: str
+    #: The simulator's state at the entry (``None`` when the trace could not be replayed):
+    #: ``exact`` (every decision before it reproduced), ``allocated_bytes``,
+    #: ``reserved_bytes``, ``largest_free_block`` and ``free`` (per stream and pool:
+    #: ``{"stream", "pool", "free_bytes", "largest_free_block"}``).
+    simulated: dict[str, Any] | None = None
+    #: What-if replays: ``{"setting", "avoided" (bool), "detail"}`` per alternative setting.
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict.
@@ -90,9 +108,15 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
             if a != OOM:
                 continue
             size, free, res = t.sizes[i], t.addrs[i], reserved[i]
-            if i > last_change:  # nothing changed since: the end state is the state at the OOM
+            sim, alternatives = _simulate(snap, dev, i, size, t.streams[i], free)
+            if sim is not None and sim["exact"]:  # the simulator's state at the OOM
+                alloc_now = sim["allocated_bytes"]
+                res = sim["reserved_bytes"]
+                cached = res - alloc_now
+                largest: int | None = sim["largest_free_block"]
+            elif i > last_change:  # nothing changed since: the end state is the state at the OOM
                 cached = end_free
-                largest: int | None = largest_end
+                largest = largest_end
                 alloc_now = end_alloc_blocks
             else:
                 alloc_now = allocated[i]
@@ -118,6 +142,7 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
                     f"and {_fb(cached)} cached free in the allocator: the device is truly full; "
                     "reduce the batch size or the model's memory."
                 )
+            why += _explain_simulation(sim, alternatives)
             out.append(
                 OomEvent(
                     device=dev,
@@ -132,8 +157,143 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
                     largest_free_block=largest,
                     verdict=verdict,
                     explanation=why,
+                    simulated=sim,
+                    alternatives=alternatives,
                 )
             )
+    return out
+
+
+#: Settings tried by the what-if replays: (label, config change, memory fraction). Garbage
+#: collection acts only with a per-process memory fraction (here the whole simulated device).
+_WHAT_IF: tuple[tuple[str, dict[str, Any], float | None], ...] = (
+    ("expandable_segments:True", {"expandable_segments": True}, None),
+    ("max_split_size_mb:128", {"max_split_size_mb": 128}, None),
+    ("max_split_size_mb:512", {"max_split_size_mb": 512}, None),
+    ("garbage_collection_threshold:0.8 (memory fraction 1.0)",
+     {"garbage_collection_threshold": 0.8}, 1.0),
+    ("garbage_collection_threshold:0.5 (memory fraction 1.0)",
+     {"garbage_collection_threshold": 0.5}, 1.0),
+)
+
+
+def _free_by_pool(tr: TraceReplay) -> tuple[list[dict[str, Any]], int]:
+    """Free bytes and the largest free block per (stream, pool) of the simulator's state."""
+    groups: dict[tuple[int, str], list[int]] = {}
+    for seg in tr.allocator.snapshot().segments:
+        for b in seg.blocks:
+            if b.state == "inactive":
+                groups.setdefault((seg.stream, seg.segment_type), []).append(b.size)
+    rows: list[dict[str, Any]] = [
+        {"stream": stream, "pool": pool, "free_bytes": sum(v), "largest_free_block": max(v)}
+        for (stream, pool), v in sorted(groups.items())
+    ]
+    return rows, max((max(v) for v in groups.values()), default=0)
+
+
+def _simulate(
+    snap: Snapshot, dev: int, i: int, size: int, stream: int, device_free: int
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The simulator's state at trace entry ``i`` (an ``oom``) and the what-if replays."""
+    try:
+        tr = TraceReplay(snap, dev)
+        tr.run(i)
+    except TorchmemError:
+        return None, []
+    result = tr.result()
+    div = result.first_divergence
+    free, largest = _free_by_pool(tr)
+    sim = {
+        "exact": div is None,
+        "start": result.start,
+        "allocated_bytes": tr.allocator.allocated_bytes,
+        "reserved_bytes": tr.allocator.reserved_bytes,
+        "largest_free_block": largest,
+        "free": free,
+    }
+    if div is not None:
+        sim["divergence"] = div["explanation"]
+    capacity = tr.allocator.reserved_bytes + device_free
+    base = tr.allocator.config
+    alternatives: list[dict[str, Any]] = []
+    if div is not None:
+        return sim, alternatives  # what-ifs on an unfaithful replay would prove nothing
+    start = tr.start_segments  # the state at the trace's start is the real settings' doing
+    same = _what_if(snap, dev, i, size, stream, base, None, capacity, start,
+                    "the snapshot's own settings")
+    sim["reproduces_oom"] = same["avoided"] is False
+    if same["avoided"] is not False:
+        return sim, alternatives
+    for label, change, fraction in _WHAT_IF:
+        try:
+            cfg = replace(base, **change)
+        except TorchmemError as e:  # e.g. a max_split_size below the large segment size
+            alternatives.append({"setting": label, "avoided": None, "detail": str(e)})
+            continue
+        alternatives.append(
+            _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start, label)
+        )
+    return sim, alternatives
+
+
+def _what_if(
+    snap: Snapshot, dev: int, i: int, size: int, stream: int, cfg: AllocatorConfig,
+    fraction: float | None, capacity: int, start: list[StartSegment], label: str,
+) -> dict[str, Any]:
+    """Replay up to entry ``i`` under ``cfg`` on a device of ``capacity`` bytes, then retry."""
+    try:
+        tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, memory_fraction=fraction,
+                         real_addresses=False, start=start)
+    except SimulatedOutOfMemoryError:  # the start state alone does not fit
+        return {"setting": label, "avoided": False,
+                "detail": "the state at the trace's start does not fit the device"}
+    t = snap.trace(dev)
+    try:
+        tr.run(i)
+    except SimulatedOutOfMemoryError:
+        j = tr.position
+        return {"setting": label, "avoided": False,
+                "detail": f"runs out of memory earlier, at trace entry {j} (a request of "
+                          f"{_fb(t.sizes[j])})"}
+    except Exception as e:  # noqa: BLE001 - a what-if must never break the report
+        return {"setting": label, "avoided": None, "detail": f"not simulated: {type(e).__name__}: {e}"}
+    reserved = tr.allocator.reserved_bytes
+    try:
+        tr.allocator.malloc(size, stream)
+    except SimulatedOutOfMemoryError:
+        return {"setting": label, "avoided": False,
+                "detail": f"still out of memory ({_fb(reserved)} reserved before the request)"}
+    except Exception as e:  # noqa: BLE001
+        return {"setting": label, "avoided": None, "detail": f"not simulated: {type(e).__name__}: {e}"}
+    return {"setting": label, "avoided": True,
+            "detail": f"the request fits ({_fb(tr.allocator.reserved_bytes)} reserved after it, "
+                      f"of {_fb(capacity)})"}
+
+
+def _explain_simulation(sim: dict[str, Any] | None, alternatives: list[dict[str, Any]]) -> str:
+    if sim is None:
+        return " (The allocator simulator could not replay this trace.)"
+    pools = "; ".join(
+        f"stream {r['stream']} {r['pool']} pool {_fb(r['free_bytes'])} free, largest block "
+        f"{_fb(r['largest_free_block'])}" for r in sim["free"]
+    ) or "no free block"
+    if sim["exact"]:
+        head = "Simulated at the OOM"
+    else:
+        head = "Simulated (approximate: " + sim.get("divergence", "the replay diverged") + ")"
+    out = f" {head}: {pools}."
+    if sim["exact"] and not sim.get("reproduces_oom"):
+        out += (" The simulator, with the snapshot's settings on a device of the same size, does "
+                "not run out of memory here, so no what-if replay is conclusive.")
+    avoided = [a["setting"] for a in alternatives if a["avoided"]]
+    if alternatives and sim.get("start") == "rebuilt":
+        out += (" The what-if replays start from the state at the trace's start, which the real "
+                "settings made.")
+    if avoided:
+        out += " Would have avoided it (replayed on a device of the same size): " + ", ".join(avoided) + "."
+    not_ = [a["setting"] for a in alternatives if a["avoided"] is False]
+    if not_:
+        out += " Would not have: " + ", ".join(not_) + "."
     return out
 
 

@@ -8,8 +8,10 @@
   snapshots in PyTorch's format (``snapshot()``).
 - :class:`AllocatorConfig`: the allocator's options, parsed from a ``PYTORCH_CUDA_ALLOC_CONF``
   string, the environment or a snapshot's ``allocator_settings``.
-- :func:`replay`: feed a snapshot's trace (complete from empty) to the simulator and check that
-  it makes the same ``segment_alloc`` decisions as the real allocator.
+- :func:`replay`: feed a snapshot's trace to the simulator, from the allocator's state at the
+  trace's start (rebuilt from the end state when the trace starts mid-run; see
+  :mod:`torchmem.sim.replay`, which also has :class:`~torchmem.sim.replay.TraceReplay` for
+  stepping), and check that it makes the same decisions as the real allocator.
 
 Example:
     >>> from torchmem.sim import AllocatorConfig, CachingAllocator

@@ -1,6 +1,9 @@
   // ---------------------------------------------------------------- allocator state history
   // The state after p events: segments (addr -> [size, stream]) and live blocks
-  // (addr -> {id, size, state, stack}); free space is what a segment has outside its blocks.
+  // (addr -> {id, size, state, stack}); free space is what a segment has outside its blocks
+  // (the allocator merges free neighbours, so each gap is one free block). Block sizes come from
+  // the allocator simulator's replay of the trace (al_bsize: slack included, exact); without it
+  // (the simulator could not reproduce the trace) a request is rounded up to 512 B.
   const st = { pos: -1, segs: null, blocks: null, sel: 0, canvas: $('statemap'), pick: null, cellInfo: null };
   function stateReset() {
     const c = D.col;
@@ -18,7 +21,8 @@
     if (k <= K.FREE) {
       if (r < 0) return;
       const addr = c.al_addr[r];
-      const blk = { id: r, size: Math.max(512, Math.ceil(c.al_size[r] / 512) * 512), state: 1, stack: c.al_stack[r] };
+      const size = c.al_bsize && c.al_bsize.length ? c.al_bsize[r] : Math.max(512, Math.ceil(c.al_size[r] / 512) * 512);
+      const blk = { id: r, size, state: 1, stack: c.al_stack[r] };
       if (k === K.ALLOC) { if (forward) st.blocks.set(addr, blk); else st.blocks.delete(addr); }
       else if (k === K.FREE_REQ) { const b = st.blocks.get(addr); if (b) b.state = forward ? 2 : 1; }
       else if (forward) st.blocks.delete(addr);
@@ -40,6 +44,27 @@
       }
     }
   }
+  // The state after p events as plain data, for tests: segments [addr, size] and, per segment,
+  // its blocks in address order [offset, size, state] with the free gaps as state 0.
+  api.stateLayout = (p) => {
+    stateMoveTo(p);
+    const segs = [...st.segs.entries()].sort((x, y) => x[0] - y[0]);
+    const blocks = [...st.blocks.entries()].sort((x, y) => x[0] - y[0]);
+    let bi = 0;
+    return segs.map(([sa, [ss]]) => {
+      const out = [];
+      let pos = 0;
+      while (bi < blocks.length && blocks[bi][0] < sa) bi++;
+      for (; bi < blocks.length && blocks[bi][0] < sa + ss; bi++) {
+        const [ba, b] = blocks[bi];
+        if (ba - sa > pos) out.push([pos, ba - sa - pos, 0]);
+        out.push([ba - sa, b.size, b.state]);
+        pos = ba - sa + b.size;
+      }
+      if (pos < ss) out.push([pos, ss - pos, 0]);
+      return [sa, ss, out];
+    });
+  };
   function stateMoveTo(p) {
     if (st.pos < 0) stateReset();
     if (Math.abs(p - st.pos) > p + 1 && p < st.pos) { /* backwards is the only way from the end */ }
@@ -130,7 +155,14 @@
     api._map = { segments: segs.length, blocks: nblocks, reserved, allocated, active, ms: performance.now() - t0 };
     $('state-summary').innerHTML = segs.length + ' segments, ' + fmtBytes(reserved) + ' reserved &middot; ' + nblocks + ' live blocks, ' +
       fmtBytes(allocated) + ' allocated, ' + fmtBytes(active - allocated) + ' pending free &middot; one pixel column = ' + fmtBytes(bpc) +
-      ' &middot; replayed in ' + (performance.now() - t0).toFixed(0) + ' ms';
+      ' &middot; replayed in ' + (performance.now() - t0).toFixed(0) + ' ms' + stateModelNote();
+  }
+  // Whether block sizes are the allocator simulator's (exact) or requests rounded to 512 B.
+  function stateModelNote() {
+    const m = (D.stats || {}).allocator_state;
+    if (!m) return '';
+    const exact = m.startsWith('simulated');
+    return ' &middot; <span title="' + esc(m) + '">block sizes: ' + (exact ? 'exact (allocator simulator)' : 'approximate (requests rounded to 512 B)') + '</span>';
   }
   function statePickAt(clientX, clientY) {
     const cv = st.canvas, r = cv.getBoundingClientRect();
