@@ -347,3 +347,17 @@ def test_memory_stats_under_pytorchs_names() -> None:
     assert (s["num_alloc_retries"], s["num_ooms"]) == (1, 0)
     assert (s["num_device_alloc"], s["num_device_free"]) == (3, 2)
     assert s["segment.all.current"] == 1
+
+
+def test_expandable_request_larger_than_the_device_is_a_simulated_oom():
+    """The virtual range is sized from the device (1.125 x capacity): a request that cannot fit
+    in it, or any request on a device of 0 bytes, ends in the OOM path, not a crash."""
+    from torchmem.errors import SimulatedOutOfMemoryError
+    from torchmem.sim import CachingAllocator
+
+    for cap, size in ((0, 1024), (100 << 20, 200 << 20)):
+        a = CachingAllocator(capacity=cap, config="expandable_segments:True")
+        with pytest.raises(SimulatedOutOfMemoryError):
+            a.malloc(size)
+        assert a.events == [("oom", cap, (size + 511) // 512 * 512, 0)]
+        assert a.reserved_bytes == 0

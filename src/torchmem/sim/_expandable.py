@@ -172,12 +172,16 @@ class ExpandableMixin:
                 return c
         page = SMALL_BUFFER if small else self._large_seg
         va = self._va_size(page)
+        if va < rounded:  # a virtual range of the device's size cannot hold it: out of memory
+            return -1
         addr = self._expandable_address(va)
         self._new_expandable_range(addr, va, stream, small, page)
         return addr
 
     def _try_allocate_expandable_block(self, rounded: int, small: bool, stream: int) -> tuple[int, int] | None:
         c = self._find_expandable_block(rounded, small, stream)
+        if c < 0:
+            return None
         if c in self._usize:
             c = self._map_block(c, min(self._usize[c], rounded), stream, small)
             if c < 0:
