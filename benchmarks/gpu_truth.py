@@ -17,10 +17,10 @@ Columns:
               sees); no reduction scratch, per-parameter optimizer loop
 
 Requested figures include the two cuBLAS workspaces (allocator blocks in the real run; the
-estimate reports them separately). The plain fake run keeps one more logits-sized buffer
-(327,680,000 B) in MAGMA27's backward: under a dispatch mode PyTorch's gather/max backward
-scatters out of place; torchmem.estimate runs it in place, as the GPU does
-(tests/test_gpu_truth.py checks every phase separately).
+estimate reports them separately). Both columns run torchmem.estimate's engine (which, like the
+GPU, runs the gather/max backward scatters in place); "plain fake" only turns the CUDA emulation
+off, so it misses the bf16 autocast policy (notHanmin) and the reductions' staging buffers
+(MAGMA27). tests/test_gpu_truth.py checks every phase separately.
 
 Run:  python benchmarks/gpu_truth.py        (about a minute on our 2 cores)
 """
