@@ -57,6 +57,7 @@ TOP_LEVEL = [
     "track",
     "track_lite",
     "unique_bytes",
+    "why_alive",
     "write_snapshot",
     "write_viewer",
 ]
@@ -69,10 +70,10 @@ NAMESPACES: dict[str, list[str]] = {
         "diff", "events", "flame", "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
-        "Listener", "LiteTracker", "Span", "Tracker", "inspect_memory", "is_oom_error",
+        "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span", "Tracker", "inspect_memory", "is_oom_error",
         "oom_guard", "overlaps", "record_history", "same_storage", "snapshot", "start_recording",
         "stop_recording", "storage_bytes", "storage_id", "storage_nbytes", "storage_of",
-        "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes",
+        "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes", "why_alive",
     ],
     "torchmem.compat": [
         "MemReporter", "MemoryTracker", "cdata", "device_ordinal", "get_device",

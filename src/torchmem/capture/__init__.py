@@ -6,6 +6,8 @@
 - :mod:`~torchmem.capture.tracker` (a package): :func:`track`, the dispatch-mode tracker (ops,
   modules, phases, categories, call sites); its docstring is the contract the rest of torchmem
   codes against, and it says which private module holds which part.
+- :mod:`~torchmem.capture.retention`: :func:`why_alive`, the chains of references that keep a
+  tensor's memory alive.
 - :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
 - :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
   (PyTorch's CUDA allocator history; the tracker on other devices); :func:`start_recording` and
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # the same names, statically, for type checkers
         start_recording,
         stop_recording,
     )
+    from torchmem.capture.retention import RetentionPath, RetentionPaths, why_alive
     from torchmem.capture.storage import (
         Span,
         overlaps,
@@ -71,11 +74,15 @@ _EXPORTS: dict[str, str] = {
         "torchmem.capture.storage",
     ),
     **dict.fromkeys(["Listener", "Tracker", "track"], "torchmem.capture.tracker"),
+    **dict.fromkeys(["RetentionPath", "RetentionPaths", "why_alive"],
+                    "torchmem.capture.retention"),
 }
 
 __all__ = [
     "LiteTracker",
     "Listener",
+    "RetentionPath",
+    "RetentionPaths",
     "Span",
     "Tracker",
     "inspect_memory",
@@ -96,6 +103,7 @@ __all__ = [
     "track",
     "track_lite",
     "unique_bytes",
+    "why_alive",
 ]
 
 
