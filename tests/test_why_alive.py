@@ -284,3 +284,50 @@ def test_storage_target_and_top_level_name() -> None:
         assert str(paths[0]) == f"{MOD} global CACHE (dict) ['t'] -> Tensor float64[8] 64 B"
     finally:
         CACHE.clear()
+
+
+LEAKY_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    LOSSES = []
+    net = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad()
+        out = net(torch.randn(64, 256))
+        loss = (out * out).sum()         # MulBackward0 saves `out` (64 KiB) for backward
+        LOSSES.append(loss)              # kept with its graph: `out` stays alive
+        opt.step()
+    """
+)
+
+
+def test_torchmem_run_explains_leaked_memory(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(LEAKY_SCRIPT)
+    res = subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", "--json", "--why", "4", "-o", "t.tmtrace",
+         "train.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert res.returncode == 0, res.stderr
+    data = __import__("json").loads(res.stdout)
+    assert data["leak_suspect"] is True
+    leaks = data["leak_paths"]
+    # each of steps 1 and 2 leaked two 64x256 float32 tensors (64 KiB each): the input, saved
+    # by addmm for the weight's gradient, and `out`, saved twice by mul; step 3 is the last
+    assert [(leak["nbytes"], leak["step"], leak["site"]) for leak in leaks] == [
+        (65536, 1, "train.py:8"), (65536, 1, "train.py:8"),
+        (65536, 2, "train.py:8"), (65536, 2, "train.py:8"),
+    ]
+    head = "train.py global LOSSES (list) [{k}] -> Tensor.grad_fn SumBackward0 -> next_functions[0] MulBackward0 -> "
+    tail = " -> Tensor float32[64, 256] 64.00 KiB (allocated at train.py:8)"
+    for k in (1, 2):
+        inp, out = leaks[2 * k - 2], leaks[2 * k - 1]
+        assert inp["paths"] == [
+            head.format(k=k) + "next_functions[0] AddmmBackward0 -> saved tensor (mat1)" + tail
+        ]
+        assert out["paths"] == [
+            head.format(k=k) + "saved tensor (other)" + tail,
+            head.format(k=k) + "saved tensor (self)" + tail,
+        ]
