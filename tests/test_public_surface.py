@@ -37,6 +37,7 @@ TOP_LEVEL = [
     "available_devices",
     "chunked_transfer",
     "format_bytes",
+    "host_memory",
     "inspect_memory",
     "load_snapshot",
     "load_trace",
@@ -70,7 +71,8 @@ NAMESPACES: dict[str, list[str]] = {
         "diff", "events", "flame", "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
-        "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span", "Tracker", "inspect_memory", "is_oom_error",
+        "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
+        "Tracker", "host_memory", "inspect_memory", "is_oom_error",
         "oom_guard", "overlaps", "record_history", "same_storage", "snapshot", "start_recording",
         "stop_recording", "storage_bytes", "storage_id", "storage_nbytes", "storage_of",
         "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes", "why_alive",

@@ -331,3 +331,22 @@ def test_torchmem_run_explains_leaked_memory(tmp_path: Path) -> None:
             head.format(k=k) + "saved tensor (other)" + tail,
             head.format(k=k) + "saved tensor (self)" + tail,
         ]
+
+
+def test_inspect_why_prints_paths_of_the_largest_storages(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "torchmem", "inspect", "--example", "mlp", "--format", "plain",
+         "--top", "1", "--why", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert res.returncode == 0, res.stderr
+    why = res.stdout[res.stdout.index("== Why alive"):].splitlines()
+    # the largest storages are the 256x256 float32 weights (256 KiB); Adam holds the first one
+    # as a state key and in its param group, the model as Sequential.0's weight
+    assert why[1:] == [
+        "Parameter float32[256, 256] 256.00 KiB:",
+        "  mlp optimizer (Adam) -> Adam.state key (group 0 param 0) -> Parameter float32[256, 256] 256.00 KiB",
+        "  mlp (Sequential) -> Sequential.0 (Linear) -> Linear.weight (parameter) -> Parameter float32[256, 256] 256.00 KiB",
+        "  mlp optimizer (Adam) -> Adam.param_groups (list) [0] (dict) ['params'] (list) [0] -> Parameter float32[256, 256] 256.00 KiB",
+    ]

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
     from torchmem.capture import (
         Span,
         Tracker,
+        host_memory,
         inspect_memory,
         oom_guard,
         record_history,
@@ -110,6 +111,7 @@ _EXPORTS: dict[str, str] = {
     "oom_guard": "torchmem.capture",
     # who holds it
     "why_alive": "torchmem.capture",
+    "host_memory": "torchmem.capture",
     "load_snapshot": "torchmem.io",
     "write_snapshot": "torchmem.io",
     "write_viewer": "torchmem.render",

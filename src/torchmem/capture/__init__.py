@@ -8,6 +8,8 @@
   codes against, and it says which private module holds which part.
 - :mod:`~torchmem.capture.retention`: :func:`why_alive`, the chains of references that keep a
   tensor's memory alive.
+- :mod:`~torchmem.capture.host`: :func:`host_memory` and :class:`HostSampler`, RSS/USS/PSS of
+  the process tree (DataLoader workers included).
 - :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
 - :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
   (PyTorch's CUDA allocator history; the tracker on other devices); :func:`start_recording` and
@@ -34,6 +36,7 @@ from torchmem._lazy import MISSING, load_export
 
 if TYPE_CHECKING:  # the same names, statically, for type checkers
     from torchmem.capture.census import inspect_memory
+    from torchmem.capture.host import HostSampler, host_memory
     from torchmem.capture.lite import LiteTracker, track_lite
     from torchmem.capture.recording import (
         is_oom_error,
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # the same names, statically, for type checkers
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["inspect_memory"], "torchmem.capture.census"),
     **dict.fromkeys(["LiteTracker", "track_lite"], "torchmem.capture.lite"),
+    **dict.fromkeys(["HostSampler", "host_memory"], "torchmem.capture.host"),
     **dict.fromkeys(
         ["is_oom_error", "oom_guard", "record_history", "snapshot", "start_recording",
          "stop_recording"],
@@ -79,12 +83,14 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "HostSampler",
     "LiteTracker",
     "Listener",
     "RetentionPath",
     "RetentionPaths",
     "Span",
     "Tracker",
+    "host_memory",
     "inspect_memory",
     "is_oom_error",
     "oom_guard",

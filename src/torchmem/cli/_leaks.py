@@ -33,7 +33,7 @@ from torchmem.capture.retention import RetentionPath, why_alive
 from torchmem.model.events import Event, EventKind
 from torchmem.units import format_bytes
 
-__all__ = ["LeakExplanation", "LeakWatch"]
+__all__ = ["LeakExplanation", "LeakWatch", "explain_largest"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +135,56 @@ class LeakWatch:
             out.append(LeakExplanation(event.nbytes, event.step, site, paths, found.note))
         del alive
         return out
+
+
+def _tensors_of(objs: tuple[Any, ...], live: bool) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for o in objs:
+        if isinstance(o, torch.nn.Module):
+            out += list(o.parameters()) + list(o.buffers())
+            out += [p.grad for p in o.parameters() if p.grad is not None]
+        elif isinstance(o, torch.optim.Optimizer):
+            for st in o.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        elif isinstance(o, torch.Tensor):
+            out.append(o)
+    if live:
+        import gc
+
+        out += [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return out
+
+
+def explain_largest(objs: tuple[Any, ...], n: int, roots: dict[str, Any], *,
+                    live: bool = False) -> list[str]:
+    """Text lines: what holds each of the ``n`` largest storages of ``objs`` (a module's
+    parameters, buffers and gradients, an optimizer's state, tensors; with ``live`` every live
+    tensor), largest first.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(4, 2)
+        >>> for line in explain_largest((lin,), 1, {"lin (Linear)": lin}):
+        ...     print(line)
+        Parameter float32[2, 4] 32 B:
+          lin (Linear) -> Linear.weight (parameter) -> Parameter float32[2, 4] 32 B
+    """
+    seen: dict[int, torch.Tensor] = {}
+    for t in _tensors_of(objs, live):
+        try:
+            key = int(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            continue
+        seen.setdefault(key, t)
+    biggest = sorted(seen.values(), key=lambda t: -int(t.untyped_storage().nbytes()))[:max(0, n)]
+    seen.clear()
+    lines: list[str] = []
+    from torchmem.capture.retention import _describe_target
+
+    for t in biggest:
+        found = why_alive(t, roots=roots, max_paths=3, timeout=5.0, _skip=1)
+        lines.append(f"{_describe_target(t)}:")
+        lines += [f"  {p}" for p in found] or [f"  no path found ({found.note})"]
+        if found.stopped:
+            lines.append(f"  (search stopped early: {found.stopped})")
+    return lines
