@@ -93,6 +93,7 @@ NAMESPACES: dict[str, list[str]] = {
     "torchmem.examples": [
         "TiedLM", "build_example", "example_input", "list_examples", "train_step",
     ],
+    "torchmem.integrations": [],
     "torchmem.io": [
         "from_pytorch", "load_snapshot", "load_trace", "save_trace", "snapshot_from_events",
         "snapshot_from_trace", "to_pytorch_dict", "write_snapshot",
