@@ -193,21 +193,26 @@ class _Node:
 
 
 def test_reference_cycle_waiting_for_the_collector_is_named_with_the_cycle() -> None:
-    a, b = _Node(), _Node()
-    a.other, b.other = b, a  # type: ignore[attr-defined]
-    a.data = torch.zeros(100)  # type: ignore[attr-defined]
-    t = a.data  # type: ignore[attr-defined]
-    del a, b
-    paths = why_alive(t)
-    assert _texts(paths) == [
-        "reference cycle waiting for the garbage collector: <_Node object> -> _Node.other -> "
-        "_Node.other -> (back to the start); held from it: <_Node object> -> _Node.data -> "
-        "Tensor float32[100] 400 B"
-    ]
-    assert paths[0].cycle == ("_Node.other", "_Node.other")
-    # the search did not free the cycle: the collector still finds it afterwards
     import gc
 
+    gc.disable()  # so that no automatic collection frees the cycle before the search
+    try:
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a  # type: ignore[attr-defined]
+        a.data = torch.zeros(100)  # type: ignore[attr-defined]
+        t = a.data  # type: ignore[attr-defined]
+        del a, b
+        paths = why_alive(t, timeout=120)
+        assert _texts(paths) == [
+            "reference cycle waiting for the garbage collector: <_Node object> -> _Node.other -> "
+            "_Node.other -> (back to the start); held from it: <_Node object> -> _Node.data -> "
+            "Tensor float32[100] 400 B"
+        ], (paths.stopped, paths.note)
+        assert paths[0].cycle == ("_Node.other", "_Node.other")
+        assert gc.isenabled() is False  # why_alive restores the collector's state
+    finally:
+        gc.enable()
+    # the search did not free the cycle: the collector still finds it afterwards
     assert gc.collect() >= 2
 
 
