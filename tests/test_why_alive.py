@@ -19,6 +19,9 @@ from torchmem.errors import InvalidInputError
 
 ROOT = Path(__file__).resolve().parents[1]
 MOD = __name__  # how module globals of this file are named in a path
+# the whole test suite's heap is large (hundreds of thousands of objects): no time limit cuts
+# these searches short
+T = 300.0
 
 LOSSES: list[torch.Tensor] = []
 CACHE: dict[str, object] = {}
@@ -36,7 +39,7 @@ def test_list_of_losses_kept_with_their_graphs_names_the_saved_tensor() -> None:
     try:
         target_view = x[0]                   # a view: the same memory, found through the storage
         del x
-        paths = why_alive(target_view, max_paths=1)
+        paths = why_alive(target_view, max_paths=1, timeout=T)
         assert _texts(paths) == [
             f"{MOD} global LOSSES (list) [0] -> Tensor.grad_fn SumBackward0 -> next_functions[0] "
             "MmBackward0 -> saved tensor (self) -> Tensor float32[1024, 1024] 4.00 MiB"
@@ -48,7 +51,7 @@ def test_list_of_losses_kept_with_their_graphs_names_the_saved_tensor() -> None:
 
 def test_caller_variable_is_left_out_and_a_freeable_tensor_has_no_path() -> None:
     t = torch.zeros(1000)
-    paths = why_alive(t)
+    paths = why_alive(t, timeout=T)
     assert list(paths) == []
     assert "no root reaches it" in str(paths)
     assert paths.searched > 1000                            # it did walk the heap
@@ -58,18 +61,18 @@ def test_module_parameters_buffers_and_submodules() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
     CACHE["model"] = model
     try:
-        w = why_alive(model[0].weight.detach(), max_paths=1)
+        w = why_alive(model[0].weight.detach(), max_paths=1, timeout=T)
         assert _texts(w) == [
             f"{MOD} global CACHE (dict) ['model'] (Sequential) -> Sequential.0 (Linear) -> "
             "Linear.weight (parameter) -> Parameter float32[4, 8] 128 B"
         ]
-        b = why_alive(model[1].running_mean, max_paths=1)
+        b = why_alive(model[1].running_mean, max_paths=1, timeout=T)
         assert str(b[0]).endswith(
             "-> Sequential.1 (BatchNorm1d) -> BatchNorm1d.running_mean (buffer) -> "
             "Tensor float32[4] 16 B"
         )
         # a module itself is followed as an object
-        m = why_alive(model[1], max_paths=1)
+        m = why_alive(model[1], max_paths=1, timeout=T)
         assert str(m[0]) == (
             f"{MOD} global CACHE (dict) ['model'] (Sequential) -> Sequential.1 -> BatchNorm1d"
         )
@@ -94,7 +97,7 @@ def test_forward_hook_closure_keeps_outputs() -> None:
     try:
         hook = next(iter(model._forward_hooks.values()))
         held = hook.__closure__[0].cell_contents[0]  # type: ignore[attr-defined]
-        paths = why_alive(held, max_paths=1)
+        paths = why_alive(held, max_paths=1, timeout=T)
         assert _texts(paths) == [
             f"{MOD} global CACHE (dict) ['m'] (Linear) -> Linear forward hook "
             "_attach_keeping_hook.<locals>.keep_output (function) -> "
@@ -112,7 +115,7 @@ def test_dict_set_and_several_paths_shortest_first() -> None:
     CACHE["set"] = {t}
     del t
     try:
-        paths = why_alive(CACHE["direct"])  # type: ignore[arg-type]
+        paths = why_alive(CACHE["direct"], timeout=T)  # type: ignore[arg-type]
         texts = _texts(paths)
         assert texts == [
             f"{MOD} global CACHE (dict) ['direct'] -> Tensor float32[256] 1.00 KiB",
@@ -132,7 +135,7 @@ def test_optimizer_state_also_for_a_parameter_that_no_longer_exists() -> None:
     CACHE["opt"] = opt
     try:
         avg = opt.state[model.bias]["exp_avg"]
-        paths = why_alive(avg, max_paths=1)
+        paths = why_alive(avg, max_paths=1, timeout=T)
         assert str(paths[0]) == (
             f"{MOD} global CACHE (dict) ['opt'] (Adam) -> Adam.state[group 0 param 1] (dict) "
             "['exp_avg'] -> Tensor float32[2] 8 B"
@@ -141,7 +144,7 @@ def test_optimizer_state_also_for_a_parameter_that_no_longer_exists() -> None:
         opt.param_groups[0]["params"] = [model.weight]
         model.bias = None
         sq = opt.state[next(p for p in opt.state if p.shape == (2,))]["exp_avg_sq"]
-        paths = why_alive(sq, max_paths=1)
+        paths = why_alive(sq, max_paths=1, timeout=T)
         assert str(paths[0]) == (
             f"{MOD} global CACHE (dict) ['opt'] (Adam) -> Adam.state[a parameter in no param "
             "group, Parameter float32[2] 8 B] (dict) ['exp_avg_sq'] -> Tensor float32[2] 8 B"
@@ -162,7 +165,7 @@ def test_caught_exception_kept_in_a_variable_holds_its_frames() -> None:
         CACHE["err"] = e
     try:
         frame_local = CACHE["err"].__traceback__.tb_next.tb_frame.f_locals["local_copy"]  # type: ignore[union-attr]
-        paths = why_alive(frame_local, max_paths=1)
+        paths = why_alive(frame_local, max_paths=1, timeout=T)
         assert str(paths[0]) == (
             f"{MOD} global CACHE (dict) ['err'] (RuntimeError) -> RuntimeError.__traceback__ -> "
             "tb_next -> frame _fail_with (test_why_alive.py:" + str(_fail_with.__code__.co_firstlineno + 2)
@@ -181,7 +184,7 @@ def test_sys_last_traceback_after_an_uncaught_error() -> None:
     try:
         tb = sys.last_traceback.tb_next  # type: ignore[union-attr]
         held = tb.tb_frame.f_locals["big"]  # type: ignore[union-attr]
-        texts = _texts(why_alive(held, max_paths=2))
+        texts = _texts(why_alive(held, max_paths=2, timeout=T))
         line = _fail_with.__code__.co_firstlineno + 2
         assert f"sys.last_traceback -> tb_next -> frame _fail_with (test_why_alive.py:{line}) -> local `big` -> Tensor float32[32] 128 B" in texts
     finally:
@@ -202,7 +205,7 @@ def test_reference_cycle_waiting_for_the_collector_is_named_with_the_cycle() -> 
         a.data = torch.zeros(100)  # type: ignore[attr-defined]
         t = a.data  # type: ignore[attr-defined]
         del a, b
-        paths = why_alive(t, timeout=120)
+        paths = why_alive(t, timeout=T)
         assert _texts(paths) == [
             "reference cycle waiting for the garbage collector: <_Node object> -> _Node.other -> "
             "_Node.other -> (back to the start); held from it: <_Node object> -> _Node.data -> "
@@ -252,10 +255,10 @@ def test_limits_are_reported() -> None:
         while isinstance(inner, list) and not isinstance(inner[0], torch.Tensor):
             inner = inner[0]
         target = inner[0]  # type: ignore[index]
-        paths = why_alive(target, max_depth=5, cycles=False)
+        paths = why_alive(target, max_depth=5, cycles=False, timeout=T)
         assert list(paths) == []
         assert paths.stopped is not None and "depth limit 5" in paths.stopped
-        found = why_alive(target, max_depth=40, max_paths=1)
+        found = why_alive(target, max_depth=40, max_paths=1, timeout=T)
         assert len(found[0]) == 32  # ['deep'] + 31 list indexes... and the tensor
     finally:
         CACHE.clear()
@@ -269,12 +272,12 @@ def test_time_limit_is_reported() -> None:
 @pytest.mark.parametrize("bad", ["text", 3, [torch.zeros(1)], None])
 def test_bad_input_says_what_it_accepts(bad: object) -> None:
     with pytest.raises(InvalidInputError, match="expects a torch.Tensor, a storage .* or a torch.nn.Module; received"):
-        why_alive(bad)
+        why_alive(bad, timeout=T)
 
 
 def test_bad_limits() -> None:
     with pytest.raises(InvalidInputError, match="max_depth must be an integer >= 1, got 0"):
-        why_alive(torch.zeros(1), max_depth=0)
+        why_alive(torch.zeros(1), max_depth=0, timeout=T)
     with pytest.raises(InvalidInputError, match="timeout must be a number of seconds > 0"):
         why_alive(torch.zeros(1), timeout=0)
 
@@ -285,7 +288,7 @@ def test_storage_target_and_top_level_name() -> None:
     t = torch.zeros(8, dtype=torch.float64)
     CACHE["t"] = t
     try:
-        paths = torchmem.why_alive(t.untyped_storage(), max_paths=1)
+        paths = torchmem.why_alive(t.untyped_storage(), max_paths=1, timeout=T)
         assert str(paths[0]) == f"{MOD} global CACHE (dict) ['t'] -> Tensor float64[8] 64 B"
     finally:
         CACHE.clear()

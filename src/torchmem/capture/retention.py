@@ -660,7 +660,8 @@ def why_alive(
     collector's pending garbage, and the path names the reference cycle.
 
     The search stops after ``max_depth`` links or ``timeout`` seconds and at ``max_paths``
-    paths; ``result.stopped`` says when a limit cut it short.
+    paths; ``result.stopped`` says when a limit cut it short (the depth limit only when nothing
+    was found: chains longer than it cannot come before the ones found).
 
     Example:
         >>> import torch
@@ -738,7 +739,7 @@ def _why_alive(obj: Any, max_depth: int, timeout: float, max_paths: int,
         note = ("no root reaches it and it is not in a reference cycle: only the caller's "
                 "variables (left out) or references Python cannot see (C++ or an extension) "
                 "hold it")
-    if search.depth_cut and search.stopped is None:
+    if search.depth_cut and search.stopped is None and not paths:
         search.stopped = f"depth limit {max_depth} reached (longer chains were not followed)"
     paths.sort(key=len)
     result = RetentionPaths(paths[:max_paths], stopped=search.stopped, searched=search.searched,

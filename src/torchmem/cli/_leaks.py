@@ -129,7 +129,7 @@ class LeakWatch:
         out = []
         for event, storage in alive[:max(0, n)]:
             site = _site(event)
-            found = why_alive(storage, roots=roots, max_paths=3, timeout=5.0, _skip=1)
+            found = why_alive(storage, roots=roots, max_paths=3, timeout=30.0, _skip=1)
             paths = [dataclasses.replace(p, target=p.target + (f" (allocated at {site})"
                                                                 if site else "")) for p in found]
             out.append(LeakExplanation(event.nbytes, event.step, site, paths, found.note))
@@ -182,7 +182,7 @@ def explain_largest(objs: tuple[Any, ...], n: int, roots: dict[str, Any], *,
     from torchmem.capture.retention import _describe_target
 
     for t in biggest:
-        found = why_alive(t, roots=roots, max_paths=3, timeout=5.0, _skip=1)
+        found = why_alive(t, roots=roots, max_paths=3, timeout=30.0, _skip=1)
         lines.append(f"{_describe_target(t)}:")
         lines += [f"  {p}" for p in found] or [f"  no path found ({found.note})"]
         if found.stopped:

@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="do not print the summary")
     parser.add_argument(
-        "--host-interval", type=float, default=0.1, metavar="S",
-        help="seconds between samples of the process tree's host memory (default 0.1)",
+        "--host-interval", type=float, default=0.2, metavar="S",
+        help="seconds between samples of the process tree's host memory (default 0.2)",
     )
     parser.add_argument("--no-host", action="store_true", help="do not sample host memory")
     parser.add_argument(
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
-    host_interval = getattr(args, "host_interval", 0.1)
+    host_interval = getattr(args, "host_interval", 0.2)
     if not host_interval > 0:
         raise InvalidInputError(f"--host-interval must be a number of seconds > 0, got {host_interval}")
     why_n = getattr(args, "why", 0)
