@@ -37,6 +37,7 @@ TOP_LEVEL = [
     "available_devices",
     "chunked_transfer",
     "format_bytes",
+    "host_memory",
     "inspect_memory",
     "estimate",
     "Estimate",
@@ -59,6 +60,7 @@ TOP_LEVEL = [
     "track",
     "track_lite",
     "unique_bytes",
+    "why_alive",
     "write_snapshot",
     "write_viewer",
 ]
@@ -71,10 +73,11 @@ NAMESPACES: dict[str, list[str]] = {
         "diff", "events", "flame", "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
-        "Listener", "LiteTracker", "Span", "Tracker", "inspect_memory", "is_oom_error",
+        "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
+        "Tracker", "host_memory", "inspect_memory", "is_oom_error",
         "oom_guard", "overlaps", "record_history", "same_storage", "snapshot", "start_recording",
         "stop_recording", "storage_bytes", "storage_id", "storage_nbytes", "storage_of",
-        "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes",
+        "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes", "why_alive",
     ],
     "torchmem.compat": [
         "MemReporter", "MemoryTracker", "cdata", "device_ordinal", "get_device",
@@ -95,6 +98,7 @@ NAMESPACES: dict[str, list[str]] = {
     "torchmem.fit": [
         "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "OOMSite", "estimate", "gpu",
     ],
+    "torchmem.integrations": [],
     "torchmem.io": [
         "from_pytorch", "load_snapshot", "load_trace", "save_trace", "snapshot_from_events",
         "snapshot_from_trace", "to_pytorch_dict", "write_snapshot",

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
     from torchmem.capture import (
         Span,
         Tracker,
+        host_memory,
         inspect_memory,
         oom_guard,
         record_history,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         track,
         track_lite,
         unique_bytes,
+        why_alive,
     )
     from torchmem.devices import UsagePoller, available_devices, poll_usage
     from torchmem.errors import (
@@ -109,6 +111,9 @@ _EXPORTS: dict[str, str] = {
     "snapshot": "torchmem.capture",
     "record_history": "torchmem.capture",
     "oom_guard": "torchmem.capture",
+    # who holds it
+    "why_alive": "torchmem.capture",
+    "host_memory": "torchmem.capture",
     "load_snapshot": "torchmem.io",
     "write_snapshot": "torchmem.io",
     "write_viewer": "torchmem.render",

@@ -6,6 +6,10 @@
 - :mod:`~torchmem.capture.tracker` (a package): :func:`track`, the dispatch-mode tracker (ops,
   modules, phases, categories, call sites); its docstring is the contract the rest of torchmem
   codes against, and it says which private module holds which part.
+- :mod:`~torchmem.capture.retention`: :func:`why_alive`, the chains of references that keep a
+  tensor's memory alive.
+- :mod:`~torchmem.capture.host`: :func:`host_memory` and :class:`HostSampler`, RSS/USS/PSS of
+  the process tree (DataLoader workers included).
 - :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
 - :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
   (PyTorch's CUDA allocator history; the tracker on other devices); :func:`start_recording` and
@@ -32,6 +36,7 @@ from torchmem._lazy import MISSING, load_export
 
 if TYPE_CHECKING:  # the same names, statically, for type checkers
     from torchmem.capture.census import inspect_memory
+    from torchmem.capture.host import HostSampler, host_memory
     from torchmem.capture.lite import LiteTracker, track_lite
     from torchmem.capture.recording import (
         is_oom_error,
@@ -41,6 +46,7 @@ if TYPE_CHECKING:  # the same names, statically, for type checkers
         start_recording,
         stop_recording,
     )
+    from torchmem.capture.retention import RetentionPath, RetentionPaths, why_alive
     from torchmem.capture.storage import (
         Span,
         overlaps,
@@ -60,6 +66,7 @@ if TYPE_CHECKING:  # the same names, statically, for type checkers
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["inspect_memory"], "torchmem.capture.census"),
     **dict.fromkeys(["LiteTracker", "track_lite"], "torchmem.capture.lite"),
+    **dict.fromkeys(["HostSampler", "host_memory"], "torchmem.capture.host"),
     **dict.fromkeys(
         ["is_oom_error", "oom_guard", "record_history", "snapshot", "start_recording",
          "stop_recording"],
@@ -71,13 +78,19 @@ _EXPORTS: dict[str, str] = {
         "torchmem.capture.storage",
     ),
     **dict.fromkeys(["Listener", "Tracker", "track"], "torchmem.capture.tracker"),
+    **dict.fromkeys(["RetentionPath", "RetentionPaths", "why_alive"],
+                    "torchmem.capture.retention"),
 }
 
 __all__ = [
+    "HostSampler",
     "LiteTracker",
     "Listener",
+    "RetentionPath",
+    "RetentionPaths",
     "Span",
     "Tracker",
+    "host_memory",
     "inspect_memory",
     "is_oom_error",
     "oom_guard",
@@ -96,6 +109,7 @@ __all__ = [
     "track",
     "track_lite",
     "unique_bytes",
+    "why_alive",
 ]
 
 

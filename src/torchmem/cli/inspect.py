@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --live: run gc.collect() first (drops unreachable cycles)")
     parser.add_argument("--top", type=int, default=50,
                         help="tensor rows to show, largest first (0 = all; default 50)")
+    parser.add_argument("--why", type=int, default=0, metavar="N",
+                        help="also print what holds the N largest storages (retention paths from "
+                             "the inspected object and the process's roots)")
     parser.add_argument("--decimal", action="store_true",
                         help="decimal units (kB/MB/GB, base 1000) instead of KiB/MiB/GiB")
 
@@ -87,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         fmt = "rich" if sys.stdout.isatty() else "plain"
     if args.top is not None and args.top < 0:
         raise InvalidInputError(f"--top expects a count >= 0, got {args.top}")
+    why_n = getattr(args, "why", 0) or 0
+    if why_n < 0:
+        raise InvalidInputError(f"--why expects a count >= 0, got {why_n}")
     progress = sys.stderr.isatty()
 
     def note(msg: str) -> None:
@@ -119,4 +125,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(report, sys.stdout, fmt=fmt, top=None if args.top == 0 else args.top,
                decimal=args.decimal)
+    if why_n:
+        from torchmem.cli._leaks import explain_largest
+
+        name = args.spec or args.example
+        inspected = (target.module, target.optimizer, *(target.tensors or ()))
+        labels = [name, f"{name} optimizer", *(f"{name} tensor {i}" for i in range(len(inspected)))]
+        roots = {label: o for label, o in zip(labels, inspected) if o is not None}
+        note("explaining what holds the largest storages ...")
+        print("\n== Why alive (retention paths, shortest first)")
+        for line in explain_largest(inspected, why_n, roots, live=args.live):
+            print(line)
     return 0

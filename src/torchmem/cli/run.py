@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import sys
@@ -58,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=8, help="rows per summary table (default 8)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="do not print the summary")
+    parser.add_argument(
+        "--host-interval", type=float, default=0.2, metavar="S",
+        help="seconds between samples of the process tree's host memory (default 0.2)",
+    )
+    parser.add_argument("--no-host", action="store_true", help="do not sample host memory")
+    parser.add_argument(
+        "--why", type=int, default=3, metavar="N",
+        help="when memory leaks, explain what holds the N largest leaked storages (default 3; 0: "
+             "off)",
+    )
 
 
 def _user_traceback(exc: BaseException, script: str) -> str:
@@ -73,13 +84,18 @@ def _user_traceback(exc: BaseException, script: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _run_script(script: str, argv: list[str]) -> tuple[int, BaseException | None]:
+def _run_script(
+    script: str, argv: list[str], namespace: dict[str, Any] | None = None
+) -> tuple[int, BaseException | None]:
+    """Run like python; the script's globals are copied into ``namespace`` when it returns."""
     old_argv = sys.argv[:]
     folder = os.path.dirname(os.path.abspath(script))
     sys.argv = [script, *argv]
     sys.path.insert(0, folder)
     try:
-        runpy.run_path(script, run_name="__main__")
+        result = runpy.run_path(script, run_name="__main__")
+        if namespace is not None:
+            namespace.update(result)
         return 0, None
     except SystemExit as e:
         code = e.code
@@ -123,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
+    host_interval = getattr(args, "host_interval", 0.2)
+    if not host_interval > 0:
+        raise InvalidInputError(f"--host-interval must be a number of seconds > 0, got {host_interval}")
+    why_n = getattr(args, "why", 0)
+    if why_n < 0:
+        raise InvalidInputError(f"--why expects a count >= 0, got {why_n}")
     # checked before the script runs, so a long run is not lost to an unwritable output path
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if os.path.isdir(args.output) or not os.path.isdir(out_dir):
@@ -138,14 +160,28 @@ def run(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {"command": ["torchmem", "run", *sys.argv[2:]] if sys.argv else []}
     code = 0
     exc: BaseException | None = None
-    tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta)
-    with tracker:
-        if args.example:
-            from torchmem._example_train import main as example_main
+    from torchmem.cli._leaks import LeakWatch
 
-            example_main()
-        else:
-            code, exc = _run_script(args.script, list(args.args))
+    watch = LeakWatch() if why_n else None
+    tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
+                    listeners=[watch.on_event] if watch else ())
+    sampler = None
+    if not getattr(args, "no_host", False):
+        from torchmem.capture.host import HostSampler
+
+        sampler = HostSampler(interval=host_interval).start()
+    namespace: dict[str, Any] = {}
+    try:
+        with tracker:
+            if args.example:
+                from torchmem._example_train import main as example_main
+
+                example_main()
+            else:
+                code, exc = _run_script(args.script, list(args.args), namespace)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     if exc is not None:
         if isinstance(exc, KeyboardInterrupt):
             print("torchmem run: the script was interrupted", file=sys.stderr)
@@ -157,10 +193,30 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)
+    host = sampler.summary() if sampler is not None else None
+    leaks = []
+    if watch is not None and summary.leak_suspect:
+        script_name = os.path.basename(args.script) if args.script and not args.example else "script"
+        roots = {f"{script_name} global {k}": v for k, v in namespace.items()
+                 if not k.startswith("__")}
+        if exc is not None:
+            roots[f"{script_name}'s uncaught {type(exc).__name__}"] = exc
+        leaks = watch.explain(why_n, roots)
+    namespace.clear()
     if args.json:
-        print(summary_json(summary))
+        data = json.loads(summary_json(summary))
+        if host is not None:
+            data["host"] = host.to_dict()
+        if watch is not None:
+            data["leak_paths"] = [leak.to_dict() for leak in leaks]
+        print(json.dumps(data, indent=2))
     elif not args.quiet:
         render_summary(summary)
+        for leak in leaks:
+            print(leak.text())
+        if host is not None:
+            print()
+            print(host.text())
     plot_path = args.plot or (DEFAULT_PLOT if args.example else None)
     written_plot = None
     if plot_path and len(tracker.trace):

@@ -1,0 +1,150 @@
+"""Host memory of the process tree: ``host_memory()``, the sampler and ``torchmem run``'s
+``"host"`` section, against psutil read another way and against the workers' own reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from torchmem.capture.host import COPY_ON_READ_MIN_GROWTH, HostSampler, host_memory
+from torchmem.errors import InvalidInputError
+from torchmem.units import MiB
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A DataLoader (2 workers) over 1.5 million small dicts, or over one NumPy array of the same
+# numbers. Each worker writes its own USS every 50,000 items (the ground truth the
+# sampler's peaks are checked against).
+DATALOADER = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np, psutil, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    N = 1_500_000
+    OUT = sys.argv[2]
+
+    class Data(Dataset):
+        def __init__(self, kind):
+            self.kind = kind
+            if kind == "dicts":
+                self.items = [{"a": i, "b": float(i), "c": str(i)} for i in range(N)]
+            else:
+                self.items = np.stack([np.arange(N)] * 3, 1).astype(np.float64)
+            self.seen = 0
+
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            if self.kind == "dicts":
+                d = self.items[i]
+                item = d["a"], d["b"], len(d["c"])
+            else:
+                r = self.items[i]
+                item = int(r[0]), float(r[1]), 1
+            self.seen += 1
+            if self.seen % 50_000 == 0:  # the latest of these is the worker's state near its end
+                uss = psutil.Process().memory_full_info().uss
+                with open(os.path.join(OUT, f"{os.getpid()}.uss"), "w") as f:
+                    f.write(str(uss))
+            return item
+
+    if __name__ == "__main__":
+        loader = DataLoader(Data(sys.argv[1]), batch_size=256, num_workers=2)
+        print("items", sum(len(b[0]) for b in loader))
+    """
+)
+
+
+def test_host_memory_matches_psutil_for_this_process() -> None:
+    me = host_memory(children=False)
+    assert len(me) == 1 and me[0].pid == os.getpid() and me[0].role == "main"
+    info = psutil.Process().memory_full_info()
+    # read twice, a moment apart: equal within what the interpreter allocates in between
+    assert abs(me[0].rss - info.rss) < 8 * MiB
+    assert abs(me[0].uss - info.uss) < 8 * MiB
+    assert me[0].uss <= me[0].rss
+
+
+def test_children_are_workers_or_other() -> None:
+    py = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    sh = subprocess.Popen(["sleep", "30"])
+    try:
+        roles = {p.pid: p.role for p in host_memory()}
+        assert roles[py.pid] == "worker"  # the same Python executable
+        assert roles[sh.pid] == "other"
+    finally:
+        py.kill()
+        sh.kill()
+        py.wait()
+        sh.wait()
+
+
+def test_bad_input() -> None:
+    with pytest.raises(InvalidInputError, match="expects the id of a running process"):
+        host_memory(-1)
+    with pytest.raises(InvalidInputError, match="interval must be a number of seconds > 0"):
+        HostSampler(interval=0)
+
+
+def test_sampler_sees_growth_of_this_process() -> None:
+    with HostSampler(interval=0.02) as s:
+        block = bytearray(64 * MiB)  # written pages: private memory
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        import time
+
+        time.sleep(0.1)
+    me = s.summary().processes[0]
+    assert me.role == "main"
+    assert me.uss_growth >= 60 * MiB
+    del block
+
+
+def _run_loader(kind: str, tmp_path: Path) -> tuple[dict, dict[int, int]]:
+    script = tmp_path / "loader.py"
+    script.write_text(DATALOADER)
+    out = tmp_path / kind
+    out.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", "--json", "--no-stacks", "-o",
+         str(tmp_path / f"{kind}.tmtrace"), str(script), kind, str(out)],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout[res.stdout.index("{"):])
+    reported = {int(p.stem): int(p.read_text()) for p in out.glob("*.uss")}
+    return data["host"], reported
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dicts", "numpy"])
+def test_dataloader_copy_on_read_is_flagged_for_python_objects_only(
+    kind: str, tmp_path: Path
+) -> None:
+    host, reported = _run_loader(kind, tmp_path)
+    workers = [p for p in host["processes"] if p["role"] == "worker"]
+    mains = [p for p in host["processes"] if p["role"] == "main"]
+    assert len(mains) == 1 and len(workers) == 2
+    assert set(reported) == {w["pid"] for w in workers}
+    for w in workers:
+        # the sampler's peak is at least what the worker read of itself at its last item,
+        # minus what a 0.1 s sampling gap can miss
+        assert w["uss_peak_bytes"] >= reported[w["pid"]] - 16 * MiB
+        assert w["uss_peak_bytes"] <= w["rss_peak_bytes"]
+    growth = [w["uss_growth_bytes"] for w in workers]
+    if kind == "dicts":
+        assert host["copy_on_read_suspect"] is True
+        assert all(g >= COPY_ON_READ_MIN_GROWTH for g in growth), growth
+    else:
+        assert host["copy_on_read_suspect"] is False
+        assert all(g < 64 * MiB for g in growth), growth

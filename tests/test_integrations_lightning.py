@@ -1,0 +1,165 @@
+"""Lightning ``MemoryCallback``: three steps of a tiny model built in code (no downloads).
+
+Ground truth, computed another way for each step: the bytes live at the step's start from a
+census of every live tensor (``inspect_memory(all_live=True)``, minus what was alive before
+training other than the model: the dataset, which exists before the callback's tracker), and the step's rise from
+PyTorch's profiler (every allocation and free the CPU allocator reports, summed in time order).
+The profiler also sees the few-byte scalars a kernel wraps internally (``x / 2.0``) that never
+surface as a tensor, so the two agree to within :data:`SLACK` bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from torchmem.capture import inspect_memory  # noqa: E402
+from torchmem.errors import InvalidInputError  # noqa: E402
+from torchmem.integrations.lightning import MemoryCallback, check_version  # noqa: E402
+
+SLACK = 128
+
+
+def _outside(model: torch.nn.Module) -> int:
+    """Bytes of the tensors alive before training that the callback's tracker does not count:
+    every live tensor (the dataset, what earlier tests left) but the model's parameters."""
+    gc.collect()
+    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    return int(inspect_memory(all_live=True).unique_bytes["cpu"]) - params
+
+
+def _profiler_rise(prof: Any) -> int:
+    from torch._C._profiler import _EventType
+
+    rows = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+        stack.extend(e.children)
+    rows.sort()
+    cur = best = 0
+    for _, size in rows:
+        cur += size
+        best = max(best, cur)
+    return best
+
+
+class Census(pl.Callback):  # type: ignore[misc]
+    """Runs before MemoryCallback at a step's start and before it at the step's end."""
+
+    def __init__(self, outside: int) -> None:
+        self.outside = outside
+        self.starts: list[int] = []
+        self.rises: list[int] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
+        self.starts.append(inspect_memory(all_live=True).unique_bytes["cpu"] - self.outside)
+        self.prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, idx: int) -> None:
+        self.prof.__exit__(None, None, None)
+        self.rises.append(_profiler_rise(self.prof))
+
+
+class Recorder(pl.loggers.Logger):  # type: ignore[misc]
+    """The trainer's own logger path: what log_dict sends reaches log_metrics here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
+        self.rows.append(dict(metrics))
+
+
+class Tiny(pl.LightningModule):  # type: ignore[misc]
+    def __init__(self, fail_at: int = -1) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        )
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        if idx == self.fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated in the test)")
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _trainer(tmp_path: Path, callbacks: list[Any], logger: Any = False) -> Any:
+    return pl.Trainer(
+        max_steps=3, callbacks=callbacks, accelerator="cpu", logger=logger,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1, default_root_dir=str(tmp_path),
+    )
+
+
+def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    model = Tiny()
+    census, cb, rec = Census(_outside(model)), MemoryCallback(), Recorder()
+    _trainer(tmp_path, [census, cb], logger=rec).fit(model, DataLoader(data, batch_size=16))
+    assert len(cb.history) == 3
+    for peaks, start, rise in zip(cb.history, census.starts, census.rises):
+        assert abs(peaks.live_at_start["cpu"] - start) <= SLACK
+        assert 0 <= rise - (peaks.peak["cpu"] - peaks.live_at_start["cpu"]) <= SLACK
+        # the phases' peaks never exceed the step's, and the step's is one of them
+        assert max(p["cpu"] for p in peaks.by_phase.values()) == peaks.peak["cpu"]
+    # the first step allocates the gradients and Adam's state: 4 x 2177 float32 + 2 steps
+    params = sum(p.numel() for p in Tiny().parameters()) * 4
+    assert params == 8708
+    growth = cb.history[1].live_at_start["cpu"] - cb.history[0].live_at_start["cpu"]
+    assert growth >= 3 * params  # gradients + exp_avg + exp_avg_sq
+    # what the trainer's logger received is what the callback measured
+    logged = [r for r in rec.rows if "memory/peak_bytes" in r]
+    assert [int(r["memory/peak_bytes"]) for r in logged] == [p.peak["cpu"] for p in cb.history]
+    assert [int(r["memory/backward_peak_bytes"]) for r in logged] == [
+        p.by_phase["backward"]["cpu"] for p in cb.history
+    ]
+
+
+def test_out_of_memory_in_a_step_writes_a_trace(tmp_path: Path) -> None:
+    import torchmem
+
+    data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
+    with pytest.raises(torch.OutOfMemoryError):
+        _trainer(tmp_path, [cb]).fit(Tiny(fail_at=2), DataLoader(data, batch_size=16))
+    assert cb.oom_file == str(tmp_path / "oom" / "torchmem-oom-rank0-step2.tmtrace")
+    trace = torchmem.load_trace(cb.oom_file)
+    assert sum(1 for e in trace.events() if e.op == "step") == 2  # two steps completed
+    assert len(cb.history) == 2
+
+
+def test_unsupported_version_says_which_are_supported() -> None:
+    with pytest.raises(InvalidInputError, match=r"supports Lightning >=2.0; this is '1.9.5'"):
+        check_version("1.9.5")
