@@ -1,0 +1,80 @@
+"""Small HTML tables for the rich display of torchmem's objects in Jupyter (``_repr_html_``).
+
+Plain strings, no dependencies, every value escaped; the same few CSS rules as the viewer's
+colours so the tables read in light and dark notebook themes.
+
+Example:
+    >>> print(html_table("t", ["a", "b"], [["x<y", 1]]))  # doctest: +ELLIPSIS
+    <table class="torchmem"><caption>t</caption><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>x&lt;y</td><td...>1</td></tr></tbody></table>
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["html_table", "html_block", "fmt_bytes"]
+
+_STYLE = (
+    "<style>.torchmem-html table.torchmem{border-collapse:collapse;margin:4px 0 10px 0;"
+    "font-size:12px}.torchmem-html table.torchmem caption{text-align:left;font-weight:bold;"
+    "padding:2px 0}.torchmem-html table.torchmem th,.torchmem-html table.torchmem td"
+    "{padding:2px 8px;border-bottom:1px solid #8884;text-align:left}"
+    ".torchmem-html table.torchmem td.num{text-align:right;font-variant-numeric:tabular-nums}"
+    "</style>"
+)
+
+
+def fmt_bytes(n: int) -> str:
+    """Binary units with two decimals, like :func:`torchmem.units.format_bytes`.
+
+    Example:
+        >>> fmt_bytes(1536), fmt_bytes(-2048)
+        ('1.50 KiB', '-2.00 KiB')
+    """
+    from torchmem.units import format_bytes
+
+    return format_bytes(n)
+
+
+def html_table(caption: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """One table; ints are right-aligned (pass bytes through :func:`fmt_bytes` first if wanted).
+
+    Example:
+        >>> "<td class=\\"num\\">3</td>" in html_table("c", ["n"], [[3]])
+        True
+    """
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = []
+        for v in row:
+            num = isinstance(v, (int, float)) and not isinstance(v, bool)
+            num = num or (isinstance(v, str) and _looks_numeric(v))
+            cls = ' class="num"' if num else ""
+            cells.append(f"<td{cls}>{html.escape(str(v))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    return (
+        f'<table class="torchmem">{cap}<thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _looks_numeric(s: str) -> bool:
+    head = s.split(" ")[0].lstrip("-+")
+    return bool(head) and head.replace(".", "", 1).isdigit()
+
+
+def html_block(title: str, *parts: str) -> str:
+    """Wrap tables in one styled block with a heading.
+
+    Example:
+        >>> html_block("T", "<p>x</p>").startswith('<div class="torchmem-html">')
+        True
+    """
+    return (
+        f'<div class="torchmem-html">{_STYLE}<div style="font-weight:bold;margin:2px 0">'
+        f"{html.escape(title)}</div>{''.join(parts)}</div>"
+    )
