@@ -15,7 +15,18 @@ import torchmem
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ("-p", "torchmem.pytest_plugin")
+
+
+def _plugin_args() -> tuple[str, ...]:
+    """``-p torchmem.pytest_plugin`` unless the installed entry point already loads it (pytest
+    refuses one module registered under two names)."""
+    from importlib.metadata import entry_points
+
+    installed = any(ep.value == "torchmem.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return () if installed else ("-p", "torchmem.pytest_plugin")
+
+
+PLUGIN = _plugin_args()
 MiB = 1 << 20
 
 
@@ -380,4 +391,33 @@ def test_fits_on_runs_the_estimate_on_cpu(pytester: pytest.Pytester) -> None:
         "T4, batch 8: DOES NOT FIT*",
         "*out of memory at: *",
         "*expects the test to return (or yield) a build(batch_size) function*returned int: 42*",
+    ])
+
+
+@pytest.mark.cuda
+def test_cuda_allocator_peak_after_warm_up(pytester: pytest.Pytester) -> None:
+    # The first matmul on a device allocates cuBLAS's workspace (MiBs): the plugin warms it up
+    # before the test, so a 256x256 float matmul (256 KiB out) stays under 1 MiB. The 4 MiB
+    # tensor is over 3 MiB by the tracker and by the allocator (a 4 MiB request is one block).
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.mark.limit_memory("1 MiB", device="cuda", metric="allocated")
+        def test_matmul_first_use_is_not_counted():
+            a = torch.ones(256, 256, device="cuda")
+            (a @ a).sum().item()
+
+        @pytest.mark.limit_memory("3 MiB", device="cuda", metric="reserved")
+        def test_over():
+            x = torch.zeros(1 << 20, device="cuda")
+            torch.cuda.synchronize()
+        """
+    )
+    result = run(pytester, "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    dev = f"cuda:{__import__('torch').cuda.current_device()}"
+    result.stdout.fnmatch_lines([
+        f"*test used too much tensor memory on {dev}: peak 4.00 MiB (4194304 bytes)*",
+        f"*the CUDA allocator's reserved peak on {dev} was *",
     ])
