@@ -390,8 +390,10 @@ def test_fits_on_runs_the_estimate_on_cpu(pytester: pytest.Pytester) -> None:
         "*torchmem: the training step does not fit on T4 at batch size 8*",
         "T4, batch 8: DOES NOT FIT*",
         "*out of memory at: *",
+        "    *test_fits_on_runs_the_estimate_on_cpu.py:*:step",  # the user's frame stays
         "*expects the test to return (or yield) a build(batch_size) function*returned int: 42*",
     ])
+    result.stdout.no_fnmatch_line("*/pluggy/*")  # pytest's own frames are dropped
 
 
 @pytest.mark.cuda
@@ -421,3 +423,17 @@ def test_cuda_allocator_peak_after_warm_up(pytester: pytest.Pytester) -> None:
         f"*test used too much tensor memory on {dev}: peak 4.00 MiB (4194304 bytes)*",
         f"*the CUDA allocator's reserved peak on {dev} was *",
     ])
+
+
+def test_warns_when_pytest_memray_acts_on_the_same_markers(pytester: pytest.Pytester) -> None:
+    # pytest-memray also reads limit_memory/limit_leaks (host memory, other units); a stand-in
+    # module of that name is enough for the check, which looks at the loaded plugins' names.
+    pytester.mkpydir("pytest_memray")
+    pytester.makepyfile(**{"pytest_memray/plugin": "def pytest_configure(config):\n    pass\n"})
+    pytester.makepyfile("def test_x():\n    pass\n")
+    pytester.syspathinsert()
+    result = run(pytester, "-p", "pytest_memray.plugin")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*torchmem: pytest-memray is also loaded*-p no:memray*"])
+    result = run(pytester)
+    result.stdout.no_fnmatch_line("*pytest-memray is also loaded*")

@@ -431,6 +431,17 @@ def pytest_configure(config: Any) -> None:
             )
         os.makedirs(d, exist_ok=True)
     config.stash[_STATE_KEY] = _Session(config)
+    if any(str(getattr(p, "__name__", "")).startswith("pytest_memray")
+           for p in config.pluginmanager.get_plugins()):
+        config.issue_config_time_warning(
+            pytest.PytestConfigWarning(
+                "torchmem: pytest-memray is also loaded and acts on the same markers, "
+                "limit_memory and limit_leaks (for host memory, where 'MB' means MiB and 'MiB' "
+                "is an error), so a marked test is checked by both. Fix: run with -p no:memray "
+                "for torchmem's tensor-memory limits, or -p no:torchmem for memray's"
+            ),
+            stacklevel=2,
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -537,10 +548,18 @@ def pytest_pyfunc_call(pyfuncitem: Any) -> Any:
         pytest.fail(
             f"torchmem: the training step does not fit on {est.gpu}"
             f"{'' if est.batch_size is None else f' at batch size {est.batch_size}'}\n"
-            + buf.getvalue(),
+            + _drop_runner_frames(buf.getvalue()),
             pytrace=False,
         )
     return True
+
+
+_RUNNER_FRAME = re.compile(r"^\s+\S*[/\\](_pytest|pluggy)[/\\]\S+:\d+:\S+\s*$")
+
+
+def _drop_runner_frames(text: str) -> str:
+    # the estimate's stack lines of pytest's and pluggy's own frames say nothing about the test
+    return "\n".join(line for line in text.split("\n") if not _RUNNER_FRAME.match(line))
 
 
 @pytest.hookimpl(wrapper=True)
