@@ -437,3 +437,25 @@ def test_warns_when_pytest_memray_acts_on_the_same_markers(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(["*torchmem: pytest-memray is also loaded*-p no:memray*"])
     result = run(pytester)
     result.stdout.no_fnmatch_line("*pytest-memray is also loaded*")
+
+
+def test_torchmem_report_under_xdist_workers(pytester: pytest.Pytester) -> None:
+    # The peaks are measured in the workers and travel to the controller with the reports.
+    pytest.importorskip("xdist")
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.mark.parametrize("n", [1 << 17, 1 << 18, 1 << 20])
+        def test_p(n):
+            x = torch.zeros(n)                       # 512 KiB, 1 MiB, 4 MiB
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider", "-n", "2",
+                                           "--torchmem", "--torchmem-top", "2")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "*torchmem: highest tensor-memory peaks*",
+        "*4.00 MiB  cpu*::test_p?1048576?",
+        "*1.00 MiB  cpu*::test_p?262144?",
+    ])

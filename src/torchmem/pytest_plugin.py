@@ -377,6 +377,21 @@ class _Session:
         self.peaks: list[tuple[int, str, str]] = []  # (bytes, device, nodeid)
 
 
+class _PeakCollector:
+    """Collects each tracked test's peak from its report (this process's, or a pytest-xdist
+    worker's: user properties travel with the report)."""
+
+    def __init__(self, state: _Session) -> None:
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.when != "call":
+            return
+        for key, value in getattr(report, "user_properties", ()):
+            if key == "torchmem_peak":
+                self.state.peaks.append((int(value[0]), str(value[1]), report.nodeid))
+
+
 def _trace_name(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:180] + ".tmtrace"
 
@@ -431,6 +446,9 @@ def pytest_configure(config: Any) -> None:
             )
         os.makedirs(d, exist_ok=True)
     config.stash[_STATE_KEY] = _Session(config)
+    if config.stash[_STATE_KEY].report:
+        config.pluginmanager.register(_PeakCollector(config.stash[_STATE_KEY]),
+                                      "torchmem-peak-collector")
     if any(str(getattr(p, "__name__", "")).startswith("pytest_memray")
            for p in config.pluginmanager.get_plugins()):
         config.issue_config_time_warning(
@@ -599,7 +617,8 @@ def pytest_runtest_call(item: Any) -> Generator[None, Any, Any]:
             peaks = tracker.peak()
             if peaks:
                 dev, top = max(peaks.items(), key=lambda kv: kv[1])
-                state.peaks.append((top, dev, item.nodeid))
+                # on the report, so that the controller of pytest-xdist's workers sees it too
+                item.user_properties.append(("torchmem_peak", [top, dev]))
             if state.dir:
                 tracker.save(os.path.join(state.dir, _trace_name(item.nodeid)))
 
