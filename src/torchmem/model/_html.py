@@ -14,7 +14,7 @@ import html
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["html_table", "html_block", "fmt_bytes"]
+__all__ = ["html_table", "html_block", "fmt_bytes", "estimate_html"]
 
 _STYLE = (
     "<style>.torchmem-html table.torchmem{border-collapse:collapse;margin:4px 0 10px 0;"
@@ -78,3 +78,58 @@ def html_block(title: str, *parts: str) -> str:
         f'<div class="torchmem-html">{_STYLE}<div style="font-weight:bold;margin:2px 0">'
         f"{html.escape(title)}</div>{''.join(parts)}</div>"
     )
+
+
+def estimate_html(est: Any) -> str:
+    """An :class:`~torchmem.fit.Estimate` as HTML: the verdict, the memory lines, what is live at
+    the peak (by category and module) and where it would run out of memory.
+
+    Duck-typed (this module never imports the producer that defines ``Estimate``), so that
+    ``Estimate._repr_html_`` can call it without breaking the layers.
+
+    Example:
+        >>> from torchmem.fit import Estimate
+        >>> e = Estimate("T4", 8, False, 100 << 20, 10 << 20, 1, 2, 200 << 20)
+        >>> page = estimate_html(e)
+        >>> "DOES NOT FIT" in page and "-110.00 MiB" in page
+        True
+    """
+    verdict = "FITS" if est.fits else "DOES NOT FIT"
+    colour = "#1a7f37" if est.fits else "#cf222e"
+    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
+    head = (
+        f'<div style="font-weight:bold;color:{colour}">{html.escape(str(est.gpu))}{batch}: '
+        f"{verdict} (headroom {fmt_bytes(est.headroom_bytes)} of "
+        f"{fmt_bytes(est.usable_bytes)} usable)</div>"
+    )
+    parts = [head]
+    if est.searched:
+        probes = ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes)
+        parts.append(f"<div>largest batch that fits: {est.max_batch_size} (probes: "
+                     f"{html.escape(probes)})</div>")
+    parts.append(html_table("memory", ["line", "bytes", "what it is"], [
+        ["GPU total", fmt_bytes(est.capacity_bytes), "cudaMemGetInfo total of the card"],
+        ["CUDA context", fmt_bytes(est.overhead_bytes), "outside PyTorch's allocator"],
+        ["usable", fmt_bytes(est.usable_bytes), "the simulated allocator's capacity"],
+        ["peak requested", fmt_bytes(est.peak_requested_bytes), "sum of live tensor storages"],
+        ["peak allocated", fmt_bytes(est.peak_allocated_bytes), "allocator blocks"],
+        ["peak reserved", fmt_bytes(est.peak_reserved_bytes), "cudaMalloc'd segments"],
+        ["fragmentation", fmt_bytes(est.fragmentation_bytes), "reserved, unallocated"],
+        ["cuBLAS workspaces", fmt_bytes(est.workspace_bytes), "inside allocated"],
+    ]))
+    parts.append(html_table("live at the peak, by category", ["category", "bytes"],
+                            [[k, fmt_bytes(v)] for k, v in est.by_category.items() if v]))
+    if est.by_module:
+        parts.append(html_table("live at the peak, by module", ["module", "bytes"],
+                                [[k, fmt_bytes(v)] for k, v in est.by_module.items()]))
+    if est.oom is not None:
+        o = est.oom
+        stack = "".join(f"<div><code>{html.escape(s)}</code></div>" for s in o.stack[-6:])
+        parts.append(
+            f"<div><b>out of memory at</b> {html.escape(o.op or '?')} in module "
+            f"{html.escape(o.module or '(none)')} ({html.escape(o.phase)}), requesting "
+            f"{fmt_bytes(o.requested_bytes)} with {fmt_bytes(o.allocated_bytes)} allocated, "
+            f"{fmt_bytes(o.reserved_bytes)} reserved</div>{stack}"
+        )
+    parts.extend(f"<div>note: {html.escape(n)}</div>" for n in est.notes)
+    return html_block("torchmem estimate", *parts)
