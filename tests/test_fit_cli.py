@@ -148,3 +148,14 @@ def test_module_build_spec(tmp_path, monkeypatch, capsys):
                  "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] and d["by_category"]["parameters"] == (256 * 256 + 256) * 4
+
+
+def test_output_snapshot_when_it_does_not_fit(train, tmp_path, capsys):
+    out = tmp_path / "oom.pickle"
+    code = main(["estimate", f"{train}:rows", "--gpu", "1 GiB", "--batch-size", "300",
+                 "-o", str(out)])
+    assert code == 3 and "DOES NOT FIT" in capsys.readouterr().out
+    from torchmem.io import load_snapshot
+
+    actions = [e.action for e in load_snapshot(out).trace(0)]
+    assert actions[-1] == "oom" and actions.count("alloc") == 1   # x fit; x * 2 did not

@@ -310,3 +310,24 @@ def test_second_step_sees_the_gradients():
     two = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=2)
     assert not two.fits and two.oom is not None and two.oom.phase == "other"
     assert two.oom.allocated_bytes == 600 * MiB   # x and x.grad; step 1's loss is gone
+
+
+def test_dataloader_workers_load_in_the_main_process():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def build(workers):
+        def inner(batch):
+            net = torch.nn.Linear(16, 4)
+            data = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=batch,
+                              shuffle=True, num_workers=workers)
+
+            def step():
+                for (x,) in data:
+                    net(x).sum().backward()
+            return step
+        return inner
+    figures = {w: estimate(build(w), gpu="T4", batch_size=8) for w in (0, 2)}
+    assert figures[0].peak_requested_bytes == figures[2].peak_requested_bytes > 64 * 16 * 4
+    from torch.utils.data import DataLoader as DL
+
+    assert DL._get_iterator.__name__ == "_get_iterator"   # restored

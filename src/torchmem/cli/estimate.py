@@ -5,8 +5,9 @@ and returns a zero-argument ``step()``; torchmem runs it under fake tensors thro
 simulation of PyTorch's CUDA caching allocator (see :func:`torchmem.estimate`). Nothing is
 allocated and no GPU is needed. ``--max-batch-size`` searches for the largest batch that fits
 (progress on stderr). ``-o estimate.pickle`` writes the simulated run as a PyTorch memory
-snapshot (for ``torchmem view``/``stats``/``peak``), atomically, only when the estimate
-succeeds.
+snapshot (for ``torchmem view``/``stats``/``peak``; it ends at the out-of-memory point when the
+step does not fit), atomically, and never when the estimate fails with an error. Exit codes: 0
+fits, 3 does not fit (``--max-batch-size``: not even batch 1), 2 bad input.
 
 Example:
     >>> from torchmem.cli import main

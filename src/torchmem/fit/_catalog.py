@@ -37,11 +37,15 @@ _MiB = 1 << 20
 _GiB = 1 << 30
 
 #: CUDA context per compute-capability major version (bytes, approximate). What a process holds
-#: on the device outside PyTorch's allocator right after ``torch.cuda.init()`` plus cuBLAS/cuDNN
-#: handles, with CUDA 12 and lazy module loading: nvidia-smi's per-process figure minus
-#: ``torch.cuda.memory_reserved()``. Commonly reported as 300-500 MiB on Volta to Ampere and
-#: about 500-600 MiB on Hopper and Blackwell; it varies with the driver and the libraries used,
-#: which is why an estimate shows it as its own line.
+#: on the device outside PyTorch's allocator (driver state and the kernels loaded so far) with
+#: lazy module loading (CUDA >= 11.7, PyTorch's default): nvidia-smi's per-process figure minus
+#: ``torch.cuda.memory_reserved()``. Public figures: "around 300MB" and "around 400MB if CUDA
+#: >= 11.7 is used and lazy module loading enabled" (PyTorch maintainer, pytorch/pytorch#107667
+#: and #109888), 256 MiB for a bare context on an RTX 3090 (invoke-ai/InvokeAI#9413), ~616 MiB
+#: on a datacenter GPU with pinned-memory registration (LMCache/LMCache#4019). The figures
+#: below sit in that range by generation (newer GPUs load larger kernel images); they vary with
+#: the driver and the libraries used, which is why an estimate shows the context as its own
+#: line. Measure yours and pass ``GPU(..., context_override=...)`` for an exact figure.
 CONTEXT_BYTES: dict[int, int] = {
     7: 310 * _MiB,  # Volta (V100), Turing (T4: 7.5)
     8: 430 * _MiB,  # Ampere (A100, A10G, RTX 30xx, A6000), Ada (L4, L40S, RTX 40xx: 8.9)

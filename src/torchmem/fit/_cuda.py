@@ -23,6 +23,12 @@ differently from what the CPU/fake path would, :class:`CudaEmulation` makes the 
 
 :data:`MODELLED` lists each case, what differs on CUDA and how it is modelled, for the docs.
 
+Why one module of about 1,000 lines: it is the one place that ports CUDA-only rules, each
+from its PyTorch source (autocast_mode.cpp's op lists, sdp_utils.cpp's backend choice,
+attention.cpp's mask handling, flash_api.cpp's backward scratch, Reduce.cuh's launch
+configuration, CublasHandlePool.cpp's workspace size); its sections split cleanly into
+``_cuda_autocast``, ``_cuda_sdpa`` and ``_cuda_reduce`` should it grow further.
+
 Example:
     >>> import torch
     >>> from torch._subclasses import FakeTensorMode

@@ -17,7 +17,9 @@ the target GPU. For user code written for CUDA this module makes that work:
   ``.pin_memory()`` returns the tensor;
 - ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
   ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
-  was inf/NaN: the estimate follows the usual path, finite gradients;
+  was inf/NaN: the estimate follows the usual path, finite gradients; a ``DataLoader``
+  draws its seed and (``shuffle=True``) its permutation on real tensors, and loads batches in
+  the main process (``num_workers`` is ignored: workers cannot receive fake tensors);
 - everything is restored on exit.
 
 Example:
@@ -98,6 +100,48 @@ def _fake_maybe_opt_step(
     ``.item()``; fake gradients have no values, so the estimate takes the common path (finite
     gradients: the optimizer steps and its state is allocated)."""
     return optimizer.step(*args, **kwargs)
+
+
+def _real_indices(original: Any) -> Any:
+    """A sampler's ``__iter__`` run on real tensors: RandomSampler draws its seed and
+    permutation with ``.item()``/``.tolist()``, which fake tensors cannot give. The indices are
+    host-side integers (no GPU memory), so they are drawn for real, outside the fake mode and
+    the tracker; the dataset is then indexed with them as usual."""
+
+    def __iter__(self: Any) -> Iterator[Any]:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            indices = list(original(self))
+        yield from indices
+
+    return __iter__
+
+
+def _real_init(original: Any) -> Any:
+    """``_BaseDataLoaderIter.__init__`` outside the fake mode: it draws the loader's base seed
+    with ``.item()`` (a host-side number, no GPU memory)."""
+
+    def __init__(self: Any, loader: Any) -> None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            original(self, loader)
+
+    return __init__
+
+
+def _single_process_iterator(self: Any) -> Any:
+    """Worker processes cannot receive fake tensors; batches are loaded in the main process
+    (what workers produce is host memory, outside the GPU estimate)."""
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+    workers = self.num_workers
+    self.num_workers = 0
+    try:
+        return _SingleProcessDataLoaderIter(self)
+    finally:
+        self.num_workers = workers
 
 
 class _Event:
@@ -221,6 +265,12 @@ def fake_cuda(
     init = torch.nn.init
     trunc = init._no_grad_trunc_normal_
     from torch.amp.grad_scaler import GradScaler
+    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    sampler_iter = RandomSampler.__iter__
+    loader_iter_init = _BaseDataLoaderIter.__init__
+    get_iterator = DataLoader._get_iterator
 
     opt_step = GradScaler._maybe_opt_step
     mode = _CudaToCpu()
@@ -230,12 +280,18 @@ def fake_cuda(
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
         GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
+        RandomSampler.__iter__ = _real_indices(sampler_iter)  # type: ignore[method-assign]
+        _BaseDataLoaderIter.__init__ = _real_init(loader_iter_init)  # type: ignore[method-assign]
+        DataLoader._get_iterator = _single_process_iterator  # type: ignore[method-assign]
         with mode:
             yield
     finally:
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
+        RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
+        _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
+        DataLoader._get_iterator = get_iterator  # type: ignore[method-assign]
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])

@@ -64,7 +64,8 @@ class Estimate:
     segments. ``by_category`` and ``by_module`` are the storages live at the peak of requested
     bytes (plus ``workspace``, the library workspaces live then). ``fragmentation_bytes`` is
     reserved minus allocated at the peak of allocated bytes. ``oom`` says where it would run out
-    of memory (``None`` when it fits).
+    of memory (``None`` when it fits). ``snapshot`` is the simulated run as a
+    :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``).
 
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
@@ -94,7 +95,7 @@ class Estimate:
     searched: bool = False
     probes: list[tuple[int, bool]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    snapshot: Any = None
+    snapshot: Any = field(default=None, repr=False)
 
     @property
     def usable_bytes(self) -> int:
