@@ -44,7 +44,7 @@ CELLS: list[tuple[str, list[str]]] = [
     ("%load_ext torchmem", []),  # 1
     ("import torch, torchmem", []),  # 2
     (  # 3: peak = 1 MiB (x) + 512 KiB (y) = 1.50 MiB; z (256 KiB) comes after y is freed
-        "%%torchmem --name tr\n"
+        "%%torchmem --name tr -o {OUT}\n"
         "x = torch.zeros(1 << 18)\n"
         "y = torch.ones(1 << 17)\n"
         "del y\n"
@@ -64,10 +64,15 @@ CELLS: list[tuple[str, list[str]]] = [
 
 
 @pytest.fixture(scope="module")
-def executed() -> Any:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nb") / "cell.tmtrace"
+
+
+@pytest.fixture(scope="module")
+def executed(saved: Path) -> Any:
     nb = nbformat.v4.new_notebook()
     for src, tags in CELLS:
-        cell = nbformat.v4.new_code_cell(src)
+        cell = nbformat.v4.new_code_cell(src.replace("{OUT}", str(saved)))
         if tags:
             cell.metadata["tags"] = tags
         nb.cells.append(cell)
@@ -120,6 +125,12 @@ def test_cell_magic_shows_tables_and_timeline(executed: Any) -> None:
     assert f"<td>aten::ones</td><td class=\"num\">{format_bytes(1 << 19)}</td>" in ops
     # the Tracker was kept with --name
     assert executed.cells[4].outputs[0]["data"]["text/plain"] == f"{{'cpu': {peak}}}"
+
+
+def test_cell_magic_saves_the_trace(executed: Any, saved: Path) -> None:
+    from torchmem.io import load_trace
+
+    assert load_trace(saved).peak() == {"cpu": (1 << 18) * 4 + (1 << 17) * 4}
 
 
 def test_rich_display_of_report_snapshot_estimate_summary(executed: Any) -> None:
