@@ -222,9 +222,9 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext torchmem`` in IPython/Jupyter: see :mod:`torchmem.notebook` (loaded only here).
 
     Example:
-        >>> from IPython.testing.globalipapp import get_ipython
-        >>> load_ipython_extension(get_ipython())
-        >>> "torchmem" in get_ipython().magics_manager.magics["cell"]
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> load_ipython_extension(InteractiveShell.instance())
+        >>> "torchmem" in InteractiveShell.instance().magics_manager.magics["cell"]
         True
     """
     from torchmem.notebook import load_ipython_extension as load
@@ -236,8 +236,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext torchmem``: see :mod:`torchmem.notebook`.
 
     Example:
-        >>> from IPython.testing.globalipapp import get_ipython
-        >>> unload_ipython_extension(get_ipython())
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> unload_ipython_extension(InteractiveShell.instance())
     """
     from torchmem.notebook import unload_ipython_extension as unload
 

@@ -115,8 +115,8 @@ class MemoryLimit:
     """A parsed ``limit_memory`` marker.
 
     Example:
-        >>> import pytest
-        >>> MemoryLimit.from_marker(pytest.mark.limit_memory("2 MiB", device="cpu").mark)
+        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+        >>> MemoryLimit.from_marker(Mark(args=("2 MiB",), kwargs={"device": "cpu"}))
         MemoryLimit(limit=2097152, device='cpu', metric=None)
     """
 
@@ -129,8 +129,8 @@ class MemoryLimit:
         """Parse ``@pytest.mark.limit_memory(limit, device="cpu", metric=None)``.
 
         Example:
-            >>> import pytest
-            >>> MemoryLimit.from_marker(pytest.mark.limit_memory("1 KiB").mark).limit
+            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+            >>> MemoryLimit.from_marker(Mark(args=("1 KiB",), kwargs={})).limit
             1024
         """
         args, kwargs = list(mark.args), dict(mark.kwargs)
@@ -167,8 +167,8 @@ class LeakLimit:
     """A parsed ``limit_leaks`` marker (``device=None``: every device).
 
     Example:
-        >>> import pytest
-        >>> LeakLimit.from_marker(pytest.mark.limit_leaks("1 MiB").mark)
+        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+        >>> LeakLimit.from_marker(Mark(args=("1 MiB",), kwargs={}))
         LeakLimit(limit=1048576, device=None)
     """
 
@@ -180,8 +180,8 @@ class LeakLimit:
         """Parse ``@pytest.mark.limit_leaks(limit, device=None)``.
 
         Example:
-            >>> import pytest
-            >>> LeakLimit.from_marker(pytest.mark.limit_leaks(0, device="cpu").mark).device
+            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+            >>> LeakLimit.from_marker(Mark(args=(0,), kwargs={"device": "cpu"})).device
             'cpu'
         """
         args, kwargs = list(mark.args), dict(mark.kwargs)
@@ -201,8 +201,8 @@ class FitsOn:
     """A parsed ``fits_on`` marker: the GPU, the batch size and other estimate keywords.
 
     Example:
-        >>> import pytest
-        >>> FitsOn.from_marker(pytest.mark.fits_on("T4", batch_size=8).mark)
+        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+        >>> FitsOn.from_marker(Mark(args=("T4",), kwargs={"batch_size": 8}))
         FitsOn(gpu='T4', batch_size=8, options={})
     """
 
@@ -215,8 +215,8 @@ class FitsOn:
         """Parse ``@pytest.mark.fits_on(gpu, batch_size=None, steps=2, alloc_conf=None)``.
 
         Example:
-            >>> import pytest
-            >>> FitsOn.from_marker(pytest.mark.fits_on("A100-40GB", 4, steps=1).mark).options
+            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
+            >>> FitsOn.from_marker(Mark(args=("A100-40GB", 4), kwargs={"steps": 1})).options
             {'steps': 1}
         """
         args, kwargs = list(mark.args), dict(mark.kwargs)

@@ -16,8 +16,8 @@ Without ``%load_ext torchmem`` IPython answers ``UsageError: Cell magic `%%torch
 found.``: load the extension first.
 
 Example:
-    >>> from IPython.testing.globalipapp import get_ipython
-    >>> ip = get_ipython(); load_ipython_extension(ip)
+    >>> from IPython.core.interactiveshell import InteractiveShell
+    >>> ip = InteractiveShell.instance(); load_ipython_extension(ip)
     >>> "torchmem" in ip.magics_manager.magics["cell"]
     True
 """
@@ -55,8 +55,8 @@ class TorchmemMagics(Magics):
     """The ``%%torchmem`` cell magic and the ``%torchmem_snapshot`` line magic.
 
     Example:
-        >>> from IPython.testing.globalipapp import get_ipython
-        >>> m = TorchmemMagics(get_ipython()); m.last is None
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> m = TorchmemMagics(InteractiveShell.instance()); m.last is None
         True
     """
 
@@ -74,8 +74,8 @@ class TorchmemMagics(Magics):
         """Track the cell's tensor memory; show the summary tables and the timeline.
 
         Example:
-            >>> from IPython.testing.globalipapp import get_ipython
-            >>> m = TorchmemMagics(get_ipython())
+            >>> from IPython.core.interactiveshell import InteractiveShell
+            >>> m = TorchmemMagics(InteractiveShell.instance())
             >>> m.torchmem("--top 0", "x = 1")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
@@ -116,8 +116,8 @@ class TorchmemMagics(Magics):
         """Show the interactive viewer inline (no network access).
 
         Example:
-            >>> from IPython.testing.globalipapp import get_ipython
-            >>> TorchmemMagics(get_ipython()).torchmem_snapshot("")  # doctest: +ELLIPSIS
+            >>> from IPython.core.interactiveshell import InteractiveShell
+            >>> TorchmemMagics(InteractiveShell.instance()).torchmem_snapshot("")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
             IPython.core.error.UsageError: %torchmem_snapshot: nothing to show yet...
@@ -172,9 +172,9 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext torchmem``: the magics and the HTML display of estimates.
 
     Example:
-        >>> from IPython.testing.globalipapp import get_ipython
-        >>> load_ipython_extension(get_ipython())
-        >>> "torchmem_snapshot" in get_ipython().magics_manager.magics["line"]
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> load_ipython_extension(InteractiveShell.instance())
+        >>> "torchmem_snapshot" in InteractiveShell.instance().magics_manager.magics["line"]
         True
     """
     ipython.register_magics(TorchmemMagics)
@@ -188,8 +188,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     IPython has no way to remove them).
 
     Example:
-        >>> from IPython.testing.globalipapp import get_ipython
-        >>> unload_ipython_extension(get_ipython())
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> unload_ipython_extension(InteractiveShell.instance())
     """
     html = ipython.display_formatter.formatters["text/html"]
     try:
