@@ -60,6 +60,8 @@ CELLS: list[tuple[str, list[str]]] = [
     ("%torchmem_snapshot 42", ["raises-exception"]),  # 10
     ("%%torchmem --top 0\nx = 1", ["raises-exception"]),  # 11
     ("%torchmem_snapshot snap --height 500", []),  # 12
+    ("%%torchmem\nw = torch.zeros(100)\nraise ValueError('boom')", ["raises-exception"]),  # 13
+    ("%%torchmem\nv = torch.ones(10)\nv.sum()", []),  # 14
 ]
 
 
@@ -161,6 +163,15 @@ def test_rich_display_of_report_snapshot_estimate_summary(executed: Any) -> None
 
     summary = _html(executed.cells[9])
     assert "torchmem trace summary (cpu, peak 1.50 MiB)" in summary
+
+
+def test_cell_magic_keeps_errors_and_the_last_value(executed: Any) -> None:
+    failed = executed.cells[13]
+    assert _error(failed) == "ValueError: boom"  # the cell fails: Run All stops there
+    assert f"peak {format_bytes(400)}" in _html(failed)  # and the tables are still shown
+    out = [o for o in executed.cells[14].outputs if o["output_type"] == "execute_result"]
+    assert out[0]["data"]["text/plain"] == "tensor(10.)"
+    assert f"peak {format_bytes(40 + 4)}" in _html(executed.cells[14])  # ones(10), the sum
 
 
 def test_bad_input_to_the_magics(executed: Any) -> None:

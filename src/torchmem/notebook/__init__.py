@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import os
 from typing import Any, Optional
 
@@ -70,7 +71,7 @@ class TorchmemMagics(Magics):
     @argument("--no-stacks", action="store_true", help="do not record call sites")
     @argument("-o", "--output", default=None, help="also save the trace to this .tmtrace file")
     @cell_magic
-    def torchmem(self, line: str, cell: str) -> None:
+    def torchmem(self, line: str, cell: str) -> Any:
         """Track the cell's tensor memory; show the summary tables and the timeline.
 
         Example:
@@ -96,16 +97,28 @@ class TorchmemMagics(Magics):
         from torchmem.capture.tracker import track
 
         shell: Any = self.shell
+        # Like %%time: the cell runs here (IPython syntax transformed first), so an exception
+        # fails this cell (Run All stops) and the last expression's value is the cell's output.
+        tree = ast.parse(shell.transform_cell(cell))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
         tracker = track(stacks=not args.no_stacks, stack_depth=6,
                         metadata={"source": "%%torchmem"})
-        with tracker:
-            shell.run_cell(cell, store_history=False)
-        self.last = tracker
-        if args.name:
-            shell.user_ns[args.name] = tracker
-        if args.output:
-            tracker.save(args.output)
-        _display_html(trace_html(tracker.trace, top=args.top))
+        value = None
+        try:
+            with tracker:
+                exec(compile(tree, "<%%torchmem cell>", "exec"), shell.user_ns)
+                if last is not None:
+                    value = eval(compile(last, "<%%torchmem cell>", "eval"), shell.user_ns)
+        finally:  # the tables are shown even when the cell raised (an out-of-memory error)
+            self.last = tracker
+            if args.name:
+                shell.user_ns[args.name] = tracker
+            if args.output:
+                tracker.save(args.output)
+            _display_html(trace_html(tracker.trace, top=args.top))
+        return value
 
     @magic_arguments()
     @argument("source", nargs="?", default=None,
