@@ -13,6 +13,13 @@ import torch._dynamo  # noqa: F401 - imported once here: inline pytester runs mu
 
 import torchmem
 
+# Inline pytester runs drop the modules they imported from sys.modules afterwards; imported
+# here first, the plugin's lazy imports stay the same objects for the tests that run later.
+import torchmem.capture.tracker  # noqa: F401,E402,I001
+import torchmem.cli.estimate  # noqa: F401,E402
+import torchmem.fit  # noqa: F401,E402
+import torchmem.io  # noqa: F401,E402
+
 pytest_plugins = ["pytester"]
 
 

@@ -29,6 +29,9 @@ run without the options, is not touched: no tracker is started and torch is not 
 plugin. Bad marker arguments (``"lots"``, ``device="tpu"``) are collection errors that say what
 was expected.
 
+Layout: this module holds the hooks; ``_markers`` parses the markers' arguments, ``_report``
+reads a tracked body's events for the failure messages.
+
 Example:
     >>> parse_marker_limit("64 MB", "limit_memory"), parse_marker_limit(1024, "limit_leaks")
     (64000000, 1024)
@@ -42,301 +45,32 @@ import os
 import re
 import sys
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import pytest
 
-from torchmem.errors import DeviceError, InvalidInputError
-from torchmem.units import format_bytes, parse_bytes
+from torchmem.errors import InvalidInputError
+from torchmem.pytest_plugin._markers import (
+    FitsOn,
+    LeakLimit,
+    MemoryLimit,
+    parse_item,
+    parse_marker_limit,
+)
+from torchmem.pytest_plugin._report import live_at_end, rows_text, site_of, top_live_at_peak
+from torchmem.units import format_bytes
 
 __all__ = [
-    "MemoryLimit",
-    "LeakLimit",
     "FitsOn",
+    "LeakLimit",
+    "MemoryLimit",
+    "live_at_end",
     "parse_marker_limit",
     "top_live_at_peak",
-    "live_at_end",
 ]
 
 _MARKERS = ("limit_memory", "limit_leaks", "fits_on")
-_CUDA_METRICS = ("allocated", "reserved", "active")
-_TOP_ROWS = 5
 _STATE_KEY = pytest.StashKey["_Session"]()
-
-
-def parse_marker_limit(value: Any, marker: str) -> int:
-    """A marker's size argument in bytes (``"64 MiB"``, ``"64 MB"``, ``"1.5G"`` or an int).
-
-    Raises :class:`~torchmem.errors.InvalidInputError` naming the marker and the fix.
-
-    Example:
-        >>> parse_marker_limit("1 KiB", "limit_memory")
-        1024
-        >>> parse_marker_limit("lots", "limit_memory")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.InvalidInputError: @pytest.mark.limit_memory: could not parse 'lots'...
-    """
-    try:
-        return parse_bytes(value)
-    except InvalidInputError as e:
-        raise InvalidInputError(
-            f"@pytest.mark.{marker}: {e}. Fix: write the limit like "
-            f"@pytest.mark.{marker}(\"64 MiB\")"
-        ) from None
-
-
-def _device_arg(value: Any, marker: str) -> str:
-    from torchmem._device import device_selector
-
-    if not isinstance(value, str):
-        raise InvalidInputError(
-            f"@pytest.mark.{marker}: device must be a str such as 'cpu' or 'cuda:0', got "
-            f"{type(value).__name__}: {value!r}"
-        )
-    try:
-        return device_selector(value)
-    except DeviceError as e:
-        raise InvalidInputError(f"@pytest.mark.{marker}: {e}") from None
-
-
-def _no_extra(marker: str, kwargs: dict[str, Any], allowed: tuple[str, ...]) -> None:
-    extra = sorted(set(kwargs) - set(allowed))
-    if extra:
-        raise InvalidInputError(
-            f"@pytest.mark.{marker}: unknown keyword(s) {', '.join(extra)}; expected only "
-            f"{', '.join(allowed)}"
-        )
-
-
-@dataclass(frozen=True)
-class MemoryLimit:
-    """A parsed ``limit_memory`` marker.
-
-    Example:
-        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-        >>> MemoryLimit.from_marker(Mark(args=("2 MiB",), kwargs={"device": "cpu"}))
-        MemoryLimit(limit=2097152, device='cpu', metric=None)
-    """
-
-    limit: int
-    device: str = "cpu"
-    metric: Optional[str] = None
-
-    @classmethod
-    def from_marker(cls, mark: Any) -> MemoryLimit:
-        """Parse ``@pytest.mark.limit_memory(limit, device="cpu", metric=None)``.
-
-        Example:
-            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-            >>> MemoryLimit.from_marker(Mark(args=("1 KiB",), kwargs={})).limit
-            1024
-        """
-        args, kwargs = list(mark.args), dict(mark.kwargs)
-        _no_extra("limit_memory", kwargs, ("limit", "device", "metric"))
-        if len(args) > 2:
-            raise InvalidInputError(
-                f"@pytest.mark.limit_memory takes (limit, device='cpu'), got {len(args)} "
-                "positional arguments"
-            )
-        if not args and "limit" not in kwargs:
-            raise InvalidInputError(
-                "@pytest.mark.limit_memory needs a limit, e.g. @pytest.mark.limit_memory('64 MiB')"
-            )
-        limit = parse_marker_limit(args[0] if args else kwargs["limit"], "limit_memory")
-        device = _device_arg(args[1] if len(args) > 1 else kwargs.get("device", "cpu"),
-                             "limit_memory")
-        metric = kwargs.get("metric")
-        if metric is not None:
-            if metric not in _CUDA_METRICS:
-                raise InvalidInputError(
-                    f"@pytest.mark.limit_memory: metric must be one of "
-                    f"{', '.join(map(repr, _CUDA_METRICS))}, got {metric!r}"
-                )
-            if not device.startswith("cuda"):
-                raise InvalidInputError(
-                    f"@pytest.mark.limit_memory: metric={metric!r} reads the CUDA allocator's "
-                    f"peak, but device is {device!r}. Fix: pass device='cuda' or drop metric"
-                )
-        return cls(limit, device, metric)
-
-
-@dataclass(frozen=True)
-class LeakLimit:
-    """A parsed ``limit_leaks`` marker (``device=None``: every device).
-
-    Example:
-        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-        >>> LeakLimit.from_marker(Mark(args=("1 MiB",), kwargs={}))
-        LeakLimit(limit=1048576, device=None)
-    """
-
-    limit: int
-    device: Optional[str] = None
-
-    @classmethod
-    def from_marker(cls, mark: Any) -> LeakLimit:
-        """Parse ``@pytest.mark.limit_leaks(limit, device=None)``.
-
-        Example:
-            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-            >>> LeakLimit.from_marker(Mark(args=(0,), kwargs={"device": "cpu"})).device
-            'cpu'
-        """
-        args, kwargs = list(mark.args), dict(mark.kwargs)
-        _no_extra("limit_leaks", kwargs, ("limit", "device"))
-        if len(args) > 2 or (not args and "limit" not in kwargs):
-            raise InvalidInputError(
-                "@pytest.mark.limit_leaks takes (limit, device=None), e.g. "
-                "@pytest.mark.limit_leaks('1 MiB')"
-            )
-        limit = parse_marker_limit(args[0] if args else kwargs["limit"], "limit_leaks")
-        dev = args[1] if len(args) > 1 else kwargs.get("device")
-        return cls(limit, None if dev is None else _device_arg(dev, "limit_leaks"))
-
-
-@dataclass(frozen=True)
-class FitsOn:
-    """A parsed ``fits_on`` marker: the GPU, the batch size and other estimate keywords.
-
-    Example:
-        >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-        >>> FitsOn.from_marker(Mark(args=("T4",), kwargs={"batch_size": 8}))
-        FitsOn(gpu='T4', batch_size=8, options={})
-    """
-
-    gpu: Any
-    batch_size: Optional[int] = None
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_marker(cls, mark: Any) -> FitsOn:
-        """Parse ``@pytest.mark.fits_on(gpu, batch_size=None, steps=2, alloc_conf=None)``.
-
-        Example:
-            >>> from types import SimpleNamespace as Mark  # what pytest passes: .args, .kwargs
-            >>> FitsOn.from_marker(Mark(args=("A100-40GB", 4), kwargs={"steps": 1})).options
-            {'steps': 1}
-        """
-        args, kwargs = list(mark.args), dict(mark.kwargs)
-        _no_extra("fits_on", kwargs, ("gpu", "batch_size", "steps", "alloc_conf"))
-        if len(args) > 2 or (not args and "gpu" not in kwargs):
-            raise InvalidInputError(
-                "@pytest.mark.fits_on takes (gpu, batch_size=None), e.g. "
-                "@pytest.mark.fits_on('A100-40GB', batch_size=64)"
-            )
-        gpu = args[0] if args else kwargs.pop("gpu")
-        kwargs.pop("gpu", None)
-        batch = args[1] if len(args) > 1 else kwargs.pop("batch_size", None)
-        kwargs.pop("batch_size", None)
-        if not isinstance(gpu, (str, int)) or isinstance(gpu, bool):
-            raise InvalidInputError(
-                f"@pytest.mark.fits_on: gpu must be a catalog name such as 'A100-40GB' or a "
-                f"size such as '24 GiB', got {type(gpu).__name__}: {gpu!r}"
-            )
-        if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool)
-                                  or batch < 1):
-            raise InvalidInputError(
-                f"@pytest.mark.fits_on: batch_size must be an int >= 1, got {batch!r}"
-            )
-        return cls(gpu, batch, kwargs)
-
-
-def _parse_item(item: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    mark = item.get_closest_marker("limit_memory")
-    if mark is not None:
-        out["limit_memory"] = MemoryLimit.from_marker(mark)
-    mark = item.get_closest_marker("limit_leaks")
-    if mark is not None:
-        out["limit_leaks"] = LeakLimit.from_marker(mark)
-    mark = item.get_closest_marker("fits_on")
-    if mark is not None:
-        out["fits_on"] = FitsOn.from_marker(mark)
-    return out
-
-
-# --------------------------------------------------------------------------- analysis of a run
-
-
-def _site(ev: Any) -> str:
-    if not ev.stack:
-        return "?"
-    frame = ev.stack[-1]
-    path, _, rest = frame.partition(":")
-    return f"{os.path.basename(path)}:{rest}"
-
-
-def top_live_at_peak(events: Any, device: str, top: int = _TOP_ROWS) -> list[tuple[str, str, str, int, int]]:
-    """The largest groups of storages live at ``device``'s peak: ``(op, module, site, bytes,
-    count)``, largest first (grouped by operator, module and innermost call site).
-
-    Example:
-        >>> import torch, torchmem
-        >>> with torchmem.track(stacks=True) as tr:
-        ...     a = torch.zeros(1024); b = torch.ones(256); del a; c = torch.zeros(64)
-        >>> [(op, n, k) for op, _, _, n, k in top_live_at_peak(tr.events(), "cpu")]
-        [('aten::zeros', 4096, 1), ('aten::ones', 1024, 1)]
-    """
-    from torchmem.model.events import EventKind
-
-    evs = [e for e in events if e.device == device and e.kind is not EventKind.MARK]
-    live = 0
-    peak, peak_i = -1, -1
-    for i, e in enumerate(evs):
-        live += e.signed_bytes
-        if live > peak:
-            peak, peak_i = live, i
-    alive: dict[int, Any] = {}
-    for e in evs[: peak_i + 1]:
-        if e.kind is EventKind.ALLOC:
-            alive[e.storage] = e
-        else:
-            alive.pop(e.storage, None)
-    groups: dict[tuple[str, str, str], list[int]] = {}
-    for e in alive.values():
-        key = (e.op or "?", e.module or "-", _site(e))
-        g = groups.setdefault(key, [0, 0])
-        g[0] += e.nbytes
-        g[1] += 1
-    rows = sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))[:top]
-    return [(k[0], k[1], k[2], v[0], v[1]) for k, v in rows]
-
-
-def live_at_end(events: Any, device: Optional[str] = None) -> list[Any]:
-    """ALLOC events (on ``device``, or any) whose storage was never freed, largest first.
-
-    Example:
-        >>> import torch, torchmem
-        >>> keep = []
-        >>> with torchmem.track() as tr:
-        ...     keep.append(torch.zeros(100)); tmp = torch.ones(5); del tmp
-        >>> [(e.op, e.nbytes) for e in live_at_end(tr.events())]
-        [('aten::zeros', 400)]
-    """
-    from torchmem.model.events import EventKind
-
-    alive: dict[int, Any] = {}
-    for e in events:
-        if device is not None and not _on(e.device, device):
-            continue
-        if e.kind is EventKind.ALLOC:
-            alive[e.storage] = e
-        elif e.kind is EventKind.FREE:
-            alive.pop(e.storage, None)
-    return sorted(alive.values(), key=lambda e: (-e.nbytes, e.seq))
-
-
-def _on(name: str, selector: str) -> bool:
-    return name == selector or (":" not in selector and name.split(":")[0] == selector)
-
-
-def _rows_text(rows: list[tuple[str, str, str, int, int]]) -> list[str]:
-    lines = [f"    {'bytes':>12}  {'count':>5}  operator / module / call site"]
-    for op, module, site, nbytes, count in rows:
-        lines.append(f"    {format_bytes(nbytes):>12}  {count:>5}  {op} / {module} / {site}")
-    return lines
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -478,7 +212,7 @@ def pytest_make_collect_report(collector: Any) -> Generator[None, Any, Any]:
         if not isinstance(item, pytest.Item):
             continue
         try:
-            item.stash[_ITEM_KEY] = _parse_item(item)
+            item.stash[_ITEM_KEY] = parse_item(item)
         except InvalidInputError as e:
             problems.append(f"{item.nodeid}: {e}")
     if problems:
@@ -510,7 +244,7 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
 def _markers_of(item: Any) -> dict[str, Any]:
     got = item.stash.get(_ITEM_KEY, None)
     if got is None:  # an item not made by a Module collector (a plugin's own items)
-        got = _parse_item(item)
+        got = parse_item(item)
         item.stash[_ITEM_KEY] = got
     return got
 
@@ -633,7 +367,7 @@ def pytest_runtest_call(item: Any) -> Generator[None, Any, Any]:
                     f"{format_bytes(tracked)} ({tracked} bytes) > limit {format_bytes(mem.limit)} "
                     f"({mem.limit} bytes)",
                     "  largest allocations live at the peak:",
-                    *_rows_text(rows),
+                    *rows_text(rows),
                 ])
             )
         if metric is not None and cuda_before is not None:
@@ -657,7 +391,7 @@ def pytest_runtest_call(item: Any) -> Generator[None, Any, Any]:
             ]
             for e in left[:10]:
                 lines.append(f"    {format_bytes(e.nbytes):>12}  {e.op or '?'} / "
-                             f"{e.module or '-'} / {_site(e)}  [{e.device}]")
+                             f"{e.module or '-'} / {site_of(e)}  [{e.device}]")
             if len(left) > 10:
                 lines.append(f"    ... and {len(left) - 10} more")
             failures.append("\n".join(lines))
