@@ -107,6 +107,14 @@ NAMESPACES: dict[str, list[str]] = {
         "DEFAULT_AUTO_GC_STRATEGY", "GcRun", "Ledger", "LedgerRecord", "MetricsServer",
         "ledger_metrics", "release_device_cache", "serve_prometheus",
     ],
+    "torchmem.notebook": [
+        "TorchmemMagics", "estimate_html", "load_ipython_extension", "timeline_svg",
+        "trace_html", "unload_ipython_extension", "viewer_html",
+    ],
+    "torchmem.pytest_plugin": [
+        "FitsOn", "LeakLimit", "MemoryLimit", "live_at_end", "parse_marker_limit",
+        "top_live_at_peak",
+    ],
     "torchmem.model": [
         "Block", "Category", "DeviceTrace", "Event", "EventKind", "Frame", "MemoryReport",
         "MovePlan", "Phase", "Segment", "Snapshot", "StorageRecord", "TensorRecord", "Trace",

@@ -221,3 +221,29 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext torchmem`` in IPython/Jupyter: see :mod:`torchmem.notebook` (loaded only here).
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> load_ipython_extension(InteractiveShell.instance())
+        >>> "torchmem" in InteractiveShell.instance().magics_manager.magics["cell"]
+        True
+    """
+    from torchmem.notebook import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext torchmem``: see :mod:`torchmem.notebook`.
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> unload_ipython_extension(InteractiveShell.instance())
+    """
+    from torchmem.notebook import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -110,6 +110,45 @@ class TraceSummary:
             d[key] = [{"name": n, "bytes": b, "count": c} for n, b, c in d[key]]
         return d
 
+    def _repr_html_(self) -> str:
+        """Rich display in Jupyter: the overview and the tables live at the peak.
+
+        Example:
+            >>> from torchmem.model.trace import Trace
+            >>> from torchmem.model.events import EventKind as K
+            >>> tr = Trace(); _ = tr.append(K.ALLOC, 0, "cpu", 2048, 1, op="aten::zeros")
+            >>> html = summarize_trace(tr)._repr_html_()
+            >>> "2.00 KiB" in html and "<td>aten::zeros</td>" in html
+            True
+        """
+        return _summary_html(self)
+
+
+def _summary_html(self: TraceSummary) -> str:
+    from torchmem.model._html import fmt_bytes, html_block, html_table
+
+    dev = self.device or "-"
+    over = html_table(
+        "overview",
+        ["device", "events", "steps", "peak", "live at the end", "leak suspect"],
+        [[dev, self.events, self.steps, fmt_bytes(self.peak.get(dev, 0)),
+          fmt_bytes(self.final_live.get(dev, 0)), "yes" if self.leak_suspect else "no"]],
+    )
+    cats = html_table("live at the peak, by category", ["category", "bytes"],
+                      [[c, fmt_bytes(n)] for c, n in self.categories_at_peak.items() if n])
+
+    def tops(title: str, first: str, rows: list[tuple[str, int, int]]) -> str:
+        return html_table(title, [first, "bytes", "count"],
+                          [[n, fmt_bytes(b), k] for n, b, k in rows])
+
+    return html_block(
+        f"torchmem trace summary ({dev}, peak {fmt_bytes(self.peak.get(dev, 0))})",
+        over, cats,
+        tops("operators live at the peak", "operator", self.top_ops_at_peak),
+        tops("modules live at the peak", "module", self.top_modules_at_peak),
+        tops("call sites live at the peak", "call site", self.top_stacks_at_peak),
+    )
+
 
 def _top(groups: dict[str, list[int]], top: int) -> list[tuple[str, int, int]]:
     items = sorted(groups.items(), key=lambda kv: (-kv[1][0], kv[0]))

@@ -338,6 +338,40 @@ class MemoryReport:
             "storages": [asdict(s) for s in self.storages],
         }
 
+    def _repr_html_(self) -> str:
+        """Rich display in Jupyter: totals per device, bytes by category, the largest storages.
+
+        Example:
+            >>> r = MemoryReport(storages=[StorageRecord(0, "cpu", 4096, 4096, ["w"], ["parameter"])])
+            >>> "4.00 KiB" in r._repr_html_() and "<td>w</td>" in r._repr_html_()
+            True
+        """
+        from torchmem.model._html import fmt_bytes, html_block, html_table
+
+        uniq, naive = self.unique_bytes, self.naive_bytes
+        per = html_table(
+            "per device",
+            ["device", "unique bytes", "naive bytes (views counted again)", "storages"],
+            [[d, fmt_bytes(uniq.get(d, 0)), fmt_bytes(naive.get(d, 0)),
+              sum(1 for s in self.storages if s.device == d)] for d in self.devices],
+        )
+        cats = html_table(
+            "by category",
+            ["device", "category", "bytes"],
+            [[d, c, fmt_bytes(n)] for d, per_cat in self.by_category.items()
+             for c, n in per_cat.items()],
+        )
+        big = sorted(self.storages, key=lambda s: (-s.nbytes, s.index))[:10]
+        top = html_table(
+            "largest storages (top 10)",
+            ["bytes", "device", "category", "tensors"],
+            [[fmt_bytes(s.nbytes), s.device, s.category, ", ".join(s.names[:4])
+              + (" ..." if len(s.names) > 4 else "")] for s in big],
+        )
+        total = fmt_bytes(self.total_unique_bytes)
+        return html_block(f"torchmem MemoryReport: {len(self.storages)} storages, {total}",
+                          per, cats, top)
+
     def to_json(self, indent: int | None = 2) -> str:
         """The :meth:`to_dict` form as a JSON string.
 

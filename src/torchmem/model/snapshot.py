@@ -195,9 +195,44 @@ class Snapshot:
         t = self.traces.get(device)
         return t if t is not None else DeviceTrace(device, self.stacks)
 
+    def _repr_html_(self) -> str:
+        """Rich display in Jupyter: per device, segments, reserved, allocated and trace entries
+        (``%torchmem_snapshot`` after ``%load_ext torchmem`` shows the interactive viewer).
+
+        Example:
+            >>> from torchmem.model.snapshot_parts import Block, Segment
+            >>> s = Snapshot(); s.segments.append(Segment(0, 0, 2 << 20,
+            ...     blocks=[Block(0, 1 << 20, 1 << 20, "active_allocated")]))
+            >>> "2.00 MiB" in s._repr_html_() and "1.00 MiB" in s._repr_html_()
+            True
+        """
+        from torchmem.model._html import fmt_bytes, html_block, html_table
+
+        rows = []
+        for d in self.devices:
+            segs = self.segments_of(d)
+            rows.append([
+                self.device_name(d), len(segs), fmt_bytes(sum(g.total_size for g in segs)),
+                fmt_bytes(sum(g.allocated_size for g in segs)),
+                fmt_bytes(sum(g.active_size for g in segs)), len(self.trace(d)),
+            ])
+        table = html_table(
+            "per device",
+            ["device", "segments", "reserved", "allocated", "active", "trace entries"],
+            rows,
+        )
+        notes = "".join(f"<div>note: {_esc(n)}</div>" for n in self.notes)
+        return html_block(f"torchmem Snapshot ({self.source.format})", table, notes)
+
     def __repr__(self) -> str:
         n = sum(len(t) for t in self.traces.values())
         return (
             f"Snapshot(devices={self.devices}, segments={len(self.segments)}, "
             f"trace_entries={n}, format={self.source.format!r})"
         )
+
+
+def _esc(text: Any) -> str:
+    import html
+
+    return html.escape(str(text))
