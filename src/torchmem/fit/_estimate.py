@@ -117,6 +117,17 @@ class Estimate:
         """
         return self.usable_bytes - self.peak_reserved_bytes
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the verdict, the memory lines, what is live at the peak.
+
+        Example:
+            >>> "FITS (headroom 67 B" in Estimate("x", 4, True, 100, 30, 1, 2, 3)._repr_html_()
+            True
+        """
+        from torchmem.model._html import estimate_html
+
+        return estimate_html(self)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form: the documented keys first, then extras.
 

@@ -8,9 +8,9 @@
   the last ``%%torchmem`` cell, or for ``EXPR``: a Snapshot, a Trace, a Tracker, an Estimate made
   with ``keep_snapshot=True``, PyTorch's ``torch.cuda.memory._snapshot()`` dict, or a path to a
   snapshot or ``.tmtrace`` file.
-- Rich display: :class:`~torchmem.model.MemoryReport`, :class:`~torchmem.analysis.TraceSummary`
-  and :class:`~torchmem.model.Snapshot` render as HTML (their ``_repr_html_``); loading the
-  extension also registers :func:`estimate_html` for :class:`~torchmem.fit.Estimate`.
+- Rich display: :class:`~torchmem.model.MemoryReport`, :class:`~torchmem.analysis.TraceSummary`,
+  :class:`~torchmem.model.Snapshot` and :class:`~torchmem.fit.Estimate` render as HTML (their
+  ``_repr_html_``), with or without the extension.
 
 Without ``%load_ext torchmem`` IPython answers ``UsageError: Cell magic `%%torchmem` not
 found.``: load the extension first.
@@ -182,7 +182,7 @@ class TorchmemMagics(Magics):
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext torchmem``: the magics and the HTML display of estimates.
+    """``%load_ext torchmem``: the magics.
 
     Example:
         >>> from IPython.core.interactiveshell import InteractiveShell
@@ -191,23 +191,16 @@ def load_ipython_extension(ipython: Any) -> None:
         True
     """
     ipython.register_magics(TorchmemMagics)
-    html = ipython.display_formatter.formatters["text/html"]
-    # by name: registering does not import torchmem.fit (nor torch) before an Estimate exists
-    html.for_type_by_name("torchmem.fit._estimate", "Estimate", estimate_html)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext torchmem``: the estimate formatter is removed (the magics stay, as
-    IPython has no way to remove them).
+    """``%unload_ext torchmem``: nothing to undo (IPython has no way to remove magics, and the
+    rich displays are the objects' own ``_repr_html_``).
 
     Example:
         >>> from IPython.core.interactiveshell import InteractiveShell
         >>> unload_ipython_extension(InteractiveShell.instance())
     """
-    html = ipython.display_formatter.formatters["text/html"]
-    try:
-        html.pop("torchmem.fit._estimate.Estimate")
-    except KeyError:
-        pass
+    del ipython
 
 
