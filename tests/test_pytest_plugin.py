@@ -141,7 +141,9 @@ def test_limit_leaks_lists_what_leaked_and_where(pytester: pytest.Pytester) -> N
         "*test leaked 2.00 MiB (2101152 bytes) of tensor memory > limit 1.00 MiB (1048576 bytes): "
         "2 storage(s) allocated in the test are alive after it (after gc)*",
         "*2.00 MiB  aten::zeros / - / test_limit_leaks_lists*.py:*test_leaky  [[]cpu[]]*",
+        "*held by: test_limit_leaks_lists* global CACHE (list) [[]0[]] -> Tensor float32[[]524288[]] 2.00 MiB*",
         "*3.91 KiB  aten::ones / - / test_limit_leaks_lists*.py:*test_leaky  [[]cpu[]]*",
+        "*held by: test_limit_leaks_lists* global CACHE (list) [[]1[]] -> Tensor float32[[]1000[]] 3.91 KiB*",
     ])
 
 

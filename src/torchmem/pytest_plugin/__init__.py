@@ -13,8 +13,9 @@ Markers:
   shows the peak, the limit and the largest allocations live at the peak (operator, module, call
   site).
 - ``@pytest.mark.limit_leaks("1 MiB")``: fails when the tensor memory the body allocated is
-  still alive after it (after a garbage collection) beyond the limit, listing what leaked and
-  where it was allocated. ``device=`` restricts the check to one device.
+  still alive after it (after a garbage collection) beyond the limit, listing what leaked,
+  where it was allocated and, for the three largest, what still holds it
+  (:func:`torchmem.why_alive`'s retention paths). ``device=`` restricts the check to one device.
 - ``@pytest.mark.fits_on("A100-40GB", batch_size=64)``: the test returns (or yields) a
   ``build(batch_size)`` function (:func:`torchmem.fit.estimate`'s protocol); the plugin runs the
   estimate on the CPU and fails, with the estimate's report, when the step would not fit. Other
@@ -338,7 +339,10 @@ def pytest_runtest_call(item: Any) -> Generator[None, Any, Any]:
     if mem is not None and mem_device is not None and mem_device.startswith("cuda"):
         metric = mem.metric or "allocated"
         cuda_before = _cuda_warm(mem_device)
-    tracker = track(stacks=True, stack_depth=6, metadata={"pytest": item.nodeid})
+    held: dict[int, Any] = {}  # storage id -> weak reference, for the leak report's paths
+    listeners = [] if leaks is None else [_storage_refs(held)]
+    tracker = track(stacks=True, stack_depth=6, metadata={"pytest": item.nodeid},
+                    listeners=listeners)
     tracker.__enter__()
     try:
         result = yield
@@ -389,9 +393,11 @@ def pytest_runtest_call(item: Any) -> Generator[None, Any, Any]:
                 f"{len(left)} storage(s) allocated in the test are alive after it (after gc)",
                 f"    {'bytes':>12}  operator / module / allocated at",
             ]
-            for e in left[:10]:
+            for i, e in enumerate(left[:10]):
                 lines.append(f"    {format_bytes(e.nbytes):>12}  {e.op or '?'} / "
                              f"{e.module or '-'} / {site_of(e)}  [{e.device}]")
+                if i < _LEAK_PATHS:
+                    lines.extend(_held_by(held.get(e.storage)))
             if len(left) > 10:
                 lines.append(f"    ... and {len(left) - 10} more")
             failures.append("\n".join(lines))
@@ -420,3 +426,37 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         terminalreporter.write_line(
             f"traces in {os.path.abspath(state.dir)} (open one with: torchmem view FILE)"
         )
+
+
+#: How many of the largest leaked storages get their retention paths in a limit_leaks failure.
+_LEAK_PATHS = 3
+
+
+def _storage_refs(held: dict[int, Any]) -> Any:
+    """A tracker listener keeping a weak reference to each storage the test body allocates
+    (dropped when it is freed), so that a leak report can say what still holds it."""
+    import weakref
+
+    from torchmem.model.events import EventKind
+
+    def on_event(event: Any, storage: Any) -> None:
+        if event.kind is EventKind.ALLOC and storage is not None:
+            held[event.storage] = weakref.ref(storage)
+        elif event.kind is EventKind.FREE:
+            held.pop(event.storage, None)
+
+    return on_event
+
+
+def _held_by(ref: Any) -> list[str]:
+    """The retention paths of a leaked storage (:func:`torchmem.why_alive`), as indented lines."""
+    storage = None if ref is None else ref()
+    if storage is None:
+        return []
+    from torchmem.capture.retention import why_alive
+
+    found = why_alive(storage, max_paths=2, timeout=5.0, _skip=1)
+    del storage
+    if not found:
+        return [f"        held by: no path found{f' ({found.note})' if found.note else ''}"]
+    return [f"        held by: {p}" for p in found]
