@@ -455,8 +455,11 @@ def _held_by(ref: Any) -> list[str]:
         return []
     from torchmem.capture.retention import why_alive
 
-    found = why_alive(storage, max_paths=2, timeout=5.0, _skip=1)
+    found = why_alive(storage, max_paths=2, timeout=30.0, _skip=1)
     del storage
+    lines = [f"        held by: {p}" for p in found]
     if not found:
-        return [f"        held by: no path found{f' ({found.note})' if found.note else ''}"]
-    return [f"        held by: {p}" for p in found]
+        lines.append(f"        held by: no path found{f' ({found.note})' if found.note else ''}")
+    if found.stopped:
+        lines.append(f"        (search stopped early: {found.stopped})")
+    return lines
