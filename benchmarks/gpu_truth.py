@@ -38,7 +38,7 @@ import torchmem
 import torchmem.fit._engine as engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cs336_lm import SMALL, XL, AdamW, TransformerLM, cross_entropy  # noqa: E402
+from cs336_lm import XL, AdamW, TransformerLM, build_magma27  # noqa: E402
 
 REAL = {
     "notHanmin": {"requested": 43_754_773_506, "allocated": 44_634_833_408},
@@ -63,20 +63,6 @@ def build_nothanmin(batch: int) -> Any:
     return step
 
 
-def build_magma(batch: int) -> Any:
-    model = TransformerLM(SMALL).to("cuda")
-    data = torch.randint(0, 10000, (batch, 256), device="cuda")
-    targets = torch.randint(0, 10000, (batch, 256), device="cuda")
-    g: dict[str, torch.Tensor] = {}
-
-    def step() -> None:
-        g["logits"] = model(data)
-        g["loss"] = cross_entropy(g["logits"], targets)
-        g["loss"].backward()
-
-    return step
-
-
 def run(build: Any, gpu: str, batch: int, steps: int, emulate: bool) -> tuple[int, int, float]:
     original = engine._emulation
     if not emulate:
@@ -93,7 +79,7 @@ def run(build: Any, gpu: str, batch: int, steps: int, emulate: bool) -> tuple[in
 def main() -> None:
     rows = [
         ("notHanmin", build_nothanmin, "A100-80GB", 4, 2),
-        ("MAGMA27", build_magma, "RTX-3090", 32, 6),
+        ("MAGMA27", build_magma27, "RTX-3090", 32, 6),
     ]
     print(f"{'run':<10} {'figure':<10} {'real':>16} {'torchmem':>16} {'ratio':>7} "
           f"{'plain fake':>16} {'ratio':>7}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -251,3 +252,19 @@ class AdamW(torch.optim.Optimizer):
                 step = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
                 p.addcdiv_(m, v.sqrt().add_(eps), value=-step)
                 p.mul_(1 - lr * wd)
+
+
+def build_magma27(batch: int) -> Any:
+    """MAGMA27's recorded step (gpu-truth.md): fp32 forward, hand-written cross-entropy and
+    backward, no zero_grad and no optimizer; ``torchmem.estimate``'s ``build`` protocol."""
+    model = TransformerLM(SMALL).to("cuda")
+    data = torch.randint(0, 10000, (batch, 256), device="cuda")
+    targets = torch.randint(0, 10000, (batch, 256), device="cuda")
+    g: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        g["logits"] = model(data)
+        g["loss"] = cross_entropy(g["logits"], targets)
+        g["loss"].backward()
+
+    return step

@@ -59,7 +59,7 @@ from torchmem.model.events import EventKind
 from torchmem.sim import CachingAllocator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cs336_lm import SMALL, XL, AdamW, TransformerLM, cross_entropy  # noqa: E402
+from cs336_lm import SMALL, XL, AdamW, TransformerLM, build_magma27, cross_entropy  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 LOGITS_FP32 = 32 * 256 * 10000 * 4
@@ -315,20 +315,7 @@ def test_magma27_with_torchmem_estimate():
     the GPU does), the peak allocated within the large pool's 1 MiB of unsplit slack, and the
     cache the six iterations build is the recorded one to the byte."""
 
-    def build(batch: int):
-        model = TransformerLM(SMALL).to("cuda")
-        data = torch.randint(0, 10000, (batch, 256), device="cuda")
-        targets = torch.randint(0, 10000, (batch, 256), device="cuda")
-        g: dict[str, torch.Tensor] = {}
-
-        def step() -> None:
-            g["logits"] = model(data)
-            g["loss"] = cross_entropy(g["logits"], targets)
-            g["loss"].backward()
-
-        return step
-
-    est = torchmem.estimate(build, gpu="RTX-3090", batch_size=32, steps=6)
+    est = torchmem.estimate(build_magma27, gpu="RTX-3090", batch_size=32, steps=6)
     workspaces = 2 * 8_519_680  # allocator blocks in the recording, reported apart here
     assert est.workspace_bytes == workspaces
     assert est.peak_requested_bytes + workspaces == 13_923_997_700
