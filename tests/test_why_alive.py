@@ -358,3 +358,23 @@ def test_inspect_why_prints_paths_of_the_largest_storages(tmp_path: Path) -> Non
         "  mlp (Sequential) -> Sequential.0 (Linear) -> Linear.weight (parameter) -> Parameter float32[256, 256] 256.00 KiB",
         "  mlp optimizer (Adam) -> Adam.param_groups (list) [0] (dict) ['params'] (list) [0] -> Parameter float32[256, 256] 256.00 KiB",
     ]
+
+
+def test_objects_with_a_catch_all_getattr_are_never_probed():
+    """pytest.mark under --strict-markers fails on any unknown attribute (a BaseException): the
+    search recognises graph nodes by type, so such an object on the way is only walked through."""
+
+    class Trap(BaseException):
+        pass
+
+    class CatchAll:
+        def __init__(self, held):
+            self.held = held
+
+        def __getattr__(self, name):
+            raise Trap(name)
+
+    t = torch.zeros(64)
+    box = CatchAll([t])
+    paths = why_alive(t, roots={"BOX": box})
+    assert [str(p) for p in paths][:1] == ["BOX (CatchAll) -> CatchAll.held (list) [0] -> Tensor float32[64] 256 B"]

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.graph import Node as _Node
 
 from torchmem.errors import InvalidInputError
 from torchmem.units import format_bytes
@@ -212,7 +213,9 @@ def _frame_text(f: types.FrameType, line: Optional[int] = None) -> str:
 
 
 def _is_node(o: Any) -> bool:
-    return hasattr(o, "next_functions") and hasattr(o, "register_prehook")
+    # By type, never by probing attributes: objects with a catch-all __getattr__ (pytest.mark
+    # under --strict-markers raises on any unknown name) would run code or fail.
+    return isinstance(o, _Node)
 
 
 def _attrs(o: Any) -> Optional[dict[str, Any]]:
