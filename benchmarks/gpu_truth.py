@@ -32,35 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import torchmem
 import torchmem.fit._engine as engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cs336_lm import XL, AdamW, TransformerLM, build_magma27  # noqa: E402
+from cs336_lm import build_magma27, build_nothanmin  # noqa: E402
 
 REAL = {
     "notHanmin": {"requested": 43_754_773_506, "allocated": 44_634_833_408},
     "MAGMA27": {"requested": 13_923_997_700, "allocated": 13_927_832_064},
 }
-
-
-def build_nothanmin(batch: int) -> Any:
-    model = TransformerLM(XL, shared_rope=False).to("cuda")
-    opt = AdamW(model.parameters())
-    ids = torch.randint(0, 10000, (batch, 256), device="cuda")
-    g: dict[str, torch.Tensor] = {}
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            g["logits"] = model(ids)
-        g["loss"] = g["logits"].sum()
-        opt.zero_grad()
-        g["loss"].backward()
-        opt.step()
-
-    return step
 
 
 def run(build: Any, gpu: str, batch: int, steps: int, emulate: bool) -> tuple[int, int, float]:

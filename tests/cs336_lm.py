@@ -268,3 +268,23 @@ def build_magma27(batch: int) -> Any:
         g["loss"].backward()
 
     return step
+
+
+def nothanmin_step(model: TransformerLM, opt: AdamW, ids: torch.Tensor, g: dict) -> None:
+    """notHanmin's training iteration (gpu-truth.md): a bf16-autocast forward, ``logits.sum()``
+    outside autocast, ``zero_grad``, backward, the AdamW step."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        g["logits"] = model(ids)
+    g["loss"] = g["logits"].sum()
+    opt.zero_grad()
+    g["loss"].backward()
+    opt.step()
+
+
+def build_nothanmin(batch: int) -> Any:
+    """notHanmin's "xl" LM, AdamW and ids; ``torchmem.estimate``'s ``build`` protocol."""
+    model = TransformerLM(XL, shared_rope=False).to("cuda")
+    opt = AdamW(model.parameters())
+    ids = torch.randint(0, 10000, (batch, 256), device="cuda")
+    g: dict[str, torch.Tensor] = {}
+    return lambda: nothanmin_step(model, opt, ids, g)

@@ -59,7 +59,16 @@ from torchmem.model.events import EventKind
 from torchmem.sim import CachingAllocator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cs336_lm import SMALL, XL, AdamW, TransformerLM, build_magma27, cross_entropy  # noqa: E402
+from cs336_lm import (  # noqa: E402
+    SMALL,
+    XL,
+    AdamW,
+    TransformerLM,
+    build_magma27,
+    build_nothanmin,
+    cross_entropy,
+    nothanmin_step,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 LOGITS_FP32 = 32 * 256 * 10000 * 4
@@ -249,15 +258,6 @@ def test_magma27_reduction_staging_matches_the_trace(magma):
 # -- notHanmin: xl, bf16 autocast forward after a full AdamW iteration --------------------------------
 
 
-def _nothanmin_step(model: TransformerLM, opt: AdamW, ids: torch.Tensor, g: dict) -> None:
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        g["logits"] = model(ids)
-    g["loss"] = g["logits"].sum()
-    opt.zero_grad()
-    g["loss"].backward()
-    opt.step()
-
-
 @pytest.fixture(scope="module")
 def nothanmin() -> _FakeRun:
     def body(run: _FakeRun) -> None:
@@ -266,7 +266,7 @@ def nothanmin() -> _FakeRun:
         ids = torch.randint(0, 10000, (4, 256), device="cuda")
         g: dict[str, torch.Tensor] = {}
         run.phase = "first iteration"
-        _nothanmin_step(model, opt, ids, g)
+        nothanmin_step(model, opt, ids, g)
         run.mark("start")
         run.phase = "forward"
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -295,14 +295,7 @@ def test_nothanmin_with_torchmem_estimate(nothanmin):
     """The same step through the public estimator: the same peaks (its requested figure counts
     tensor storages; the two cuBLAS workspaces are reported separately)."""
 
-    def build(batch: int):
-        model = TransformerLM(XL, shared_rope=False).to("cuda")
-        opt = AdamW(model.parameters())
-        ids = torch.randint(0, 10000, (batch, 256), device="cuda")
-        g: dict[str, torch.Tensor] = {}
-        return lambda: _nothanmin_step(model, opt, ids, g)
-
-    est = torchmem.estimate(build, gpu="A100-80GB", batch_size=4, steps=2)
+    est = torchmem.estimate(build_nothanmin, gpu="A100-80GB", batch_size=4, steps=2)
     workspaces = 2 * 8_519_680
     assert est.peak_requested_bytes + workspaces == nothanmin.peaks["forward"][0]
     assert est.peak_allocated_bytes == nothanmin.peaks["forward"][1]
