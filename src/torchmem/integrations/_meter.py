@@ -35,9 +35,10 @@ from typing import Any, Optional
 
 import torch
 
+from torchmem.errors import InvalidInputError
 from torchmem.model.events import Event, EventKind
 
-__all__ = ["StepMeter", "StepPeaks", "oom_path"]
+__all__ = ["StepMeter", "StepPeaks", "check_min_version", "oom_path"]
 
 
 @dataclass
@@ -73,6 +74,30 @@ class StepPeaks:
             if dev in self.allocator_peak:
                 out[f"{p}allocator_peak_so_far_bytes"] = self.allocator_peak[dev]
         return out
+
+
+def check_min_version(
+    label: str, dist: str, version: str, minimum: tuple[int, ...], supported: str
+) -> None:
+    """Raise a clear error when ``version`` of a trainer (its first ``len(minimum)`` numeric
+    components) is below ``minimum``; ``supported`` is the requirement as users read it.
+
+    Example:
+        >>> check_min_version("Lightning", "lightning", "2.6.6", (2,), ">=2.0")
+        >>> check_min_version("transformers", "transformers", "4.3", (4, 40), ">=4.40")
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.InvalidInputError: torchmem's transformers MemoryCallback supports transformers >=4.40; this is '4.3'. Fix: pip install 'transformers>=4.40' (or torchmem[transformers])
+    """
+    try:
+        got = tuple(int(p) for p in str(version).split(".")[: len(minimum)])
+    except ValueError:
+        got = ()
+    if len(got) < len(minimum) or got < minimum:
+        raise InvalidInputError(
+            f"torchmem's {label} MemoryCallback supports {label} {supported}; this is "
+            f"{version!r}. Fix: pip install '{dist}{supported}' (or torchmem[{dist}])"
+        )
 
 
 def oom_path(directory: str, step: int) -> str:

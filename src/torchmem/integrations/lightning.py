@@ -24,8 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from torchmem.errors import InvalidInputError
-from torchmem.integrations._meter import StepMeter, StepPeaks, oom_path
+from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version, oom_path
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
@@ -54,15 +53,7 @@ def check_version(version: str) -> None:
         ...
         torchmem.errors.InvalidInputError: torchmem's Lightning MemoryCallback supports Lightning >=2.0; ...
     """
-    try:
-        major = int(str(version).split(".")[0])
-    except ValueError:
-        major = -1
-    if major < 2:
-        raise InvalidInputError(
-            f"torchmem's Lightning MemoryCallback supports Lightning {SUPPORTED}; this is "
-            f"{version!r}. Fix: pip install 'lightning>=2.0' (or torchmem[lightning])"
-        )
+    check_min_version("Lightning", "lightning", version, (2,), SUPPORTED)
 
 
 class MemoryCallback(pl.Callback):  # type: ignore[misc,name-defined]

@@ -30,7 +30,7 @@ import sys
 from typing import Any, Optional
 
 from torchmem.errors import InvalidInputError
-from torchmem.integrations._meter import StepMeter, StepPeaks, oom_path
+from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version, oom_path
 
 try:
     import transformers
@@ -57,15 +57,7 @@ def check_version(version: str) -> None:
         ...
         torchmem.errors.InvalidInputError: torchmem's transformers MemoryCallback supports transformers >=4.40; ...
     """
-    try:
-        major, minor = (int(p) for p in str(version).split(".")[:2])
-    except ValueError:
-        major, minor = -1, -1
-    if (major, minor) < (4, 40):
-        raise InvalidInputError(
-            f"torchmem's transformers MemoryCallback supports transformers {SUPPORTED}; this is "
-            f"{version!r}. Fix: pip install 'transformers>=4.40' (or torchmem[transformers])"
-        )
+    check_min_version("transformers", "transformers", version, (4, 40), SUPPORTED)
 
 
 def _running_trainer() -> Any:
