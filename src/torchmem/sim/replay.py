@@ -367,6 +367,16 @@ class TraceReplay:
             self.peak_reserved_bytes = peak_r
             self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
 
+    def _free_run(self, i: int) -> tuple[set[int], int]:
+        """The addresses of the run of segment_free entries from ``i``, and the entry after it."""
+        t, names = self._trace, self._names
+        real: set[int] = set()
+        j = i
+        while j < len(t) and names[t.actions[j]] == "segment_free":
+            real.add(t.addrs[j])
+            j += 1
+        return real, j
+
     def _oversize_release(self, i: int) -> bool:
         """Whether the run of segment_free from entry ``i`` is the out-of-memory retry of the
         alloc after it, releasing fewer segments than empty_cache would (``max_split_size``'s
@@ -375,11 +385,7 @@ class TraceReplay:
         if self._cfg.max_split_size_mb is None or self._cfg.expandable_segments:
             return False
         t, names = self._trace, self._names
-        real: set[int] = set()
-        j = i
-        while j < len(t) and names[t.actions[j]] == "segment_free":
-            real.add(t.addrs[j])
-            j += 1
+        real, j = self._free_run(i)
         if j + 1 >= len(t) or names[t.actions[j]] != "segment_alloc" or names[t.actions[j + 1]] != "alloc":
             return False
         cached = {
@@ -415,12 +421,7 @@ class TraceReplay:
 
     def _check_release(self, i: int, n_events: int) -> None:
         """Compare the run of segment_free entries from ``i`` with what empty_cache released."""
-        t, names = self._trace, self._names
-        real: set[int] = set()
-        j = i
-        while j < len(t) and names[t.actions[j]] == "segment_free":
-            real.add(t.addrs[j])
-            j += 1
+        real, _ = self._free_run(i)
         done = {ev[1] for ev in self.allocator.events[n_events:] if ev[0] == "segment_free"}
         if done != real:
             self._release_mismatch = (i, len(real), len(done))
