@@ -207,34 +207,27 @@ def test_everything_is_restored_on_exit():
     import torch.cuda.amp.common as amp_common
     import torch.optim.optimizer as optimizer
 
-    before = (
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
-        torch.is_autocast_enabled,
-        torch.set_autocast_dtype,
-        amp_common.amp_definitely_not_available,
-        torch.cuda.is_bf16_supported,
-        torch.clear_autocast_cache,
-        optimizer._get_foreach_kernels_supported_devices,
-        list(optimizer._foreach_supported_types),
-    )
+    def state() -> tuple:
+        return (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_enabled,
+            torch.set_autocast_dtype,
+            amp_common.amp_definitely_not_available,
+            torch.cuda.is_bf16_supported,
+            torch.clear_autocast_cache,
+            optimizer._get_foreach_kernels_supported_devices,
+            list(optimizer._foreach_supported_types),
+        )
+
+    before = state()
     with CudaEmulation((9, 0)):
         assert not amp_common.amp_definitely_not_available()
         assert not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
         with torch.autocast("cuda", dtype=F16):  # one state for the fake GPU, by either name
             assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == F16
         assert not torch.is_autocast_enabled("cpu")
-    after = (
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
-        torch.is_autocast_enabled,
-        torch.set_autocast_dtype,
-        amp_common.amp_definitely_not_available,
-        torch.cuda.is_bf16_supported,
-        torch.clear_autocast_cache,
-        optimizer._get_foreach_kernels_supported_devices,
-        list(optimizer._foreach_supported_types),
-    )
+    after = state()
     assert after == before
     # CPU autocast follows CPU's own policy again (exp is not in CPU's fp32 list), and a real
     # CPU tensor goes through the compiled AutocastCPU kernels
