@@ -291,15 +291,8 @@ MiB = 1 << 20
 transformers = pytest.importorskip("transformers")
 
 
-def gpt2(batch: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    dev = _dev()
-    # Dropout 0: in training CUDA runs fused dropout (a 1-byte mask per element) where the CPU
-    # keeps a float noise tensor, so a CPU run is ground truth only without it.
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=64,
-                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg).to(dev)
+def _causal_lm_step(model: nn.Module, batch: int, dev: str):
+    """A transformers causal LM's training step on (batch, 32) token ids, foreach AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, 1000, (batch, 32), device=dev)
 
@@ -308,6 +301,17 @@ def gpt2(batch: int):
         opt.step()
         opt.zero_grad()
     return step
+
+
+def gpt2(batch: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dev = _dev()
+    # Dropout 0: in training CUDA runs fused dropout (a 1-byte mask per element) where the CPU
+    # keeps a float noise tensor, so a CPU run is ground truth only without it.
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=64,
+                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return _causal_lm_step(GPT2LMHeadModel(cfg).to(dev), batch, dev)
 
 
 def llama(batch: int):
@@ -317,15 +321,7 @@ def llama(batch: int):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
                       max_position_embeddings=64, attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    ids = torch.randint(0, 1000, (batch, 32), device=dev)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return step
+    return _causal_lm_step(LlamaForCausalLM(cfg).to(dev), batch, dev)
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
