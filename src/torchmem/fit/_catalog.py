@@ -116,16 +116,9 @@ class GPU:
         }
 
 
-def _g(name: str, gib: float, cc: tuple[int, int], marketed: str, source: str) -> GPU:
-    return GPU(name, int(round(gib * _GiB)), cc, source, marketed, multiprocessors=_SMS[name])
-
-
-#: SM counts from NVIDIA's product specifications.
-_SMS = {
-    "A100-40GB": 108, "A100-80GB": 108, "H100-80GB": 132, "H100-PCIe": 114, "H200": 132,
-    "L4": 58, "L40S": 142, "A10G": 80, "T4": 40, "V100-16GB": 80, "V100-32GB": 80,
-    "RTX-3090": 82, "RTX-4090": 128, "RTX-5090": 170, "A6000": 84,
-}
+def _g(name: str, gib: float, cc: tuple[int, int], sms: int, marketed: str, source: str) -> GPU:
+    """A catalog entry; ``sms``: multiprocessors, from NVIDIA's product specifications."""
+    return GPU(name, int(round(gib * _GiB)), cc, source, marketed, multiprocessors=sms)
 
 
 _OOM = "PyTorch OOM message 'total capacity of {} GiB' in "
@@ -133,35 +126,35 @@ _OOM = "PyTorch OOM message 'total capacity of {} GiB' in "
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        _g("A100-40GB", 39.59, (8, 0), "A100 SXM4 40 GB",
+        _g("A100-40GB", 39.59, (8, 0), 108, "A100 SXM4 40 GB",
            _OOM.format("39.59") + "github.com/raoyongming/DenseCLIP/issues/52"),
-        _g("A100-80GB", 79.15, (8, 0), "A100 SXM4/PCIe 80 GB",
+        _g("A100-80GB", 79.15, (8, 0), 108, "A100 SXM4/PCIe 80 GB",
            _OOM.format("79.15") + "many public reports (79.14-79.25 across drivers)"),
-        _g("H100-80GB", 79.11, (9, 0), "H100 SXM5 80 GB HBM3",
+        _g("H100-80GB", 79.11, (9, 0), 132, "H100 SXM5 80 GB HBM3",
            _OOM.format("79.11") + "github.com/vllm-project/vllm/issues/27508"),
-        _g("H100-PCIe", 79.11, (9, 0), "H100 PCIe 80 GB HBM2e",
+        _g("H100-PCIe", 79.11, (9, 0), 114, "H100 PCIe 80 GB HBM2e",
            "same 80 GB HBM as H100-80GB (" + _OOM.format("79.11") + "vllm-project/vllm#27508)"),
-        _g("H200", 139.80, (9, 0), "H200 SXM 141 GB HBM3e",
+        _g("H200", 139.80, (9, 0), 132, "H200 SXM 141 GB HBM3e",
            "141 GB (NVIDIA H200 datasheet) less the driver's share as on H100: 139.80 GiB"),
-        _g("L4", 22.05, (8, 9), "L4 24 GB GDDR6",
+        _g("L4", 22.05, (8, 9), 58, "L4 24 GB GDDR6",
            "NVIDIA L4 24 GB (datasheet); cudaMemGetInfo total 22.05 GiB as commonly reported"),
-        _g("L40S", 44.53, (8, 9), "L40S 48 GB GDDR6",
+        _g("L40S", 44.53, (8, 9), 142, "L40S 48 GB GDDR6",
            _OOM.format("44.53") + "github.com/Wan-Video/Wan2.1/issues/205"),
-        _g("A10G", 22.19, (8, 6), "A10G 24 GB (AWS g5)",
+        _g("A10G", 22.19, (8, 6), 80, "A10G 24 GB (AWS g5)",
            "A10G 24 GB; cudaMemGetInfo total 22.19 GiB as commonly reported on AWS g5"),
-        _g("T4", 14.75, (7, 5), "Tesla T4 16 GB",
+        _g("T4", 14.75, (7, 5), 40, "Tesla T4 16 GB",
            _OOM.format("14.75") + "github.com/hpcaitech/Open-Sora/issues/697"),
-        _g("V100-16GB", 15.78, (7, 0), "V100 16 GB",
+        _g("V100-16GB", 15.78, (7, 0), 80, "V100 16 GB",
            _OOM.format("15.78") + "public reports of V100-SXM2-16GB"),
-        _g("V100-32GB", 31.74, (7, 0), "V100 32 GB",
+        _g("V100-32GB", 31.74, (7, 0), 80, "V100 32 GB",
            _OOM.format("31.74") + "public reports of V100-SXM2-32GB"),
-        _g("RTX-3090", 23.69, (8, 6), "GeForce RTX 3090 24 GB",
+        _g("RTX-3090", 23.69, (8, 6), 82, "GeForce RTX 3090 24 GB",
            _OOM.format("23.69-23.70") + "github.com/tatsu-lab/stanford_alpaca/issues/76 (24 GB cards)"),
-        _g("RTX-4090", 23.64, (8, 9), "GeForce RTX 4090 24 GB",
+        _g("RTX-4090", 23.64, (8, 9), 128, "GeForce RTX 4090 24 GB",
            _OOM.format("23.64") + "github.com/ali-vilab/VGen/issues/104"),
-        _g("RTX-5090", 31.36, (12, 0), "GeForce RTX 5090 32 GB",
+        _g("RTX-5090", 31.36, (12, 0), 170, "GeForce RTX 5090 32 GB",
            "GeForce RTX 5090 32 GB; cudaMemGetInfo total 31.36 GiB as commonly reported"),
-        _g("A6000", 47.54, (8, 6), "RTX A6000 48 GB",
+        _g("A6000", 47.54, (8, 6), 84, "RTX A6000 48 GB",
            _OOM.format("47.54") + "public reports of RTX A6000"),
     )
 }
