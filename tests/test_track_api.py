@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import torchmem
 from torchmem.analysis.summary import summarize_trace
 from torchmem.errors import InvalidInputError
+from torchmem.model.events import Phase
 
 
 class Net(torch.nn.Module):
@@ -362,3 +363,48 @@ def test_module_running_on_another_thread_does_not_end_this_threads_call() -> No
         y = net(torch.ones(5))
     muls = [(e.module, e.nbytes) for e in tr.events() if e.op == "aten::mul"]
     assert muls == [("_SharedNet.b", y.untyped_storage().nbytes())] == [("_SharedNet.b", 20)]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)[..., :8]
+
+
+class _LM(torch.nn.Module):
+    """GPT-2's shape: blocks in a ModuleList that is never called itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Module()
+        self.body.h = torch.nn.ModuleList([_Block(), _Block(), _Block()])
+        self.body.forward = self._body  # type: ignore[method-assign]
+        self.head = torch.nn.Linear(8, 2)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.body.h:
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_module_names_are_qualified_names_whether_or_not_the_root_was_passed() -> None:
+    # the names users know from named_modules(): every layer of a ModuleList keeps its index
+    def module_per_op(root_given: bool) -> list[tuple[str, str]]:
+        torch.manual_seed(0)
+        net = _LM()
+        x = torch.ones(4, 8)
+        with torchmem.track(*([net] if root_given else [])) as tr:
+            net(x).sum().backward()
+        return [(e.op or "", e.module or "") for e in tr.events() if e.phase == Phase.FORWARD]
+
+    with_root, without_root = module_per_op(True), module_per_op(False)
+    expected = {"_LM." + n for n, _ in _LM().named_modules() if n.startswith("body.h.") and n.count(".") == 4}
+    assert expected == {f"_LM.body.h.{i}.mlp.{j}" for i in range(3) for j in range(2)}
+    assert expected <= {m for _, m in without_root}
+    assert with_root == without_root

@@ -1,7 +1,8 @@
 """Module and optimizer hooks: module names, the forward module stack and the optimizer phase.
 
-Global forward pre/post hooks keep the stack of running modules (named by their path from a
-tracked root, ``"Net.encoder.0"``, or by their type) and note the autograd sequence number at
+Global forward pre/post hooks keep the stack of running modules (named by their qualified
+path as ``named_modules()`` gives it, ``"Net.encoder.0"``, below a tracked root or below the
+outermost module that ran, which is named by its type) and note the autograd sequence number at
 each module boundary for backward attribution. Global optimizer step pre/post hooks open and
 close the optimizer phase and add a step marker after each step of the first optimizer seen.
 Hooks ignore calls on threads other than the tracking one.
@@ -32,6 +33,23 @@ __all__: list[str] = []
 _OPT_SENTINEL: Any = torch.nn.Identity()  # marks the optimizer entry on the module stack
 
 
+def _path_below(parent: torch.nn.Module, m: torch.nn.Module, pname: str) -> str:
+    """``m``'s qualified name under ``parent`` (``"Net.h.0"``), as ``named_modules()`` gives it.
+
+    A direct child is found at once; a module reached through a container that is never called
+    itself (the blocks of a ``ModuleList`` or ``ModuleDict``) is found in the parent's subtree,
+    so each layer keeps its index. A module that is not below ``parent`` (called from a
+    parent's forward without being registered in it) is named by its type under the parent.
+    """
+    for attr, child in parent._modules.items():
+        if child is m:
+            return f"{pname}.{attr}"
+    for qualified, sub in parent.named_modules():
+        if sub is m and qualified:
+            return f"{pname}.{qualified}"
+    return f"{pname}.{type(m).__name__}"
+
+
 class _Hooks(_Phases):
     """The callbacks a tracker registers as global module and optimizer hooks."""
 
@@ -44,12 +62,7 @@ class _Hooks(_Phases):
         if parent is not None:
             pidx = self._names.get(parent)
             pname = strings[pidx] if pidx is not None else type(parent).__name__
-            for attr, child in parent._modules.items():
-                if child is m:
-                    name = f"{pname}.{attr}"
-                    break
-            else:
-                name = f"{pname}.{type(m).__name__}"
+            name = _path_below(parent, m, pname)
         else:
             name = type(m).__name__
         idx = self._names[m] = self.trace.intern(name)
