@@ -21,6 +21,7 @@ import pytest
 
 from test_viewer_browser import DATA, Page, _replay
 from test_viewer_browser import browser as browser  # the shared Chromium fixture
+from torchmem.cli import main
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.render.viewer.html import write_viewer
 
@@ -240,7 +241,9 @@ def test_segments_tab_sorts_filters_and_draws_only_what_is_visible(page: Any, tm
     p.check_offline_and_clean()
 
 
-def test_tracked_cpu_run_categories_legend_hover_and_stats(page: Any, tmp_path: Path) -> None:
+def test_tracked_cpu_run_categories_legend_hover_and_stats(
+    page: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     import torchmem
@@ -305,6 +308,13 @@ def test_tracked_cpu_run_categories_legend_hover_and_stats(page: Any, tmp_path: 
     assert f"category {ev.category.label}" in tip and f"phase {ev.phase.label}" in tip
     if ev.module:
         assert f"module {ev.module}" in tip
+    # one numbering: the tooltip's "allocated at event #k" is line k of `torchmem trace`
+    k = p.js(f"window.__torchmem.allocInfo({band['id']})")["start"]
+    assert f"allocated at event #{k} " in tip
+    capsys.readouterr()
+    assert main(["trace", str(src)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == [str(k)])
+    assert " alloc " in line and hex(int(band["addr"])) in line
     # colour by stack instead: the band's colour changes, the legend says so
     pg.select_option("#colorby", "stack")
     p.settle()
