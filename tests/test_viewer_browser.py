@@ -319,19 +319,25 @@ def test_a_redraw_never_overwrites_a_range_being_typed(browser: Any, tmp_path: P
         p.close()
 
 
-def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
+def cpu_training(optimizer: str = "SGD") -> tuple[Any, Any, Any]:
+    """A small MLP, its optimizer and one real CPU training step (model, optimizer, step)."""
     import torch
 
-    import torchmem
-
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
 
     def step() -> None:
         model(torch.randn(32, 64)).sum().backward()
         opt.step()
         opt.zero_grad()
 
+    return model, opt, step
+
+
+def test_cpu_snapshot_and_tracker_trace(browser: Any, tmp_path: Path) -> None:
+    import torchmem
+
+    model, opt, step = cpu_training()
     with torchmem.record_history(device="cpu") as rec:
         step()
         step()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from test_viewer_browser import DATA, Page, _replay
+from test_viewer_browser import DATA, Page, _replay, cpu_training
 from test_viewer_browser import browser as browser  # the shared Chromium fixture
 from torchmem.cli import main
 from torchmem.io.snapshot_file import load_snapshot
@@ -244,20 +244,11 @@ def test_segments_tab_sorts_filters_and_draws_only_what_is_visible(page: Any, tm
 def test_tracked_cpu_run_categories_legend_hover_and_stats(
     page: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import torch
-
     import torchmem
     from torchmem.io import load_trace
     from torchmem.model.events import EventKind
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-
-    def step() -> None:
-        model(torch.randn(32, 64)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    model, opt, step = cpu_training("Adam")  # Adam: optimizer state as a category too
     with torchmem.track(model, opt, stacks=True) as tr:
         step()
         step()

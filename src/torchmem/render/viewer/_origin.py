@@ -82,7 +82,7 @@ def peak_position(live: Sequence[int]) -> int:
         >>> peak_position([0, 8, 20, 20, 4])
         2
     """
-    return max(range(len(live)), key=live.__getitem__) if live else 0
+    return live.index(max(live)) if live else 0
 
 
 def _add(d: dict[str, dict[str, int]], key: str, field: str, size: int) -> None:

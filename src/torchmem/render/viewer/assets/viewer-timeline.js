@@ -294,6 +294,10 @@
       $(id).addEventListener('keydown', (ev) => { if (ev.key === 'Enter') $('range-apply').click(); });
       $(id).addEventListener('input', () => { tl.rangeEdited = true; });
     }
-    window.addEventListener('resize', () => { if (activeTab === 'timeline') scheduleTimeline(); if (activeTab === 'state') drawState(); });
+    window.addEventListener('resize', () => {
+      if (activeTab === 'timeline') scheduleTimeline();
+      if (activeTab === 'state') drawState();
+      if (activeTab === 'segments') drawSegRows();
+    });
   }
 
