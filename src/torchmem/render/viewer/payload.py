@@ -398,8 +398,12 @@ def build_payload(
     ``source`` is a :class:`~torchmem.model.snapshot.Snapshot` or a
     :class:`~torchmem.model.trace.Trace` (see :func:`as_snapshot`). The result has ``frames``
     (``[name, filename, line]`` rows), ``stacks`` (lists of frame ids, innermost first; stack 0
-    is empty), ``texts`` (annotations), ``devices`` (per device: counts, ``stats`` from
-    :mod:`torchmem.analysis` and typed ``columns``), ``allocator_settings`` and ``notes``.
+    is empty), ``texts`` (annotations and module names), ``devices`` (per device: counts,
+    ``stats`` from :mod:`torchmem.analysis` with the peak as a 0-based trace entry
+    ``peak_event`` and ``peak_time_s`` from the start of the run, ``tracked`` for a run with no
+    caching allocator and then ``stats["tracked"]``, and typed ``columns``, among them each
+    allocation's ``al_cat``/``al_phase``/``al_module`` for torchmem's traces),
+    ``category_names``, ``phase_names``, ``allocator_settings`` and ``notes``.
 
     Example:
         >>> p = build_payload(Snapshot())

@@ -92,7 +92,7 @@
       const first = initialDevice();
       if (P.devices.length > 1) {
         const d = P.devices[first];
-        $('dev-hint').textContent = hasOom(d) ? 'opened on ' + d.name + ': it ran out of memory' : 'opened on ' + d.name + ': the largest peak';
+        $('dev-hint').textContent = d.name + (hasOom(d) ? ' ran out of memory' : ' has the largest peak');
       }
       selectDevice(first);
       drawTimeline();
