@@ -361,3 +361,22 @@ def test_times_count_from_the_start_and_axes_start_at_zero(page: Any, tmp_path: 
     text = pg.inner_text("#stats")
     assert str(t0)[:8] not in text and "peak_time_us" not in text
     p.check_offline_and_clean()
+
+
+def test_time_axis_starts_at_0_when_streams_interleave(page: Any, tmp_path: Path) -> None:
+    """Entries of two streams can be recorded slightly out of time order: when the first entry
+    is not the earliest, the time axis still starts at 0 (the earliest entry, the run's start)."""
+    raw = _raw("MAGMA27_a2__memory_snapshot.pickle")
+    trace = raw["device_traces"][0]
+    trace[0]["time_us"] = trace[1]["time_us"] + 2500  # the first entry now 2.5 ms after the second
+    src = tmp_path / "late.pickle"
+    src.write_bytes(pickle.dumps(raw, protocol=4))
+    p = page(write_viewer(load_snapshot(src), tmp_path / "late.html"))
+    p.page.select_option("#xmode", "time")
+    p.settle()
+    v = p.js("window.__torchmem.view()")
+    assert v["x0"] == 0 and float(v["ticks"]["x"][0]) == 0.0
+    t0 = min(e["time_us"] for e in trace)
+    p.js("window.__torchmem.showTab('state'); window.__torchmem.selectEvent(1)")
+    assert f"(t={(trace[0]['time_us'] - t0) / 1e6:.4f} s)" in p.page.inner_text("#ev-desc")
+    p.check_offline_and_clean()
