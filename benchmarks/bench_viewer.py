@@ -8,9 +8,11 @@ On a generated snapshot of N trace events (default 1,000,000) in PyTorch's forma
   for torchmem's page; PyTorch's page is loaded with the network blocked (its code comes from a
   CDN, so offline it cannot draw at all) and the requests it tried are reported.
 
-Numbers are the minimum of ``--repeats`` runs. Usage::
+With ``--file`` the snapshot is a real file instead (e.g. the 1,722-segment one in
+``tests/data``), and the Segments tab is timed too (time to open it, rows in the page, page
+height). Numbers are the minimum of ``--repeats`` runs. Usage::
 
-    python benchmarks/bench_viewer.py [--events 1000000] [--repeats 3]
+    python benchmarks/bench_viewer.py [--events 1000000] [--repeats 3] [--file snapshot.pickle]
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--file", default=None, help="a real snapshot file instead of a generated one")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_viewer_"))
     try:
@@ -60,11 +63,16 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> int:
-    print(f"generating a {args.events:,}-event snapshot ...", flush=True)
-    snap = make_snapshot(args.events)
+    if args.file:
+        src = Path(args.file)
+        with open(src, "rb") as f:
+            snap = pickle.load(f)  # a file from tests/data: plain containers (its README)
+    else:
+        print(f"generating a {args.events:,}-event snapshot ...", flush=True)
+        snap = make_snapshot(args.events)
+        src = tmp / "snap.pickle"
+        src.write_bytes(pickle.dumps(snap, protocol=4))
     n_events = len(snap["device_traces"][0])
-    src = tmp / "snap.pickle"
-    src.write_bytes(pickle.dumps(snap, protocol=4))
     pkl = src.stat().st_size
     print(f"snapshot: {n_events:,} events, {len(snap['segments'])} segments, pickle "
           f"{format_bytes(pkl)}  (machine: {os.cpu_count()} shared cores)")
@@ -105,7 +113,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
         return 0
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        loads, hovers, zooms, replays = [], [], [], []
+        loads, hovers, zooms, replays, segtabs = [], [], [], [], []
+        seg_rows = height = 0
         for _ in range(args.repeats):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             foreign: list[str] = []
@@ -127,6 +136,10 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
             t = time.perf_counter()
             page.evaluate("window.__torchmem.showTab('state'); window.__torchmem.selectEvent(10)")
             replays.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            seg_rows = page.evaluate("window.__torchmem.showTab('segments'); document.querySelectorAll('#seg-body tr').length")
+            segtabs.append(time.perf_counter() - t)
+            height = page.evaluate("document.documentElement.scrollHeight")
             assert not foreign and not errors, (foreign, errors)
             page.close()
         print("\ntorchmem page in headless Chromium (min of repeats)")
@@ -134,6 +147,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
               f"(target <= 3 s; {st['bands']:,} allocations drawn in {st['columns']} columns)")
         print(f"  hover -> tooltip: {min(hovers) * 1000:.0f} ms;  zoom redraw: {min(zooms) * 1000:.0f} ms;  "
               f"allocator state replayed back to event 10: {min(replays) * 1000:.0f} ms")
+        print(f"  Segments tab ({len(snap['segments']):,} segments): opened in {min(segtabs) * 1000:.0f} ms, "
+              f"{seg_rows} rows in the page, page {height:,} px tall")
         print("  network requests: 0; JavaScript errors: 0")
         if s_theirs:
             page = browser.new_page()

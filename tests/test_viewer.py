@@ -278,6 +278,7 @@ def test_synthetic_streams_expandable_pending_and_oom() -> None:
     assert dev["stats"]["timeline_peak_bytes"] == 500 + 1024 + 2 * MiB + 4096
     assert dev["stats"]["peak_allocated_bytes"] == 500 + 1024 + 2 * MiB + 4096
     assert dev["stats"]["peak_index"] == 6 and dev["stats"]["consistent"] is True
+    assert dev["stats"]["peak_event"] == 5  # the 0-based entry: the alloc of 4096 B
     verdict = dev["stats"]["oom_reports"][0]
     assert verdict["index"] == 10 and verdict["requested_bytes"] == 8 * MiB
 
@@ -350,3 +351,62 @@ def test_a_trace_the_simulator_cannot_reproduce_falls_back_to_rounding() -> None
     dev = build_payload(raw)["devices"][0]
     assert len(dev["columns"]["al_bsize"]) == 0
     assert dev["stats"]["allocator_state"].startswith("approximate (request rounded to 512 B)")
+
+
+def test_torchmem_trace_payload_carries_origin_and_the_storages_figures() -> None:
+    """A tracked run (no caching allocator): category, phase and module per allocation, block
+    sizes equal to the storages, and the Stats figures worked out here by hand."""
+    from torchmem.io.convert import snapshot_from_events
+    from torchmem.model.events import Category, Event, EventKind, Phase
+
+    A, F = EventKind.ALLOC, EventKind.FREE
+    ev = [  # (kind, time_ns, bytes, storage, category, phase, module)
+        (A, 5_000_000, 4096, 1, Category.PARAMETER, Phase.OTHER, "fc"),
+        (A, 6_000_000, 1000, 2, Category.ACTIVATION, Phase.FORWARD, "fc"),
+        (A, 7_500_000, 3000, 3, Category.TEMPORARY, Phase.FORWARD, "act"),
+        (F, 8_000_000, 3000, 3, Category.TEMPORARY, Phase.FORWARD, "act"),
+        (A, 9_000_000, 4096, 4, Category.GRADIENT, Phase.BACKWARD, "fc"),
+        (F, 9_500_000, 1000, 2, Category.ACTIVATION, Phase.BACKWARD, "fc"),
+    ]
+    snap = snapshot_from_events([
+        Event(i, k, t, "cpu", b, s, module=m, phase=ph, category=c)
+        for i, (k, t, b, s, c, ph, m) in enumerate(ev)])
+    dev = _build_payload(snap)["devices"][0]
+    cols, st = dev["columns"], dev["stats"]
+    assert dev["tracked"] is True
+    names = _build_payload(snap)["category_names"]
+    assert [names[c] for c in cols["al_cat"]] == ["parameter", "activation", "temporary", "gradient"]
+    assert list(cols["al_phase"]) == [0, 1, 1, 2]
+    texts = _build_payload(snap)["texts"]
+    assert [texts[m] for m in cols["al_module"]] == ["fc", "fc", "act", "fc"]
+    assert list(cols["al_bsize"]) == [4096, 1000, 3000, 4096]  # the storages, not 512-rounded
+    assert st["allocator_state"].startswith("exact: one segment per storage")
+    f = st["tracked"]
+    # live: 4096, 5096, 8096 (peak, after the third alloc), 5096, 9192 (a new peak), 8192
+    assert (f["peak_bytes"], f["live_end_bytes"]) == (9192, 8192)
+    # each event is segment_alloc + alloc or free_requested + free_completed + segment_free:
+    # the gradient's alloc is entry 2*3 + 3 + 1 = 10
+    assert f["peak_event"] == st["peak_event"] == 10
+    assert f["peak_time_s"] == st["peak_time_s"] == pytest.approx(0.004)  # 9.0 ms - 5.0 ms
+    assert f["duration_s"] == pytest.approx(0.0045)
+    assert (f["storages_end"], f["allocations"], f["frees"]) == (2, 4, 2)
+    assert f["by_category"] == {"gradient": {"peak": 4096, "end": 4096},
+                                "parameter": {"peak": 4096, "end": 4096},
+                                "activation": {"peak": 1000, "end": 0}}
+    assert f["by_phase"] == {"backward": 4096, "other": 4096, "forward": 1000}
+    assert f["modules"] == {"fc": 9192}
+
+
+def test_peak_event_is_the_0_based_entry_of_the_peak() -> None:
+    """The page names entries as ``torchmem trace`` does (0-based): for DeComFL (a trace from
+    empty) the peak's entry is where a running sum of alloc/free_completed first peaks."""
+    raw = _raw(DATA / "DeComFL__memory.pickle")
+    trace = raw["device_traces"][0]
+    live, best, at = 0, 0, -1
+    for i, e in enumerate(trace):
+        live += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        if live > best:
+            best, at = live, i
+    st = build_payload(raw)["devices"][0]["stats"]
+    assert (st["peak_event"], st["peak_allocated_bytes"]) == (at, best)
+    assert st["peak_time_s"] == (trace[at]["time_us"] - min(e["time_us"] for e in trace)) / 1e6

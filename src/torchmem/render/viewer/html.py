@@ -42,6 +42,18 @@ def _asset(name: str) -> str:
     return (importlib.resources.files("torchmem.render.viewer") / "assets" / name).read_text("utf-8")
 
 
+def _compact(code: str) -> str:
+    r"""The page's script or style without indentation, blank lines and whole-line ``//``
+    comments (the assets are written readable; the page need not carry that).
+
+    Example:
+        >>> _compact("  // a note\n  if (a) {\n\n    b();  // kept\n  }\n")
+        'if (a) {\nb();  // kept\n}'
+    """
+    lines = (line.strip() for line in code.splitlines())
+    return "\n".join(x for x in lines if x and not x.startswith("//"))
+
+
 def render_html(
     source: Snapshot | Trace, *, title: str | None = None, progress: ProgressFn | None = None
 ) -> str:
@@ -61,8 +73,8 @@ def render_html(
     t = _html.escape(payload["title"])
     # Only the template's own placeholders are replaced; the data is base64 (no '<' possible).
     return (
-        page.replace("/*__CSS__*/", _asset("viewer.css"))
-        .replace("/*__JS__*/", "".join(_asset(name) for name in _SCRIPTS))
+        page.replace("/*__CSS__*/", _compact(_asset("viewer.css")))
+        .replace("/*__JS__*/", _compact("\n".join(_asset(name) for name in _SCRIPTS)))
         .replace("__PAYLOAD__", data)
         .replace("__TITLE__", t)
     )

@@ -43,10 +43,17 @@ from torchmem.analysis._peak import snapshot_peak
 from torchmem.analysis._stats import snapshot_stats
 from torchmem.analysis.replay import DeviceReplay, Lifetimes
 from torchmem.errors import InvalidInputError, TorchmemError
-from torchmem.io.convert import snapshot_from_trace
+from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
 from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.model.snapshot import Snapshot
 from torchmem.model.trace import Trace
+from torchmem.render.viewer._origin import (
+    CATEGORY_NAMES,
+    PHASE_NAMES,
+    origin_columns,
+    peak_position,
+    tracked_figures,
+)
 from torchmem.sim.replay import TraceReplay
 
 __all__ = ["as_snapshot", "build_payload", "encode_payload", "iter_frames"]
@@ -232,11 +239,23 @@ def _block_sizes(model: Snapshot, dev: int, lt: Lifetimes) -> tuple[array, str]:
     )
 
 
+def _is_tracked(model: Snapshot) -> bool:
+    """Whether ``model`` is a torchmem tracked run (no caching allocator: one storage per segment).
+
+    Example:
+        >>> from torchmem.io.convert import snapshot_from_events
+        >>> _is_tracked(snapshot_from_events([])), _is_tracked(Snapshot())
+        (True, False)
+    """
+    return model.source.format == "torchmem-events" or CPU_NOTE in model.notes
+
+
 def _device_payload(
     model: Snapshot, dev: int, interner: _Interner, stats: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, array]]:
     """Columns for one device. Allocation ids are the replay engine's, in stacking order (see
     :class:`~torchmem.analysis.replay.Lifetimes`)."""
+    tracked = _is_tracked(model)
     t = model.trace(dev)
     n = len(t)
     lt = DeviceReplay(model, dev).lifetimes()
@@ -302,8 +321,13 @@ def _device_payload(
             se_size.append(sizes[i])
             se_stream.append(streams[tstreams[i]])
 
-    al_bsize, state_model = _block_sizes(model, dev, lt)
+    if tracked:  # no caching allocator: each block is its storage, exactly
+        al_bsize = array("d", lt.size)
+        state_model = "exact: one segment per storage, no caching allocator (a torchmem tracked run)"
+    else:
+        al_bsize, state_model = _block_sizes(model, dev, lt)
     stats["allocator_state"] = state_model
+    al_cat, al_phase, al_mod = origin_columns(t, lt, meta_of)
 
     # Link the end state's active blocks to the allocations still live at the end.
     blk_of = {int(blk_addr[b]): b for b in range(len(blk_addr)) if blk_state[b]}
@@ -330,6 +354,13 @@ def _device_payload(
                     last = float(x - t0)
                 ev_time.append(last)
     stats["timeline_peak_bytes"] = lt.peak_bytes
+    # The peak as the 0-based trace entry after which it is reached (as `torchmem trace` numbers
+    # entries) and its time in seconds from the start of the run.
+    peak_pos = peak_position(lt.live_bytes()) if n else 0
+    stats["peak_event"] = peak_pos - 1 if peak_pos > 0 else None
+    stats["peak_time_s"] = ev_time[peak_pos - 1] / 1e6 if has_time and peak_pos > 0 else None
+    if tracked:
+        stats["tracked"] = tracked_figures(lt, al_cat, al_phase, al_mod, interner.texts, ev_time)
     meta: dict[str, Any] = {
         "device": dev,
         "n_events": n,
@@ -340,6 +371,7 @@ def _device_payload(
         "n_seg_events": len(se_addr),
         "has_time": has_time,
         "t0_us": t0,
+        "tracked": tracked,
         "streams": [str(s) for s in streams],
         "ooms": ooms,
         "stats": stats,
@@ -348,7 +380,7 @@ def _device_payload(
         "ev_kind": ev_kind, "ev_ref": ev_ref, "ev_time": ev_time,
         "al_addr": al_addr, "al_size": al_size, "al_stack": al_stack, "al_stream": al_stream,
         "al_start": lt.start, "al_end": lt.end, "al_req": lt.requested, "al_meta": al_meta,
-        "al_bsize": al_bsize,
+        "al_bsize": al_bsize, "al_cat": al_cat, "al_phase": al_phase, "al_module": al_mod,
         "seg_addr": seg_addr, "seg_size": seg_size, "seg_stream": seg_stream,
         "seg_pool": seg_pool, "seg_first": seg_first,
         "blk_addr": blk_addr, "blk_size": blk_size, "blk_state": blk_state,
@@ -366,8 +398,12 @@ def build_payload(
     ``source`` is a :class:`~torchmem.model.snapshot.Snapshot` or a
     :class:`~torchmem.model.trace.Trace` (see :func:`as_snapshot`). The result has ``frames``
     (``[name, filename, line]`` rows), ``stacks`` (lists of frame ids, innermost first; stack 0
-    is empty), ``texts`` (annotations), ``devices`` (per device: counts, ``stats`` from
-    :mod:`torchmem.analysis` and typed ``columns``), ``allocator_settings`` and ``notes``.
+    is empty), ``texts`` (annotations and module names), ``devices`` (per device: counts,
+    ``stats`` from :mod:`torchmem.analysis` with the peak as a 0-based trace entry
+    ``peak_event`` and ``peak_time_s`` from the start of the run, ``tracked`` for a run with no
+    caching allocator and then ``stats["tracked"]``, and typed ``columns``, among them each
+    allocation's ``al_cat``/``al_phase``/``al_module`` for torchmem's traces),
+    ``category_names``, ``phase_names``, ``allocator_settings`` and ``notes``.
 
     Example:
         >>> p = build_payload(Snapshot())
@@ -398,6 +434,8 @@ def build_payload(
         "devices": devices,
         "allocator_settings": _jsonable(settings) if settings else None,
         "kind_names": KIND_NAMES,
+        "category_names": CATEGORY_NAMES,
+        "phase_names": PHASE_NAMES,
     }
 
 

@@ -6,6 +6,11 @@
   const PALETTE = ['#4e79a7', '#f28e2c', '#e15759', '#76b7b2', '#59a14f', '#edc949', '#af7aa1', '#ff9da7',
     '#9c755f', '#86bcb6', '#d37295', '#8cd17d', '#b6992d', '#499894', '#79706e', '#d4a6c8', '#a0cbe8', '#ffbe7d',
     '#f1ce63', '#bab0ac'];
+  // Colours of torchmem's allocation categories (payload category_names order: other, parameter,
+  // buffer, gradient, activation, optimizer_state, input, temporary), then "not known".
+  const CAT_COLORS = ['#9aa3b2', '#4e79a7', '#76b7b2', '#f28e2c', '#59a14f', '#af7aa1', '#edc949', '#e15759', '#d4d8de'];
+  const CAT0 = PALETTE.length;
+  PALETTE.push(...CAT_COLORS);
   const T_START = performance.now();
   const api = {
     ready: false, error: null, firstDrawMs: null, decodeMs: null,
@@ -43,7 +48,7 @@
     const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('deflate'));
     return new Uint8Array(await new Response(stream).arrayBuffer());
   }
-  const CTORS = { d: Float64Array, i: Int32Array, B: Uint8Array };
+  const CTORS = { d: Float64Array, i: Int32Array, B: Uint8Array, b: Int8Array };
   async function decode() {
     const raw = await inflate(b64bytes($('payload').textContent));
     const dv = new DataView(raw.buffer, raw.byteOffset, raw.byteLength);
@@ -96,7 +101,18 @@
     if (rq >= 0 && rq !== en) life += ' (free requested at #' + rq + ')';
     return '<div class="h">' + fmtBytes(c.al_size[id]) + ' (' + c.al_size[id] + ' bytes) at ' + hex(c.al_addr[id]) +
       '</div><div>stream ' + esc(D.streams[c.al_stream[id]] || '0') + ' &middot; allocation #' + id + '</div><div>' + life + '</div>' +
-      (c.al_meta && c.al_meta[id] >= 0 ? '<div class="muted">' + esc(P.texts[c.al_meta[id]]) + '</div>' : '') + stackHtml(c.al_stack[id]);
+      originHtml(id) + (c.al_meta && c.al_meta[id] >= 0 ? '<div class="muted">' + esc(P.texts[c.al_meta[id]]) + '</div>' : '') + stackHtml(c.al_stack[id]);
+  }
+  // Category, phase and module of an allocation of a torchmem trace ('' for PyTorch snapshots).
+  function originHtml(id) {
+    const c = D.col;
+    if (!D.hasOrigin) return '';
+    const cat = c.al_cat[id], ph = c.al_phase[id], mod = c.al_module[id];
+    const parts = [];
+    if (cat >= 0) parts.push('category <b class="cat">' + esc(P.category_names[cat]) + '</b>');
+    if (ph >= 0) parts.push('phase <b class="phase">' + esc(P.phase_names[ph]) + '</b>');
+    if (mod >= 0) parts.push('module <b class="module">' + esc(P.texts[mod]) + '</b>');
+    return parts.length ? '<div class="origin">' + parts.join(' &middot; ') + '</div>' : '';
   }
   function showTip(html, x, y) {
     tooltip.innerHTML = html;
@@ -134,9 +150,8 @@
     const fill = endStart.slice();
     const byEnd = new Int32Array(nA);
     for (let a = 0; a < nA; a++) byEnd[fill[e[a]]++] = a;
-    // Stack colours.
+    const hasOrigin = !!(c.al_cat && c.al_cat.length === nA && nA);
     const colorOf = new Uint8Array(nA);
-    for (let a = 0; a < nA; a++) colorOf[a] = (c.al_stack[a] * 2654435761 >>> 0) % PALETTE.length;
     // Time axis: running maximum of the event times (streams can interleave slightly).
     let tcum = null, tmin = 0, tmax = 1;
     if (d.has_time && n) {
@@ -144,10 +159,21 @@
       let m = -Infinity;
       for (let i = 0; i < n; i++) { m = Math.max(m, c.ev_time[i]); tcum[i] = m; }
       // A margin after the last event so that the final state has some width.
-      tmin = tcum[0]; tmax = tcum[n - 1] + Math.max(1, (tcum[n - 1] - tmin) * 0.01);
+      // Times count from the start of the run (ev_time is relative to the first entry): the axis
+      // starts at 0 even when the first entry's time is not the smallest.
+      tmin = 0; tmax = tcum[n - 1] + Math.max(1, tcum[n - 1] * 0.01);
     }
-    Object.assign(d, { prepared: true, N, s, e, total, endStart, byEnd, colorOf, tcum, tmin, tmax,
+    Object.assign(d, { prepared: true, N, s, e, total, endStart, byEnd, colorOf, tcum, tmin, tmax, hasOrigin,
+      colorBy: hasOrigin ? 'category' : 'stack',
       alive: new Uint8Array(nA), live: new Int32Array(Math.max(nA, 1)), seen: new Uint32Array(nA), frame: 0 });
+    setColors(d);
     return d;
   }
-
+  // Band colours: by allocating stack, or by category for torchmem's own traces.
+  function setColors(d) {
+    const c = d.col, colorOf = d.colorOf, byCat = d.colorBy === 'category';
+    for (let a = 0; a < d.n_allocs; a++) {
+      colorOf[a] = byCat ? CAT0 + (c.al_cat[a] >= 0 ? c.al_cat[a] : CAT_COLORS.length - 1)
+        : (c.al_stack[a] * 2654435761 >>> 0) % CAT0;
+    }
+  }

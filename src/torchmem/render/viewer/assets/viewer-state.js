@@ -142,7 +142,7 @@
         const c0 = cell + Math.floor((ba - sa) / bpc), c1 = Math.max(c0 + 1, cell + Math.min(ncell, Math.ceil((ba - sa + b.size) / bpc)));
         const bInfo = info.length;
         info.push(['blk', ba, b]);
-        const ci = (b.stack * 2654435761 >>> 0) % PALETTE.length;
+        const ci = (b.stack * 2654435761 >>> 0) % CAT0;
         const pend = b.state !== 1;
         for (let k = c0; k < c1; k++) { put(k, pend ? PX_PEND : PAL_PX[ci], pend); if (k < cells) pick[k] = bInfo; }
         if (c1 - c0 >= 4) put(c1 - 1, pend ? PX_PEND : PAL_DARK[ci], pend);
@@ -161,8 +161,8 @@
   function stateModelNote() {
     const m = (D.stats || {}).allocator_state;
     if (!m) return '';
-    const exact = m.startsWith('simulated');
-    return ' &middot; <span title="' + esc(m) + '">block sizes: ' + (exact ? 'exact (allocator simulator)' : 'approximate (requests rounded to 512 B)') + '</span>';
+    const how = m.startsWith('simulated') ? 'exact (allocator simulator)' : m.startsWith('exact') ? 'exact (one storage per segment)' : 'approximate (requests rounded to 512 B)';
+    return ' &middot; <span title="' + esc(m) + '">block sizes: ' + how + '</span>';
   }
   function statePickAt(clientX, clientY) {
     const cv = st.canvas, r = cv.getBoundingClientRect();
@@ -201,29 +201,104 @@
   }
 
   // ---------------------------------------------------------------- segments table (end state)
-  function renderSegments() {
-    const c = D.col, body = $('seg-body');
-    const rows = [], LIMIT = 2000;
-    for (let i = 0; i < Math.min(D.n_segments, LIMIT); i++) {
-      const a = c.seg_addr[i], sz = c.seg_size[i], first = c.seg_first[i], last = i + 1 < D.n_segments ? c.seg_first[i + 1] : D.n_blocks;
-      let alloc = 0, spans = '';
+  // Sorted, filtered and virtualised: only the rows in (and near) the scrolled view are in the
+  // page, so a file with thousands of segments keeps a short page and a fast tab.
+  const seg = { key: 'index', dir: 1, rowH: 22, pending: false, measured: false };
+  const SEG_KEYS = {
+    index: (i) => i, addr: (i) => D.col.seg_addr[i], size: (i) => D.col.seg_size[i], alloc: (i) => segInfo().alloc[i],
+    free: (i) => D.col.seg_size[i] - segInfo().active[i], blocks: (i) => segInfo().nb[i],
+    stream: (i) => D.col.seg_stream[i], pool: (i) => D.col.seg_pool[i],
+  };
+  function segInfo() {  // per segment: allocated and active bytes, block count (computed once)
+    if (D.segInfo) return D.segInfo;
+    const c = D.col, n = D.n_segments;
+    const alloc = new Float64Array(n), active = new Float64Array(n), nb = new Int32Array(n);
+    for (let i = 0; i < n; i++) {
+      const first = c.seg_first[i], last = i + 1 < n ? c.seg_first[i + 1] : D.n_blocks;
+      nb[i] = last - first;
       for (let b = first; b < last; b++) {
-        const bs = c.blk_size[b], state = c.blk_state[b];
-        if (state === 1) alloc += bs;
-        if (!state) continue;
-        const left = (c.blk_addr[b] - a) / sz * 100, width = Math.max(0.15, bs / sz * 100);
-        const sid = c.blk_alloc[b] >= 0 ? c.al_stack[c.blk_alloc[b]] : c.blk_stack[b];
-        const color = state === 2 ? '#c83c28' : PALETTE[(sid * 2654435761 >>> 0) % PALETTE.length];
-        spans += '<span data-b="' + b + '" style="left:' + left.toFixed(3) + '%;width:' + width.toFixed(3) + '%;background:' + color + '"></span>';
+        if (c.blk_state[b] === 1) alloc[i] += c.blk_size[b];
+        if (c.blk_state[b]) active[i] += c.blk_size[b];
       }
-      rows.push('<tr><td>' + i + '</td><td>' + hex(a) + '</td><td>' + fmtBytes(sz) + '</td><td>' + fmtBytes(alloc) + '</td><td>' + (last - first) +
-        '</td><td>' + esc(D.streams[c.seg_stream[i]] || '0') + '</td><td>' + (c.seg_pool[i] ? 'small' : 'large') + '</td><td class="l"><div class="bar">' + spans + '</div></td></tr>');
     }
-    body.innerHTML = rows.join('') || '<tr><td colspan="8" class="l muted">no segments in this snapshot</td></tr>';
-    const s = D.stats || {};
-    $('seg-summary').innerHTML = D.n_segments + ' segments, ' + D.n_blocks + ' blocks at the end state' + (D.n_segments > LIMIT ? ' (first ' + LIMIT + ' listed)' : '') +
-      (s.reserved_bytes !== undefined ? ' &middot; ' + fmtBytes(s.reserved_bytes) + ' reserved, ' + fmtBytes(s.allocated_bytes) + ' allocated' : '');
+    D.segInfo = { alloc, active, nb, text: null };
+    return D.segInfo;
   }
+  function segText(i) {  // what the filter searches: address, stream, pool, frames of its blocks
+    const info = segInfo();
+    if (!info.text) info.text = new Array(D.n_segments);
+    if (info.text[i] === undefined) {
+      const c = D.col, first = c.seg_first[i], last = i + 1 < D.n_segments ? c.seg_first[i + 1] : D.n_blocks;
+      const parts = [hex(c.seg_addr[i]), 'stream=' + (D.streams[c.seg_stream[i]] || '0'), c.seg_pool[i] ? 'small' : 'large'];
+      const sids = new Set();
+      for (let b = first; b < last; b++) { if (c.blk_state[b]) sids.add(c.blk_alloc[b] >= 0 ? c.al_stack[c.blk_alloc[b]] : c.blk_stack[b]); }
+      for (const sid of sids) for (const fid of P.stacks[sid] || []) parts.push(P.frames[fid][0], P.frames[fid][1]);
+      info.text[i] = parts.join(' ').toLowerCase();
+    }
+    return info.text[i];
+  }
+  function segRows() {
+    const terms = $('seg-filter').value.toLowerCase().split(/\s+/).filter(Boolean), pool = $('seg-pool').value;
+    const rows = [];
+    for (let i = 0; i < D.n_segments; i++) {
+      if (pool && (D.col.seg_pool[i] ? 'small' : 'large') !== pool) continue;
+      if (terms.length) { const t = segText(i); if (!terms.every((w) => t.includes(w))) continue; }
+      rows.push(i);
+    }
+    const f = SEG_KEYS[seg.key], dir = seg.dir;
+    if (seg.key !== 'index' || dir < 0) rows.sort((a, b) => (f(a) - f(b)) * dir || a - b);
+    return rows;
+  }
+  function segRowHtml(i) {
+    const c = D.col, a = c.seg_addr[i], sz = c.seg_size[i], first = c.seg_first[i], last = i + 1 < D.n_segments ? c.seg_first[i + 1] : D.n_blocks;
+    const info = segInfo();
+    let spans = '';
+    for (let b = first; b < last; b++) {
+      const bs = c.blk_size[b], state = c.blk_state[b];
+      if (!state) continue;
+      const left = (c.blk_addr[b] - a) / sz * 100, width = Math.max(0.15, bs / sz * 100);
+      const sid = c.blk_alloc[b] >= 0 ? c.al_stack[c.blk_alloc[b]] : c.blk_stack[b];
+      const color = state === 2 ? '#c83c28' : PALETTE[(sid * 2654435761 >>> 0) % CAT0];
+      spans += '<span data-b="' + b + '" style="left:' + left.toFixed(3) + '%;width:' + width.toFixed(3) + '%;background:' + color + '"></span>';
+    }
+    return '<tr class="seg" data-i="' + i + '"><td>' + i + '</td><td>' + hex(a) + '</td><td data-v="' + sz + '">' + fmtBytes(sz) + '</td><td data-v="' + info.alloc[i] + '">' +
+      fmtBytes(info.alloc[i]) + '</td><td data-v="' + (sz - info.active[i]) + '">' + fmtBytes(sz - info.active[i]) + '</td><td>' + info.nb[i] +
+      '</td><td>' + esc(D.streams[c.seg_stream[i]] || '0') + '</td><td>' + (c.seg_pool[i] ? 'small' : 'large') + '</td><td class="l"><div class="bar">' + spans + '</div></td></tr>';
+  }
+  function drawSegRows() {
+    seg.pending = false;
+    const box = $('seg-scroll'), body = $('seg-body'), rows = D.segView || [], n = rows.length;
+    if (!D.n_segments) { body.innerHTML = '<tr><td colspan="9" class="l muted">no segments in this snapshot</td></tr>'; return; }
+    const head = $('seg-head').offsetHeight, rh = seg.rowH;
+    const top = Math.max(0, box.scrollTop - head), h = box.clientHeight || 600;
+    const first = Math.max(0, Math.floor(top / rh) - 10), last = Math.min(n, Math.ceil((top + h) / rh) + 10);
+    let html = '<tr class="pad" style="height:' + first * rh + 'px"></tr>';
+    for (let k = first; k < last; k++) html += segRowHtml(rows[k]);
+    body.innerHTML = html + '<tr class="pad" style="height:' + (n - last) * rh + 'px"></tr>' +
+      (n ? '' : '<tr><td colspan="9" class="l muted">no segment matches the filter</td></tr>');
+    seg.first = first; seg.last = last;
+    if (!seg.measured && last > first) {  // the real row height (fonts, borders) once
+      const r = body.querySelector('tr.seg');
+      const got = r ? r.getBoundingClientRect().height : 0;
+      seg.measured = got > 0;
+      if (got > 0 && Math.abs(got - rh) > 0.01) { seg.rowH = got; drawSegRows(); }
+    }
+  }
+  function renderSegments() {
+    const t0 = performance.now();
+    D.segView = segRows();
+    for (const th of document.querySelectorAll('#seg-head th[data-sort]')) {
+      th.classList.toggle('asc', th.dataset.sort === seg.key && seg.dir > 0);
+      th.classList.toggle('desc', th.dataset.sort === seg.key && seg.dir < 0);
+    }
+    drawSegRows();
+    const s = D.stats || {}, shown = D.segView.length;
+    $('seg-summary').innerHTML = (shown === D.n_segments ? D.n_segments + ' segments' : shown + ' of ' + D.n_segments + ' segments') + ', ' + D.n_blocks +
+      ' blocks at the end state' + (s.reserved_bytes !== undefined ? ' &middot; ' + fmtBytes(s.reserved_bytes) + ' reserved, ' + fmtBytes(s.allocated_bytes) + ' allocated' : '') +
+      ' &middot; sorted by ' + seg.key + (seg.dir > 0 ? ' &uarr;' : ' &darr;') + ' &middot; ' + (performance.now() - t0).toFixed(0) + ' ms';
+  }
+  api.segments = () => ({ total: D.n_segments, shown: (D.segView || []).length, first: seg.first, last: seg.last,
+    rendered: document.querySelectorAll('#seg-body tr.seg').length, key: seg.key, dir: seg.dir, rowH: seg.rowH, order: (D.segView || []).slice(0, 50) });
   function setupSegments() {
     $('seg-body').addEventListener('mousemove', (ev) => {
       const t = ev.target.closest('[data-b]');
@@ -233,20 +308,69 @@
       showTip(head + (id >= 0 ? allocHtml(id) : stackHtml(c.blk_stack[b])), ev.clientX, ev.clientY);
     });
     $('seg-body').addEventListener('mouseleave', hideTip);
+    $('seg-scroll').addEventListener('scroll', () => { if (!seg.pending) { seg.pending = true; requestAnimationFrame(drawSegRows); } });
+    for (const th of document.querySelectorAll('#seg-head th[data-sort]')) {
+      th.addEventListener('click', () => {
+        const k = th.dataset.sort;
+        if (seg.key === k) seg.dir = -seg.dir; else { seg.key = k; seg.dir = (k === 'index' || k === 'addr' || k === 'stream' || k === 'pool') ? 1 : -1; }
+        $('seg-scroll').scrollTop = 0;
+        renderSegments();
+      });
+    }
+    const refilter = () => { $('seg-scroll').scrollTop = 0; renderSegments(); };
+    $('seg-filter').addEventListener('input', refilter);
+    $('seg-pool').addEventListener('change', refilter);
   }
 
   // ---------------------------------------------------------------- stats
+  const BYTE_KEYS = new Set(['reserved_bytes', 'allocated_bytes', 'active_bytes', 'requested_bytes', 'free_bytes', 'largest_free_block', 'rounding_slack_bytes', 'peak_allocated_bytes']);
+  // Raw figures the table shows in another form: the peak as '#entry' and seconds from the start.
+  const HIDDEN = new Set(['peak_index', 'peak_time_us', 'peak_event', 'peak_time_s']);
+  function statRow(k, v, label) {
+    let shown;
+    if (v === null || v === undefined) shown = '<span class="muted">-</span>';
+    else if (k === 'peak_event') shown = 'after event #' + v;
+    else if (k === 'duration_s') shown = v.toFixed(4) + ' s';
+    else if (/_s$/.test(k)) shown = v.toFixed(4) + ' s <span class="muted">from the start of the run</span>';
+    else if (BYTE_KEYS.has(k) || /_bytes$/.test(k)) shown = fmtBytes(v) + ' <span class="muted">(' + v + ')</span>';
+    else shown = esc(v);
+    return '<tr><th class="l">' + esc(label || k) + '</th><td data-key="' + esc(k) + '" data-value="' + esc(v ?? '') + '">' + shown + '</td></tr>';
+  }
+  function peakRows(s) { return statRow('peak_event', s.peak_event, 'peak') + (D.has_time ? statRow('peak_time_s', s.peak_time_s, 'peak time') : ''); }
+  // A run with no caching allocator (torchmem's tracker, CPU): the storages' own figures.
+  function trackedStats(s) {
+    const f = s.tracked;
+    let html = '<h3>' + esc(D.name) + ': a tracked run</h3><p class="muted">No caching allocator: every segment is one storage, so ' +
+      'reserved, free, fragmentation and slack are not figures of this run; these are.</p><table id="stats-table">' +
+      statRow('peak_bytes', f.peak_bytes, 'peak live') + statRow('peak_event', f.peak_event, 'peak') +
+      (D.has_time ? statRow('peak_time_s', f.peak_time_s, 'peak time') : '') +
+      statRow('live_end_bytes', f.live_end_bytes, 'live at the end') + statRow('storages_end', f.storages_end, 'storages live at the end') +
+      statRow('allocations', f.allocations, 'allocations') + statRow('frees', f.frees, 'frees') +
+      (D.has_time ? statRow('duration_s', f.duration_s, 'duration') : '') + '</table>';
+    const bytesTable = (id, title, head, rows) => '<h3>' + title + '</h3><table id="' + id + '"><tr><th class="l">' + head.join('</th><th>') + '</th></tr>' + rows.join('') + '</table>';
+    const cell = (k, v) => '<td data-key="' + esc(k) + '" data-value="' + v + '">' + fmtBytes(v) + '</td>';
+    html += bytesTable('stats-category', 'By category', ['category', 'live at the peak', 'live at the end'],
+      Object.entries(f.by_category).map(([k, r]) => '<tr><th class="l">' + esc(k) + '</th>' + cell(k + ':peak', r.peak) + cell(k + ':end', r.end) + '</tr>'));
+    html += bytesTable('stats-phase', 'Live at the peak, by phase of allocation', ['phase', 'bytes'],
+      Object.entries(f.by_phase).map(([k, v]) => '<tr><th class="l">' + esc(k) + '</th>' + cell(k, v) + '</tr>'));
+    html += bytesTable('stats-module', 'Live at the peak, by module (largest 10)', ['module', 'bytes'],
+      Object.entries(f.modules).map(([k, v]) => '<tr><th class="l">' + esc(k) + '</th>' + cell(k, v) + '</tr>'));
+    return html;
+  }
   function renderStats() {
     const s = D.stats || {};
-    const byteKeys = new Set(['reserved_bytes', 'allocated_bytes', 'active_bytes', 'requested_bytes', 'free_bytes', 'largest_free_block', 'rounding_slack_bytes', 'peak_allocated_bytes']);
-    let html = '<h3>Device ' + esc(D.device) + '</h3><table id="stats-table">';
-    for (const [k, v] of Object.entries(s)) {
-      if (v !== null && typeof v === 'object') continue;
-      html += '<tr><th class="l">' + esc(k) + '</th><td data-key="' + esc(k) + '" data-value="' + esc(v) + '">' +
-        (byteKeys.has(k) || /_bytes$/.test(k) ? fmtBytes(v) + ' <span class="muted">(' + v + ')</span>' : esc(v)) + '</td></tr>';
+    let html;
+    if (D.tracked && s.tracked) html = trackedStats(s);
+    else {
+      html = '<h3>Device ' + esc(D.device) + '</h3><table id="stats-table">';
+      for (const [k, v] of Object.entries(s)) {
+        if ((v !== null && typeof v === 'object') || HIDDEN.has(k)) continue;
+        html += statRow(k, v);
+        if (k === 'peak_allocated_bytes') html += peakRows(s);
+      }
+      html += '</table>';
     }
-    html += '</table>';
-    for (const [k, v] of Object.entries(s)) {
+    for (const [k, v] of Object.entries(D.tracked ? {} : s)) {
       if (v === null || typeof v !== 'object' || Array.isArray(v)) continue;
       html += '<h3>' + esc(k) + '</h3><table>';
       for (const [name, row] of Object.entries(v)) {
@@ -258,7 +382,7 @@
       html += '</table>';
     }
     if (s.at_peak && s.at_peak.length) {
-      html += '<h3>Live at the peak (' + fmtBytes(s.peak_allocated_bytes) + ' after event #' + Math.max(0, s.peak_index - 1) + '), by stack</h3>' +
+      html += '<h3>Live at the peak (' + fmtBytes(s.peak_allocated_bytes) + ' after event #' + s.peak_event + '), by stack</h3>' +
         '<table><tr><th>bytes</th><th>allocations</th><th class="l">stack (innermost first, PyTorch internals hidden)</th></tr>';
       for (const g of s.at_peak) html += '<tr><td>' + fmtBytes(g.bytes) + '</td><td>' + g.count + '</td><td class="l">' + g.stack.map(esc).join('<br>') + '</td></tr>';
       html += '</table>';
@@ -273,7 +397,7 @@
       }
       html += '</table>';
     }
-    if (P.allocator_settings) {
+    if (P.allocator_settings && !D.tracked) {
       html += '<h3>Allocator settings</h3><table>';
       for (const [k, v] of Object.entries(P.allocator_settings)) html += '<tr><th class="l">' + esc(k) + '</th><td class="l">' + esc(typeof v === 'object' ? JSON.stringify(v) : v) + '</td></tr>';
       html += '</table>';

@@ -1,6 +1,7 @@
   // ---------------------------------------------------------------- timeline
   const tl = { canvas: $('timeline'), x0: 0, x1: 1, ml: 78, mr: 12, mt: 10, mb: 30, pick: null, W: 0, H: 0,
     ymax: 1, colEvent: null, pending: false, rangeEdited: false };
+  const DBLCLICK_MS = 250;  // a click waits this long for a second one before it opens the state
   // The view [x0, x1] is in event positions (mode 'event') or microseconds (mode 'time').
   tl.mode = 'event';
   function posOfTime(t) {  // states whose last event happened at or before t
@@ -127,6 +128,29 @@
       ' &middot; ' + bands + ' allocations drawn &middot; drawn in ' + ms.toFixed(0) + ' ms' +
       (d.has_time && n ? ' &middot; time ' + (d.col.ev_time[Math.min(from, n - 1)] / 1e6).toFixed(4) + ' s &ndash; ' + (d.col.ev_time[Math.max(0, Math.min(to, n) - 1)] / 1e6).toFixed(4) + ' s' : '');
   }
+  // The legend under the timeline: categories present, with the bytes live at the peak.
+  function tlLegend() {
+    const box = $('tl-legend'), cw = $('colorby-wrap');
+    cw.style.display = D.hasOrigin ? '' : 'none';
+    $('colorby').value = D.colorBy;
+    if (D.colorBy !== 'category') {
+      box.innerHTML = D.hasOrigin || D.n_allocs ? '<span class="muted">colour = allocating stack; hover a band for its stack</span>' : '';
+      return;
+    }
+    const c = D.col, seen = new Set();
+    for (let a = 0; a < D.n_allocs; a++) seen.add(c.al_cat[a]);
+    const figs = ((D.stats || {}).tracked || {}).by_category || {};
+    const html = [];
+    for (let k = 0; k < CAT_COLORS.length; k++) {
+      const code = k === CAT_COLORS.length - 1 ? -1 : k;
+      if (!seen.has(code)) continue;
+      const name = code >= 0 ? P.category_names[code] : 'unknown';
+      const pk = figs[name] ? figs[name].peak : (D.stats && D.stats.tracked ? 0 : null);
+      html.push('<span class="item" data-cat="' + esc(name) + '"' + (pk !== null ? ' data-peak="' + pk + '"' : '') + '><span class="sw" style="background:' +
+        CAT_COLORS[k] + '"></span>' + esc(name) + (pk !== null ? ' <span class="muted">' + fmtBytes(pk) + ' at the peak</span>' : '') + '</span>');
+    }
+    box.innerHTML = '<span class="muted">colour = category:</span>' + html.join('');
+  }
   function niceStep(range, target) {
     const raw = range / Math.max(1, target), mag = Math.pow(10, Math.floor(Math.log10(raw)));
     const r = raw / mag;
@@ -150,20 +174,24 @@
       ctx.beginPath(); ctx.moveTo(ml - 4, y + 0.5); ctx.lineTo(ml, y + 0.5); ctx.stroke();
     }
     ctx.textBaseline = 'top';
+    tl.ticks = { y: [], x: [] };
+    for (let v = 0; v <= ymax; v += ys) tl.ticks.y.push(fmtBytes(v));
     const span = tl.x1 - tl.x0, timeMode = tl.mode === 'time';
     const xs = timeMode ? niceStep(span, 8) : Math.max(1, niceStep(span, 8));
     const digits = timeMode ? Math.max(0, Math.min(6, -Math.floor(Math.log10(xs / 1e6) + 1e-9))) : 0;
     for (let v = Math.ceil(tl.x0 / xs) * xs; v <= tl.x1; v += xs) {
       const x = ml + (v - tl.x0) / span * W;
       ctx.textAlign = x > ml + W - 30 ? 'right' : 'center';
-      ctx.fillText(timeMode ? (v / 1e6).toFixed(digits) : String(Math.round(v)), x, mt + H + 6);
+      const label = timeMode ? (v / 1e6).toFixed(digits) : String(Math.round(v));
+      tl.ticks.x.push(label);
+      ctx.fillText(label, x, mt + H + 6);
       ctx.beginPath(); ctx.moveTo(x + 0.5, mt + H); ctx.lineTo(x + 0.5, mt + H + 4); ctx.stroke();
     }
     ctx.textAlign = 'right';
     ctx.fillText(timeMode ? 'time (s)' : 'event #', ml + W, mt + H + 18);
-    const pk = D.stats && D.stats.peak_index;
-    if (pk !== undefined && pk !== null && D.n_events) {  // the peak found by the analysis
-      const x = ml + ((timeMode ? D.tcum[Math.max(0, pk - 1)] : pk) - tl.x0) / span * W;
+    const pe = D.stats && D.stats.peak_event;  // 0-based trace entry after which the peak is reached
+    if (pe !== undefined && pe !== null && D.n_events) {
+      const x = ml + ((timeMode ? D.tcum[pe] : pe + 1) - tl.x0) / span * W;
       if (x >= ml && x <= ml + W) {
         ctx.save(); ctx.setLineDash([4, 3]); ctx.strokeStyle = '#1f2a3c';
         ctx.beginPath(); ctx.moveTo(x + 0.5, mt); ctx.lineTo(x + 0.5, mt + H); ctx.stroke(); ctx.restore();
@@ -224,7 +252,11 @@
         if (Math.abs(ev.clientX - d.x) > 3) setView(posAt(d.x), posAt(ev.clientX)); else scheduleTimeline();
       } else if (!d.moved && ev.target === cv) {
         const v = posAt(ev.clientX);
-        selectStateEvent(Math.max(0, Math.min(D.n_events, tl.mode === 'time' ? posOfTime(v) : Math.floor(v))));
+        // A click opens the allocator state at that point, once it is clear that it is not the
+        // first half of a double-click (which resets the zoom).
+        const p = Math.max(0, Math.min(D.n_events, tl.mode === 'time' ? posOfTime(v) : Math.floor(v)));
+        clearTimeout(tl.clickTimer);
+        tl.clickTimer = ev.detail > 1 ? null : setTimeout(() => { tl.clickTimer = null; selectStateEvent(p); showTab('state'); }, DBLCLICK_MS);
       }
     });
     window.addEventListener('mousemove', (ev) => {
@@ -249,7 +281,7 @@
     });
     cv.addEventListener('mouseleave', hideTip);
     const reset = () => { const [lo, hi] = domain(); setView(lo, hi); };
-    cv.addEventListener('dblclick', reset);
+    cv.addEventListener('dblclick', () => { clearTimeout(tl.clickTimer); tl.clickTimer = null; reset(); });
     $('range-apply').addEventListener('click', () => {
       // Times are whole microseconds: round so that "1.250000 s" includes an event at 1250000 us.
       const conv = (v) => tl.mode === 'time' ? Math.round(+v * 1e6) : +v;
@@ -257,10 +289,15 @@
     });
     $('range-reset').addEventListener('click', reset);
     $('xmode').addEventListener('change', () => setMode($('xmode').value));
+    $('colorby').addEventListener('change', () => { D.colorBy = $('colorby').value; setColors(D); tlLegend(); scheduleTimeline(); });
     for (const id of ['range-from', 'range-to']) {
       $(id).addEventListener('keydown', (ev) => { if (ev.key === 'Enter') $('range-apply').click(); });
       $(id).addEventListener('input', () => { tl.rangeEdited = true; });
     }
-    window.addEventListener('resize', () => { if (activeTab === 'timeline') scheduleTimeline(); if (activeTab === 'state') drawState(); });
+    window.addEventListener('resize', () => {
+      if (activeTab === 'timeline') scheduleTimeline();
+      if (activeTab === 'state') drawState();
+      if (activeTab === 'segments') drawSegRows();
+    });
   }
 

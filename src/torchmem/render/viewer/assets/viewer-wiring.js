@@ -6,7 +6,7 @@
     hideTip();
     if (name === 'timeline') scheduleTimeline();
     if (name === 'state') { renderEventList(); drawState(); }
-    if (name === 'segments' && !D.segRendered) { renderSegments(); D.segRendered = true; }
+    if (name === 'segments') { if (!D.segView) renderSegments(); else drawSegRows(); }
     if (name === 'stats') renderStats();
   }
   function selectDevice(i) {
@@ -16,11 +16,26 @@
     tl.x0 = 0; tl.x1 = D.N;
     $('xmode-wrap').style.display = D.tcum ? '' : 'none';
     $('ev-slider').max = D.n_events;
+    $('device').value = String(i);
+    tlLegend();
+    D.segView = null;
     selectStateEvent(D.n_events);
     showTab(activeTab);
   }
+  const hasOom = (d) => d.ooms.length > 0 || ((d.stats || {}).oom_reports || []).length > 0;
+  const peakOf = (d) => { const s = d.stats || {}; return s.peak_allocated_bytes ?? s.timeline_peak_bytes ?? s.allocated_bytes ?? 0; };
+  // The device the page opens on: the first with an out-of-memory event, else the largest peak.
+  function initialDevice() {
+    const oom = P.devices.findIndex(hasOom);
+    if (oom >= 0) return oom;
+    let best = 0;
+    P.devices.forEach((d, i) => { if (peakOf(d) > peakOf(P.devices[best])) best = i; });
+    return best;
+  }
   api.stats = () => Object.assign({ device: D ? D.device : null, events: D ? D.n_events : 0, allocs: D ? D.n_allocs : 0 }, api._tl);
   api.mapStats = () => api._map;
+  // The timeline's view and geometry (canvas pixels), for tests that click a given event.
+  api.view = () => ({ mode: tl.mode, x0: tl.x0, x1: tl.x1, ml: tl.ml, mt: tl.mt, W: tl.W, H: tl.H, cw: tl.canvas.width, ticks: tl.ticks, tab: activeTab, sel: st.sel });
   api.pickAt = (x, y) => tlPickAt(x, y);
   api.showTab = showTab;
   api.selectEvent = (p) => selectStateEvent(p);
@@ -56,7 +71,13 @@
       P = await decode();
       api.decodeMs = performance.now() - T_START;
       const sel = $('device');
-      P.devices.forEach((d, i) => { const o = document.createElement('option'); o.value = i; o.textContent = d.name + ' (' + d.n_events + ' events)'; sel.appendChild(o); });
+      P.devices.forEach((d, i) => {
+        const o = document.createElement('option');
+        o.value = i;
+        o.textContent = d.name + ' (' + d.n_events + ' events, peak ' + fmtBytes(peakOf(d)) + ')' + (hasOom(d) ? ' \u26a0 OOM' : '');
+        if (hasOom(d)) o.dataset.oom = '1';
+        sel.appendChild(o);
+      });
       sel.addEventListener('change', () => selectDevice(+sel.value));
       for (const b of document.querySelectorAll('#tabs button')) b.addEventListener('click', () => showTab(b.dataset.tab));
       setupTimeline(); setupState(); setupSegments();
@@ -68,7 +89,12 @@
         document.documentElement.dataset.tmReady = '1';
         return;
       }
-      selectDevice(0);
+      const first = initialDevice();
+      if (P.devices.length > 1) {
+        const d = P.devices[first];
+        $('dev-hint').textContent = d.name + (hasOom(d) ? ' ran out of memory' : ' has the largest peak');
+      }
+      selectDevice(first);
       drawTimeline();
       api.ready = true;
       document.documentElement.dataset.tmReady = '1';  // for tests: no eval needed to wait
