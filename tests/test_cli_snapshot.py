@@ -12,6 +12,7 @@ import pytest
 
 import snapshot_synth as synth
 from torchmem.cli import main
+from torchmem.units import format_bytes
 
 DATA = Path(__file__).resolve().parent / "data"
 DECOMFL = str(DATA / "DeComFL__memory.pickle")
@@ -76,17 +77,19 @@ def test_peak_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_diff_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     a = str(DATA / "LLM-inference__1.3b_snapshot_6a8eab0.pickle")
     b = str(DATA / "LLM-inference__oom_snapshot_41810ba.pickle")
-    code, out, _ = _run(capsys, "diff", a, b, "--json", "--top", "0")
+    code, out, _ = _run(capsys, "diff", a, b, "--json", "--top", "0", "--at", "end")
     assert code == 0
     d = json.loads(out)
+    assert d["kind"] == "snapshot" and d["at"] == "end"
     ra, rb = _raw(Path(a).name), _raw(Path(b).name)
 
     def alloc(raw):
         return sum(x["size"] for s in raw["segments"] for x in s["blocks"] if x["state"] == "active_allocated")
 
     assert sum(r["delta_bytes"] for r in d["rows"]) == alloc(rb) - alloc(ra)
-    code, out, _ = _run(capsys, "diff", a, b)
+    code, out, _ = _run(capsys, "diff", a, b, "--at", "end")
     assert out.startswith("device 0: reserved")
+    assert f"allocated {format_bytes(alloc(ra))} -> {format_bytes(alloc(rb))} (+" in out
 
 
 def test_trace_head_tail_and_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,9 +97,11 @@ def test_trace_head_tail_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     lines = out.splitlines()
     assert len(lines) == 4 and lines[0].lstrip().startswith("23102")
-    assert lines[-1] == "device 0: after entry 23105: allocated 964.63 MiB, reserved 1.77 GiB"
-    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "2", "--json")
+    assert lines[-1] == ("device 0: after entry #23104 (the last of 23105): allocated 964.63 MiB, "
+                         "reserved 1.77 GiB")
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "2", "--jsonl")
     rows = [json.loads(ln) for ln in out.splitlines()]
+    assert rows[-1]["summary"]["0"]["entries"] == 23105
     raw = _raw("DeComFL__memory.pickle")["device_traces"][0]
     assert [r["action"] for r in rows[:2]] == [raw[0]["action"], raw[1]["action"]]
     assert rows[1]["allocated_bytes"] == raw[1]["size"]  # trace starts from empty

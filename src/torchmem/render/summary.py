@@ -82,7 +82,7 @@ def render_summary(
     peak = s.peak.get(s.device, 0)
     others = ", ".join(f"{d} {format_bytes(b)}" for d, b in s.peak.items() if d != s.device)
     console.print(
-        f"[bold]Peak {format_bytes(peak)} on {s.device}[/bold] at event {s.peak_seq} "
+        f"[bold]Peak {format_bytes(peak)} on {s.device}[/bold] at trace entry #{s.peak_index} "
         f"({s.peak_time_ns / 1e6:.1f} ms); {s.events} events, {s.steps} step marker(s)"
         + (f"; other devices: {others}" if others else "")
     )
