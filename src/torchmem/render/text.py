@@ -27,11 +27,15 @@ def rich_table(
     fold: Collection[str] = (),
     show_edge: bool = True,
     pad_edge: bool = True,
+    no_wrap: Collection[str] = (),
 ) -> Any:
     """A rich ``Table`` titled ``title`` (left-justified) with ``header`` columns and ``rows``.
 
-    Columns named in ``right`` are right-justified (numbers); those in ``fold`` wrap long
-    values instead of cutting them.
+    Cells are shown as they are (no rich markup or emoji codes: ``state[w]`` and
+    ``f.py:1234:fwd`` stay intact). Columns named in ``right`` are right-justified (numbers);
+    those in ``fold`` wrap long
+    values instead of cutting them; those in ``no_wrap`` (names: call sites, modules) are never
+    broken across lines (shorten them first, e.g. with :func:`shorten_site`).
 
     Example:
         >>> import io
@@ -42,14 +46,16 @@ def rich_table(
         True
     """
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title, title_justify="left", show_edge=show_edge, pad_edge=pad_edge)
     for h in header:
         table.add_column(
-            h, justify="right" if h in right else "left", overflow="fold" if h in fold else "ellipsis"
+            h, justify="right" if h in right else "left",
+            overflow="fold" if h in fold else "ellipsis", no_wrap=h in no_wrap,
         )
-    for r in rows:
-        table.add_row(*r)
+    for r in rows:  # as plain Text: a cell's "[...]" or ":1234:" is data, not markup or emoji
+        table.add_row(*(Text(c) if isinstance(c, str) else c for c in r))
     return table
 
 
