@@ -43,8 +43,36 @@ __all__ = [
 ]
 
 
+class _Change:
+    """``delta_bytes`` of a row with ``before_bytes`` and ``after_bytes`` (a mixin)."""
+
+    before_bytes: int
+    after_bytes: int
+
+    @property
+    def delta_bytes(self) -> int:
+        """``after_bytes - before_bytes``.
+
+        Example:
+            >>> DiffRow(0, ("a",), 30, 10, 2, 1).delta_bytes, GroupDelta("x", 5, 8, 1, 1).delta_bytes
+            (-20, 3)
+        """
+        return self.after_bytes - self.before_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the row's fields, with ``delta_bytes``.
+
+        Example:
+            >>> sorted(GroupDelta("x", 5, 2, 1, 1).to_dict())
+            ['after_bytes', 'after_count', 'before_bytes', 'before_count', 'delta_bytes', 'name']
+        """
+        d = asdict(self)  # type: ignore[call-overload]  # the subclasses are dataclasses
+        d["delta_bytes"] = self.delta_bytes
+        return d
+
+
 @dataclass
-class DiffRow:
+class DiffRow(_Change):
     """One stack's bytes/count before and after.
 
     Example:
@@ -59,26 +87,15 @@ class DiffRow:
     before_count: int
     after_count: int
 
-    @property
-    def delta_bytes(self) -> int:
-        """``after_bytes - before_bytes``.
-
-        Example:
-            >>> DiffRow(0, ("a",), 30, 10, 2, 1).delta_bytes
-            -20
-        """
-        return self.after_bytes - self.before_bytes
-
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict.
+        """JSON-ready dict (the stack as a list).
 
         Example:
             >>> DiffRow(0, ("a",), 1, 2, 1, 1).to_dict()["delta_bytes"]
             1
         """
-        d = asdict(self)
+        d = super().to_dict()
         d["stack"] = list(self.stack)
-        d["delta_bytes"] = self.delta_bytes
         return d
 
 
@@ -256,7 +273,7 @@ def parse_at(spec: str | list[str] | tuple[str, ...]) -> tuple[str, int | None]:
 
 
 @dataclass
-class GroupDelta:
+class GroupDelta(_Change):
     """One group (a category, module, operator, call site or phase) live at the compared point.
 
     Example:
@@ -270,27 +287,6 @@ class GroupDelta:
     after_bytes: int
     before_count: int
     after_count: int
-
-    @property
-    def delta_bytes(self) -> int:
-        """``after_bytes - before_bytes``.
-
-        Example:
-            >>> GroupDelta("x", 5, 2, 1, 1).delta_bytes
-            -3
-        """
-        return self.after_bytes - self.before_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (with ``delta_bytes``).
-
-        Example:
-            >>> sorted(GroupDelta("x", 5, 2, 1, 1).to_dict())
-            ['after_bytes', 'after_count', 'before_bytes', 'before_count', 'delta_bytes', 'name']
-        """
-        d = asdict(self)
-        d["delta_bytes"] = self.delta_bytes
-        return d
 
 
 @dataclass
