@@ -205,3 +205,20 @@ def test_snapshots_compare_at_the_peak_by_default(
     assert sum(r["delta_bytes"] for r in d["rows"]) == t["peak_bytes_delta"]
     code, _, err = _cli(capsys, "diff", dec, dec, "--at", "step", "1")
     assert code == 2 and "two torchmem traces" in err
+
+
+def test_at_may_come_before_or_between_the_files(
+    runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = map(str, runs)
+    outs = []
+    for argv in (["diff", a, b, "--at", "step", "1", "--json"],
+                 ["diff", "--at", "step", "1", a, b, "--json"],
+                 ["diff", a, "--at", "step", "1", b, "--json"]):
+        code, out, err = _cli(capsys, *argv)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    assert outs[0] == outs[1] == outs[2] and outs[0]["at"] == "step 1"
+    assert (outs[0]["before"], outs[0]["after"]) == (a, b)
+    code, _, err = _cli(capsys, "diff", a)
+    assert code == 2 and "expected two files to compare" in err

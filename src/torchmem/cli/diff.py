@@ -46,13 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> ns.after, ns.at
         ('b.tmtrace', ['step', '3'])
     """
-    parser.add_argument("before", help="the earlier (or reference) run: a .tmtrace or a snapshot")
-    parser.add_argument("after", help="the later (or new) run: a .tmtrace or a snapshot")
+    parser.add_argument("before", nargs="?",
+                        help="the earlier (or reference) run: a .tmtrace or a snapshot")
+    parser.add_argument("after", nargs="?",
+                        help="the later (or new) run: a .tmtrace or a snapshot")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument(
         "--at", nargs="+", default=["peak"], metavar="POINT",
         help="where to compare: peak (default), end, or 'step N' (traces only: the peak of "
-             "iteration N); put it after the two files",
+             "iteration N)",
     )
     parser.add_argument("--device", default=None,
                         help="traces: the device to compare (default: each run's highest peak); "
@@ -86,7 +88,17 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.errors import InvalidInputError
     from torchmem.render.snapshot_text import render_diff
 
-    at = getattr(args, "at", ["peak"])
+    at = list(getattr(args, "at", ["peak"]))
+    # "--at end a b": argparse gives --at the files that follow it; they are the files
+    words = 2 if at[:1] == ["step"] else 1
+    files = [f for f in (args.before, args.after) if f] + at[words:]
+    at = at[:words]
+    if len(files) != 2:
+        raise InvalidInputError(
+            f"expected two files to compare (before and after), got {len(files)}: "
+            f"{' '.join(files) or 'none'}; e.g. 'torchmem diff small.tmtrace big.tmtrace --at peak'"
+        )
+    args.before, args.after = files
     kind, step = parse_at(at)
     device = getattr(args, "device", None)
     traces = _load_traces(args)
