@@ -166,3 +166,25 @@ def test_long_call_sites_are_shortened_never_split() -> None:
     assert "4.00 KiB" in rows[0]
     # JSON keeps the whole path
     assert json.loads(json.dumps(summarize_trace(tr).to_dict()))["top_stacks_at_peak"][0]["name"] == site
+
+
+def test_a_module_that_does_not_compile_gets_pythons_error_and_no_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "brokenpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("def f(:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "-o", "b.tmtrace", "-m", "brokenpkg.train"]) == 1
+    err = capsys.readouterr().err
+    assert "SyntaxError" in err and "train.py" in err and "tracking" not in err
+    assert not (tmp_path / "b.tmtrace").exists()
+    other = tmp_path / "failingpkg"
+    other.mkdir()
+    (other / "__init__.py").write_text("raise RuntimeError('package init failed')\n")
+    (other / "train.py").write_text("x = 1\n")
+    assert main(["run", "-m", "failingpkg.train"]) == 2
+    err = capsys.readouterr().err
+    assert "importing its package failed: RuntimeError: package init failed" in err
+    assert "internal error" not in err

@@ -4,7 +4,8 @@ The script runs like ``python script.py args`` (``__name__ == "__main__"``, ``sy
 the script's folder first on ``sys.path``; a folder with a ``__main__.py`` runs that file, as
 python does). ``torchmem run [options] -m package.module args`` runs a module like
 ``python -m``: everything after the module name goes to it, so torchmem's own options come
-before ``-m``. The trace is written even when the script raises; the script's exit code is
+before ``-m`` (the module's parent packages are imported, and the module compiled, before
+tracking starts). The trace is written even when the script raises; the script's exit code is
 passed on (an exception prints the script's traceback and exits 1). A script that does not
 compile prints Python's ``SyntaxError`` and exits 1 before anything runs: no trace is written.
 ``torchmem run --example`` runs a built-in training example instead (giving a script too is an
@@ -169,8 +170,10 @@ def _module_code(name: str) -> Any:
             spec = importlib.util.find_spec(name)
             if spec is not None and spec.submodule_search_locations is not None:
                 spec = importlib.util.find_spec(name + ".__main__")
-        except (ImportError, ValueError) as e:
-            spec, why = None, f" ({type(e).__name__}: {e})"
+        except SyntaxError:
+            raise  # in a parent package: Python's message, as for the module itself
+        except Exception as e:  # noqa: BLE001 - a parent package failed to import: say so
+            spec, why = None, f" (importing its package failed: {type(e).__name__}: {e})"
         else:
             why = ""
         if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
