@@ -185,6 +185,8 @@ _GROUP_TITLES = {"category": "category", "module": "module", "operator": "operat
 
 
 def _render_trace_diff(d: Any, top: int | None) -> str:
+    from torchmem.render.summary import short_site
+
     point = {"peak": "the peak", "end": "the end"}.get(d.at, f"the peak of iteration {d.at[5:]}")
     dev = d.device_before if d.device_before == d.device_after else (
         f"{d.device_before} -> {d.device_after}")
@@ -202,7 +204,8 @@ def _render_trace_diff(d: Any, top: int | None) -> str:
         shown = changed[:top] if top else changed
         cells = [[signed_bytes(g.delta_bytes), _b(g.before_bytes), _b(g.after_bytes),
                   f"{g.before_count} -> {g.after_count}",
-                  shorten_site(g.name) if name == "call_site" else g.name] for g in shown]
+                  shorten_site(short_site(g.name)) if name == "call_site" else g.name]
+                 for g in shown]
         out.append("")
         out.append(f"by {_GROUP_TITLES[name]} (after - before, largest change first):")
         table = plain_table(["change", "before", "after", "storages", _GROUP_TITLES[name]],
