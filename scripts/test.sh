@@ -13,9 +13,11 @@ python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[
 LINOPS_DIR=".cache/linops"
 python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
     --target "$LINOPS_DIR" "torch-named-linops==0.8.3"
-if python -m pip show --quiet torch-named-linops >/dev/null 2>&1; then
-    echo "!! torch-named-linops is installed in this environment (an older scripts/test.sh put it there);"
-    echo "   the tests no longer need it there: 'python -m pip uninstall torch-named-linops' makes 'pip check' pass"
+pip_check="$(python -m pip check 2>/dev/null || true)"
+if grep -q "^torch-named-linops " <<<"$pip_check"; then
+    echo "!! torch-named-linops is installed in this environment without its dependencies (an older"
+    echo "   scripts/test.sh put it there); the tests no longer need it there:"
+    echo "   'python -m pip uninstall torch-named-linops' makes 'pip check' pass again"
 fi
 
 # The HTML viewer is tested in a real headless Chromium (Debian's package).
