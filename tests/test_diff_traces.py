@@ -142,7 +142,7 @@ def test_per_iteration_peaks_and_the_other_points(
     assert d["at"] == "step 2"
     assert d["live_bytes_after"] == _replay(b, step=2)["bytes"]
     code, _, err = _cli(capsys, "diff", str(a), str(b), "--at", "step", "9")
-    assert code == 2 and "step 9 is not in this trace" in err and "0, 1, 2" in err
+    assert code == 2 and "step 9 is not in the first trace on cpu" in err and "0, 1, 2" in err
 
 
 def test_text_shows_signed_changes_largest_first(

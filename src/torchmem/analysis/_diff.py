@@ -403,7 +403,9 @@ _ALLOC = int(EventKind.ALLOC)
 _FREE = int(EventKind.FREE)
 
 
-def _point(trace: Trace, want: int, kind: str, step: int | None) -> tuple[int, int, int]:
+def _point(
+    trace: Trace, want: int, kind: str, step: int | None, which: str = "this"
+) -> tuple[int, int, int]:
     """``(event, live bytes after it, the run's peak)`` of the compared point on device
     ``want``: the first event reaching the run's peak, the last event, or the first reaching
     iteration ``step``'s own peak. Event -1: no event (nothing live)."""
@@ -435,7 +437,8 @@ def _point(trace: Trace, want: int, kind: str, step: int | None) -> tuple[int, i
                        and kinds[i] in (_ALLOC, _FREE)})
         shown = ", ".join(map(str, have[:20])) + (" ..." if len(have) > 20 else "")
         raise InvalidInputError(
-            f"step {step} is not in this trace on {trace.devices[want]}; it has iterations: "
+            f"step {step} is not in the {which} trace on {trace.devices[want]}; it has "
+            "iterations: "
             f"{shown or 'none'} (numbered as the summary's Iterations table)"
         )
     return sel_at, sel, peak
@@ -488,7 +491,7 @@ def trace_diff(
             )
         dev = _device(tr, device, which)
         want = tr.devices.index(dev) if dev is not None else -1
-        seq, live, peak = _point(tr, want, kind, step)
+        seq, live, peak = _point(tr, want, kind, step, which)
         live_at = live_groups(tr, want, seq)
         entry = event_entry_index(tr, seq) if seq >= 0 else -1
         iters = summarize_trace(tr, top=1, device=dev).iterations if dev is not None else []
