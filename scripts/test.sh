@@ -7,7 +7,18 @@ cd "$(dirname "$0")/.."
 echo "== installing torchmem with its test extras (torch 2.13.0 CPU build)"
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" -e ".[test]"
 # torchlinops' own functions are the ground truth of the compatibility tests (pure Python, tiny).
-python -m pip install --quiet --disable-pip-version-check --no-deps "torch-named-linops==0.8.3"
+# It goes into a folder of its own, never into this environment: installed here without its
+# dependencies it would leave `pip check` failing for every later install. tests/test_compat.py
+# loads torchlinops/utils/_device.py from that folder by path.
+LINOPS_DIR=".cache/linops"
+python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+    --target "$LINOPS_DIR" "torch-named-linops==0.8.3"
+pip_check="$(python -m pip check 2>/dev/null || true)"
+if grep -q "^torch-named-linops " <<<"$pip_check"; then
+    echo "!! torch-named-linops is installed in this environment without its dependencies (an older"
+    echo "   scripts/test.sh put it there); the tests no longer need it there:"
+    echo "   'python -m pip uninstall torch-named-linops' makes 'pip check' pass again"
+fi
 
 # The HTML viewer is tested in a real headless Chromium (Debian's package).
 if ! command -v chromium >/dev/null 2>&1; then

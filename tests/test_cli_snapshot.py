@@ -12,6 +12,7 @@ import pytest
 
 import snapshot_synth as synth
 from torchmem.cli import main
+from torchmem.units import format_bytes
 
 DATA = Path(__file__).resolve().parent / "data"
 DECOMFL = str(DATA / "DeComFL__memory.pickle")
@@ -76,17 +77,19 @@ def test_peak_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_diff_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     a = str(DATA / "LLM-inference__1.3b_snapshot_6a8eab0.pickle")
     b = str(DATA / "LLM-inference__oom_snapshot_41810ba.pickle")
-    code, out, _ = _run(capsys, "diff", a, b, "--json", "--top", "0")
+    code, out, _ = _run(capsys, "diff", a, b, "--json", "--top", "0", "--at", "end")
     assert code == 0
     d = json.loads(out)
+    assert d["kind"] == "snapshot" and d["at"] == "end"
     ra, rb = _raw(Path(a).name), _raw(Path(b).name)
 
     def alloc(raw):
         return sum(x["size"] for s in raw["segments"] for x in s["blocks"] if x["state"] == "active_allocated")
 
     assert sum(r["delta_bytes"] for r in d["rows"]) == alloc(rb) - alloc(ra)
-    code, out, _ = _run(capsys, "diff", a, b)
+    code, out, _ = _run(capsys, "diff", a, b, "--at", "end")
     assert out.startswith("device 0: reserved")
+    assert f"allocated {format_bytes(alloc(ra))} -> {format_bytes(alloc(rb))} (+" in out
 
 
 def test_trace_head_tail_and_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,9 +97,11 @@ def test_trace_head_tail_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     lines = out.splitlines()
     assert len(lines) == 4 and lines[0].lstrip().startswith("23102")
-    assert lines[-1] == "device 0: after entry 23105: allocated 964.63 MiB, reserved 1.77 GiB"
-    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "2", "--json")
+    assert lines[-1] == ("device 0: after entry #23104 (the last of 23105): allocated 964.63 MiB, "
+                         "reserved 1.77 GiB")
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "2", "--jsonl")
     rows = [json.loads(ln) for ln in out.splitlines()]
+    assert rows[-1]["summary"]["0"]["entries"] == 23105
     raw = _raw("DeComFL__memory.pickle")["device_traces"][0]
     assert [r["action"] for r in rows[:2]] == [raw[0]["action"], raw[1]["action"]]
     assert rows[1]["allocated_bytes"] == raw[1]["size"]  # trace starts from empty
@@ -202,3 +207,68 @@ def test_stats_of_a_cpu_snapshot_names_the_device_and_says_what_it_is(
     assert dev["reserved_bytes"] == dev["allocated_bytes"] == a.untyped_storage().nbytes() + b.untyped_storage().nbytes()
     assert dev["segments"] == 2 and dev["free_bytes"] == 0
     assert any("no caching allocator" in n for n in d["notes"])
+
+
+def test_one_numbering_peak_trace_and_summary_name_the_same_entry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Regression: one peak was "after trace entry 11206" in `peak` (peak_index 11206), #11205 in
+    # `trace` and the viewer, and "event 763" in the tracker summary.
+    import torch
+
+    import torchmem
+
+    run = tmp_path / "run.tmtrace"
+    net = torch.nn.Linear(64, 64)
+    with torchmem.track(net) as tr:
+        for _ in range(2):
+            net(torch.randn(8, 64)).sum().backward()
+    tr.save(run)
+    for path in (DECOMFL, str(run)):
+        code, out, _ = _run(capsys, "peak", path, "--json")
+        dev = json.loads(out)["devices"][0]
+        k, peak = dev["peak_index"], dev["peak_allocated_bytes"]
+        code, out, _ = _run(capsys, "trace", path, "--jsonl")
+        rows = [json.loads(ln) for ln in out.splitlines()[:-1]]
+        first = next(r for r in rows if r["allocated_bytes"] == peak)  # ground truth: the log
+        assert max(r["allocated_bytes"] for r in rows) == peak
+        assert first["index"] == k == rows.index(first)
+        code, out, _ = _run(capsys, "peak", path)
+        assert f"at trace entry #{k} " in out.splitlines()[0]
+        code, out, _ = _run(capsys, "trace", path, "--head", str(k + 1))
+        assert out.splitlines()[k].split()[0] == str(k) and f"alloc {format_bytes(peak)}" in out.splitlines()[k]
+    code, out, _ = _run(capsys, "summary", str(run), "--json")
+    s = json.loads(out)
+    assert s["peak_index"] == k and s["peak"]["cpu"] == peak
+    code, out, _ = _run(capsys, "summary", str(run))
+    assert f"at trace entry #{k} " in out.splitlines()[0]
+
+
+def test_trace_json_is_one_document_and_tail_zero_prints_no_rows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--json", "--tail", "2")
+    doc = json.loads(out)  # one document, not JSON lines
+    raw = _raw("DeComFL__memory.pickle")["device_traces"][0]
+    assert [r["index"] for r in doc["entries"]] == [len(raw) - 2, len(raw) - 1]
+    assert [r["action"] for r in doc["entries"]] == [raw[-2]["action"], raw[-1]["action"]]
+    assert doc["devices"]["0"]["entries"] == len(raw) and doc["file"] == DECOMFL
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--tail", "0")
+    assert code == 0 and out.splitlines() == [
+        "device 0: after entry #23104 (the last of 23105): allocated 964.63 MiB, reserved 1.77 GiB"]
+    code, out, _ = _run(capsys, "trace", DECOMFL, "--head", "0", "--jsonl")
+    assert len(out.splitlines()) == 1 and "summary" in json.loads(out)
+    code, out, err = _run(capsys, "trace", DECOMFL, "--json", "--jsonl")
+    assert code == 2 and "pass one of them" in err
+
+
+def test_trace_of_a_snapshot_without_a_trace_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    raw = _raw("DeComFL__memory.pickle")
+    raw["device_traces"] = [[]]
+    p = tmp_path / "no_trace.pickle"
+    p.write_bytes(pickle.dumps(raw, protocol=4))
+    for extra in ((), ("--json",), ("--jsonl",)):
+        code, out, err = _run(capsys, "trace", str(p), *extra)
+        assert code == 2 and out == "" and "has no trace entries" in err and "_record_memory_history" in err

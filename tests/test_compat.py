@@ -1,5 +1,7 @@
-"""torchlinops-compatible API. Where torchlinops 0.8.3 is installed (bench extra), its own
-functions are the ground truth (loaded from torchlinops/utils/_device.py by file path)."""
+"""torchlinops-compatible API. torchlinops 0.8.3's own functions are the ground truth: they are
+loaded by file path (torchlinops/utils/_device.py) from the folder scripts/test.sh installs it into
+(.cache/linops, kept out of the Python environment so that `pip check` passes), or from an
+installed torchlinops."""
 
 from __future__ import annotations
 
@@ -25,13 +27,25 @@ from torchmem.compat.torchlinops import (
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.units import GB, GiB
 
+#: Where scripts/test.sh installs torch-named-linops (pip --target), outside the environment.
+LINOPS_DIR = Path(__file__).resolve().parents[1] / ".cache" / "linops"
 
-def load_torchlinops_device() -> ModuleType | None:
+
+def torchlinops_device_file() -> Path | None:
+    """torchlinops/utils/_device.py: from LINOPS_DIR first, else from an installed torchlinops."""
+    local = LINOPS_DIR / "torchlinops" / "utils" / "_device.py"
+    if local.is_file():
+        return local
     spec = importlib.util.find_spec("torchlinops")
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(list(spec.submodule_search_locations)[0]) / "utils" / "_device.py"
-    if not path.is_file():
+    return path if path.is_file() else None
+
+
+def load_torchlinops_device() -> ModuleType | None:
+    path = torchlinops_device_file()
+    if path is None:
         return None
     s = importlib.util.spec_from_file_location("_tl_device_for_tests", path)
     assert s is not None and s.loader is not None
@@ -41,7 +55,31 @@ def load_torchlinops_device() -> ModuleType | None:
 
 
 TL = load_torchlinops_device()
-needs_tl = pytest.mark.skipif(TL is None, reason="torchlinops 0.8.3 not installed (pip install --no-deps torch-named-linops==0.8.3)")
+needs_tl = pytest.mark.skipif(
+    TL is None,
+    reason="torchlinops 0.8.3 not found: 'bash scripts/test.sh' installs it into .cache/linops "
+           "(pip install --no-deps --target .cache/linops torch-named-linops==0.8.3)",
+)
+
+
+def test_test_script_installs_torchlinops_outside_the_environment() -> None:
+    # Regression: scripts/test.sh ran `pip install --no-deps torch-named-linops` into the user's
+    # environment, so `pip check` failed ever after (its requirements were never installed).
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "test.sh").read_text()
+    commands = script.replace("\\\n", " ").splitlines()
+    installs = [c for c in commands if "pip install" in c and "torch-named-linops" in c]
+    assert installs, "scripts/test.sh no longer installs the torchlinops ground truth"
+    for c in installs:
+        assert '--target "$LINOPS_DIR"' in c, c
+    assert 'LINOPS_DIR=".cache/linops"' in script
+    assert ".cache/" in (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
+
+
+def test_torchlinops_ground_truth_is_loaded_from_its_own_folder() -> None:
+    if not (LINOPS_DIR / "torchlinops").is_dir():
+        pytest.skip("run 'bash scripts/test.sh' (it installs torchlinops into .cache/linops)")
+    assert TL is not None
+    assert Path(TL.__file__) == LINOPS_DIR / "torchlinops" / "utils" / "_device.py"
 
 
 def brute_span(t: torch.Tensor) -> tuple[int, int]:

@@ -68,8 +68,9 @@ TOP_LEVEL = [
 #: Every namespace a user imports, with its curated ``__all__``.
 NAMESPACES: dict[str, list[str]] = {
     "torchmem.analysis": [
-        "DevicePeak", "DeviceStats", "DiffRow", "IterationStat", "OomEvent", "PeakReport",
-        "PoolStats", "SnapshotDiff", "SnapshotStats", "StackGroup", "TraceRow", "TraceSummary",
+        "DevicePeak", "DeviceStats", "DiffRow", "GroupDelta", "IterationDelta", "IterationStat",
+        "OomEvent", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats", "StackGroup",
+        "TraceDiff", "TraceRow", "TraceSummary",
         "diff", "events", "flame", "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [

@@ -63,7 +63,7 @@ def test_snapshot_segments_blocks_and_trace() -> None:
     peak = analysis.peak(snap).devices[0]
     assert peak.peak_allocated_bytes == (30 + 3 + 70) * MiB + 5 + 1000 + 4096
     assert a.max_allocated_bytes == (30 + 3 + 70) * MiB + 512 + 1024 + 4096
-    assert peak.peak_index == 10  # after the tenth entry: the last alloc
+    assert peak.peak_index == 9  # entry #9 (the tenth): the last alloc
 
 
 def test_written_snapshot_reads_in_torchmem_and_pytorch(tmp_path: Path) -> None:

@@ -176,7 +176,7 @@ def test_mid_run_trace_peak_and_groups() -> None:
     p = snapshot_peak(snap, depth=2).devices[0]
     assert p.initial_allocated_bytes == (4 * MiB - 512) + 2 * MiB
     assert p.peak_allocated_bytes == (4 * MiB - 512) + 3 * MiB - 7
-    assert p.peak_index == 3 and p.end_allocated_bytes == p.peak_allocated_bytes
+    assert p.peak_index == 2 and p.end_allocated_bytes == p.peak_allocated_bytes  # entry #2
     # pending-free blocks are still held at the end
     assert {g.stack: g.bytes for g in p.at_end} == {
         ("train.py:10:step",): 4 * MiB - 512, ("model.py:42:forward", "train.py:10:step"): 3 * MiB - 7}

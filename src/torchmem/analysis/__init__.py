@@ -3,13 +3,17 @@
 Snapshot analyses take a :class:`~torchmem.model.snapshot.Snapshot` (load one with
 :func:`torchmem.io.load_snapshot`); :func:`summarize` takes a :class:`~torchmem.model.trace.Trace`.
 Every result has ``to_dict()`` for JSON; :mod:`torchmem.render` turns them into text.
+Trace entries are numbered one way everywhere: ``#N``, the 0-based index of an entry in its
+device's trace, as ``torchmem trace`` prints it (``peak_index``, ``TraceSummary.peak_index``,
+the viewer's ``#N``).
 
 ============  ==================================================  ============================
 function      what it answers                                     0.1 name (forwarded to 0.3)
 ============  ==================================================  ============================
 stats         allocator statistics at the end, per device/pool    ``torchmem.snapshot_stats``
 peak          the peak of allocated bytes and what was live then  ``torchmem.snapshot_peak``
-diff          what grew and shrank between two snapshots          ``torchmem.snapshot_diff``
+diff          what grew and shrank between two runs (snapshots    ``torchmem.snapshot_diff``
+              or traces), at the peak, the end or a step
 events        the trace with running allocated/reserved totals    ``torchmem.snapshot_trace``
 flame         folded stacks for flame-graph tools                 ``torchmem.folded_stacks``
 oom           out-of-memory entries explained                     ``torchmem.oom_report``
@@ -36,7 +40,14 @@ Example:
 
 from __future__ import annotations
 
-from torchmem.analysis._diff import DiffRow, SnapshotDiff, diff
+from torchmem.analysis._diff import (
+    DiffRow,
+    GroupDelta,
+    IterationDelta,
+    SnapshotDiff,
+    TraceDiff,
+    diff,
+)
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
 from torchmem.analysis._oom import OomEvent, oom
@@ -61,6 +72,9 @@ __all__ = [
     "StackGroup",
     "SnapshotDiff",
     "DiffRow",
+    "TraceDiff",
+    "GroupDelta",
+    "IterationDelta",
     "TraceRow",
     "OomEvent",
     "TraceSummary",

@@ -13,8 +13,12 @@ Example:
     ...     {"action": "free_requested", "addr": 512, "size": 50, "stream": 0, "frames": []},
     ...     {"action": "free_completed", "addr": 512, "size": 50, "stream": 0, "frames": []}]]})
     >>> p = peak(snap).devices[0]
-    >>> p.peak_allocated_bytes, p.peak_index, p.end_allocated_bytes
-    (150, 2, 0)
+    >>> p.peak_allocated_bytes, p.peak_index, p.end_allocated_bytes   # reached at entry #1
+    (150, 1, 0)
+
+Entries are numbered one way everywhere: ``#N`` is the 0-based index of a trace entry in its
+device's trace, as ``torchmem trace`` prints it (and the viewer's ``#N``); the peak is at the
+entry whose running total first reaches the maximum.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ __all__ = ["DevicePeak", "PeakReport", "peak", "snapshot_peak"]
 class DevicePeak:
     """Peak of allocated (requested) bytes over one device's trace and what was live then.
 
-    ``peak_index`` counts trace entries applied (0 = before the first entry);
-    ``consistent`` is False when the trace contradicts the end state (the running total,
+    ``peak_index`` is the trace entry ``#N`` (0-based, as ``torchmem trace`` numbers the
+    device's entries) after which allocated bytes first reach the peak; -1 when the peak is the
+    state before the first entry (a trace that only frees). ``consistent`` is False when the trace contradicts the end state (the running total,
     derived backwards from the end, goes negative somewhere).
 
     Example:
@@ -115,7 +120,7 @@ def snapshot_peak(
         ...     {"action": "alloc", "addr": 512, "size": 100, "stream": 0, "frames": []}]]})
         >>> p = snapshot_peak(s).devices[0]   # 300 bytes were live before the trace started
         >>> p.initial_allocated_bytes, p.peak_allocated_bytes, p.peak_index, p.end_allocated_bytes
-        (300, 300, 0, 100)
+        (300, 300, -1, 100)
     """
     out: list[DevicePeak] = []
     for dev in select_devices(snap, device):
@@ -132,7 +137,7 @@ def snapshot_peak(
                 device=dev,
                 name=snap.device_name(dev),
                 peak_allocated_bytes=running[k],
-                peak_index=k,
+                peak_index=k - 1,
                 peak_time_us=peak_time,
                 initial_allocated_bytes=running[0],
                 end_allocated_bytes=running[-1],

@@ -6,7 +6,9 @@ or from :func:`~torchmem.io.tmtrace.load_trace`) and returns plain data.
 Definitions:
   * *allocated*: the sum of the sizes of all storages an operator (or module) created.
   * *live at the peak*: the storages alive at the event where the device's live bytes first reach
-    their maximum, grouped by the operator / module / category / phase that allocated them.
+    their maximum, grouped by the operator / module / category / phase that allocated them. The
+    peak is named by its trace entry ``#N``, numbered as ``torchmem trace FILE`` prints the
+    device's entries (0-based), the numbering of ``torchmem peak`` and the viewer too.
   * *iteration k*: the events between step marker k-1 and step marker k (``Event.step == k``);
     its *peak* is the highest live byte count inside it, its *retained growth* is live bytes at
     its end minus live bytes at its start. Steady training shows growth ~0 after the first
@@ -31,6 +33,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchmem.io.convert import event_entry_index
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
 
@@ -65,7 +68,12 @@ class IterationStat:
 class TraceSummary:
     """The result of :func:`summarize_trace`; ``to_dict()`` gives JSON-ready data.
 
-    Lists of tops hold ``(name, bytes, count)`` tuples, largest first.
+    Lists of tops hold ``(name, bytes, count)`` tuples, largest first. Where the peak is:
+    ``peak_index`` is the trace entry ``#N`` (0-based) as ``torchmem trace FILE`` prints it for
+    the device, the one numbering every command and the viewer use (see
+    :func:`~torchmem.io.convert.event_entry_index`); ``peak_seq`` is the row of the
+    :class:`~torchmem.model.trace.Trace` (``Event.seq``, for :meth:`~torchmem.model.trace.Trace.event`).
+    Both are -1 when nothing was allocated.
 
     Example:
         >>> from torchmem.model.trace import Trace
@@ -90,6 +98,7 @@ class TraceSummary:
     iterations: list[IterationStat] = field(default_factory=list)
     leak_suspect: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    peak_index: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (bytes are ints).
@@ -188,14 +197,8 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
     n = len(trace)
     want = trace.devices.index(device) if device in trace.devices else -1
     strings = trace.strings
-    kind, dev, nbytes, sid_col = trace.kind, trace.device, trace.nbytes, trace.storage
-    op_col, mod_col, cat_col, phase_col, stack_col = (
-        trace.op,
-        trace.module,
-        trace.category,
-        trace.phase,
-        trace.stack,
-    )
+    kind, dev, nbytes = trace.kind, trace.device, trace.nbytes
+    op_col, mod_col = trace.op, trace.module
     step_col = trace.step
 
     # pass 1: allocated per op/module, the peak on the device, iterations
@@ -271,39 +274,8 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         )
 
     # pass 2: what is alive at the peak
-    alive: dict[int, int] = {}
-    for i in range(peak_seq + 1):
-        if dev[i] != want:
-            continue
-        k = kind[i]
-        if k == _ALLOC:
-            alive[sid_col[i]] = i
-        elif k == _FREE:
-            alive.pop(sid_col[i], None)
-    at_ops: dict[str, list[int]] = {}
-    at_mods: dict[str, list[int]] = {}
-    at_stacks: dict[str, list[int]] = {}
-    cats: dict[str, int] = {}
-    phases: dict[str, int] = {}
-    for i in alive.values():
-        b = nbytes[i]
-        for groups, key in (
-            (at_ops, strings[op_col[i]] or "(initial state)"),
-            (at_mods, strings[mod_col[i]] or "(no module)"),
-        ):
-            v = groups.setdefault(key, [0, 0])
-            v[0] += b
-            v[1] += 1
-        st = stack_col[i]
-        if st >= 0 and trace.stacks[st]:
-            v = at_stacks.setdefault(trace.stacks[st][-1], [0, 0])
-            v[0] += b
-            v[1] += 1
-        c = _CATS[cat_col[i]]
-        cats[c] = cats.get(c, 0) + b
-        p = _PHASES[phase_col[i]]
-        phases[p] = phases.get(p, 0) + b
-
+    g = live_groups(trace, want, peak_seq)
+    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
     full = [it for it in iters if it.complete]
     tail = full[1:] if len(full) > 2 else []  # the first iteration builds state (grads, optimizer)
     leak = len(tail) >= 2 and all(it.retained_growth > 0 for it in tail)
@@ -317,15 +289,75 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         final_live=dict(zip(trace.devices, end_live)),
         top_ops_allocated=_top({strings[k]: v for k, v in ops.items()}, top),
         top_modules_allocated=_top({(strings[k] or "(no module)"): v for k, v in mods.items()}, top),
-        top_ops_at_peak=_top(at_ops, top),
-        top_modules_at_peak=_top(at_mods, top),
-        categories_at_peak=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-        phases_at_peak=dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+        top_ops_at_peak=_top(g["operator"], top),
+        top_modules_at_peak=_top(g["module"], top),
+        categories_at_peak=_by_bytes(g["category"]),
+        phases_at_peak=_by_bytes(g["phase"]),
         top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
         leak_suspect=leak,
         metadata=dict(trace.metadata),
+        peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
     )
+
+
+#: The call-site group of storages recorded without a Python stack (``stacks=False``).
+NO_SITE = "(no call site)"
+#: The groupings of :func:`live_groups`, in the order tables show them.
+GROUPINGS = ("category", "module", "operator", "call_site", "phase")
+
+
+def _by_bytes(groups: dict[str, list[int]]) -> dict[str, int]:
+    return {k: v[0] for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])}
+
+
+def live_groups(trace: Trace, device: int, stop: int) -> dict[str, dict[str, list[int]]]:
+    """The storages live on device index ``device`` after event ``stop``, grouped every way.
+
+    Returns ``{grouping: {name: [bytes, storages]}}`` for each of :data:`GROUPINGS`: the
+    category, module (``"(no module)"``), operator (``"(initial state)"`` for storages made
+    outside any operator), innermost call site (``"file:line:function"``, :data:`NO_SITE`
+    without a stack) and phase of the allocation. ``stop=-1``: nothing is live yet.
+
+    Example:
+        >>> from torchmem.model.events import EventKind as K, Category as C
+        >>> tr = Trace()
+        >>> _ = tr.append(K.ALLOC, 0, "cpu", 100, 1, category=C.PARAMETER)
+        >>> _ = tr.append(K.ALLOC, 1, "cpu", 40, 2, op="aten::mm", category=C.ACTIVATION)
+        >>> _ = tr.append(K.FREE, 2, "cpu", 40, 2)
+        >>> live_groups(tr, 0, 1)["category"], live_groups(tr, 0, 2)["operator"]
+        ({'parameter': [100, 1], 'activation': [40, 1]}, {'(initial state)': [100, 1]})
+    """
+    kind, dev, nbytes, sid_col = trace.kind, trace.device, trace.nbytes, trace.storage
+    alive: dict[int, int] = {}
+    for i in range(stop + 1):
+        if dev[i] != device:
+            continue
+        k = kind[i]
+        if k == _ALLOC:
+            alive[sid_col[i]] = i
+        elif k == _FREE:
+            alive.pop(sid_col[i], None)
+    strings, stacks = trace.strings, trace.stacks
+    op_col, mod_col, cat_col, phase_col, stack_col = (
+        trace.op, trace.module, trace.category, trace.phase, trace.stack
+    )
+    out: dict[str, dict[str, list[int]]] = {name: {} for name in GROUPINGS}
+    for i in alive.values():
+        b = nbytes[i]
+        st = stack_col[i]
+        keys = (
+            _CATS[cat_col[i]],
+            strings[mod_col[i]] or "(no module)",
+            strings[op_col[i]] or "(initial state)",
+            stacks[st][-1] if st >= 0 and stacks[st] else NO_SITE,
+            _PHASES[phase_col[i]],
+        )
+        for name, key in zip(GROUPINGS, keys):
+            v = out[name].setdefault(key, [0, 0])
+            v[0] += b
+            v[1] += 1
+    return out
 
 
 #: The short name, as in ``torchmem.analysis.summarize(trace)``.

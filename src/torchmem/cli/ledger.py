@@ -6,6 +6,14 @@ Examples::
     torchmem ledger --json               # the same as JSON
     torchmem ledger --poll 5 --interval 0.5 --device cpu --json
                                          # 5 s of readings from the background poller
+    torchmem ledger --pid 4242           # also what process 4242 holds on each device
+
+``total`` and ``used`` are the whole device's (every process's). ``--pid PID`` adds a column
+with that process's memory: its resident set size (RSS, psutil) on ``cpu``, its GPU memory as
+NVML reports it on ``cuda:N`` (``-`` where NVML is missing or the process uses no memory there).
+Without ``--pid`` there is no per-process column: the only process at hand would be this
+command itself. In ``--json`` the readings then carry ``pid``, ``pid_bytes`` and ``pid_measure``
+(``"rss"`` or ``"nvml"``).
 
 Example:
     >>> import io, json, contextlib
@@ -51,6 +59,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between readings when polling (default 0.5)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--pid", type=int, default=None,
+        help="also show this process's memory on each device (RSS on cpu, NVML on cuda)",
+    )
+
+
+def _pid_figure(pid: int, device: str) -> tuple[int | None, str | None]:
+    """``(bytes, what was measured)`` of process ``pid`` on ``device``; ``(None, ...)`` when
+    the source cannot tell."""
+    if device == "cpu":
+        import psutil
+
+        try:
+            return int(psutil.Process(pid).memory_info().rss), "rss"
+        except psutil.Error:
+            return None, "rss"
+    from torchmem.devices import _nvml, _nvml_handle
+
+    nv = _nvml()
+    if nv is None:
+        return None, None
+    try:
+        h = _nvml_handle(nv, int(device.split(":")[1]))
+        for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+            if int(p.pid) == pid and p.usedGpuMemory is not None:
+                return int(p.usedGpuMemory), "nvml"
+    except Exception:  # noqa: BLE001 - the driver cannot say: shown as unknown
+        return None, "nvml"
+    return None, "nvml"
+
+
+def _check_pid(pid: int | None) -> None:
+    if pid is None:
+        return
+    import psutil
+
+    if not psutil.pid_exists(pid):
+        raise InvalidInputError(
+            f"--pid {pid}: no such process here; expected the id of a running process (see "
+            "'ps' or os.getpid() in your script)"
+        )
+
+
+def _reading(u: Any, pid: int | None) -> dict[str, Any]:
+    d = dict(u.as_dict())
+    d.pop("process", None)  # this command's own memory: not what anyone asks about
+    if pid is not None:
+        d["pid"] = pid
+        d["pid_bytes"], d["pid_measure"] = _pid_figure(pid, u.device)
+    return d
 
 
 def _devices(args: argparse.Namespace) -> list[str]:
@@ -79,16 +137,20 @@ def _devices(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _table(rows: list[Any]) -> str:
+def _table(rows: list[Any], pid: int | None = None) -> str:
     from torchmem.units import format_bytes
 
-    head = f"{'device':<8} {'total':>12} {'used':>12} {'used %':>7} {'process':>12} {'source':<10}"
+    extra = f" {'pid ' + str(pid):>12}" if pid is not None else ""
+    head = f"{'device':<8} {'total':>12} {'used':>12} {'used %':>7}{extra} {'source':<10}"
     lines = [head]
     for u in rows:
-        proc = format_bytes(u.process) if u.process is not None else "-"
+        cell = ""
+        if pid is not None:
+            n, _ = _pid_figure(pid, u.device)
+            cell = f" {format_bytes(n) if n is not None else '-':>12}"
         lines.append(
             f"{u.device:<8} {format_bytes(u.total):>12} {format_bytes(u.used):>12} "
-            f"{u.used_pct:>6.1f}% {proc:>12} {u.source:<10}"
+            f"{u.used_pct:>6.1f}%{cell} {u.source:<10}"
         )
     return "\n".join(lines)
 
@@ -97,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     """Print device usage; return 0.
 
     Example:
-        >>> run(argparse.Namespace(device=["cpu"], poll=0.0, interval=0.5, json=False))  # doctest: +ELLIPSIS
+        >>> run(argparse.Namespace(device=["cpu"], poll=0.0, interval=0.5, json=False, pid=None))  # doctest: +ELLIPSIS
         device ...
         0
     """
@@ -109,12 +171,14 @@ def run(args: argparse.Namespace) -> int:
             f"--interval {args.interval}"
         )
     devices = _devices(args)
+    pid = getattr(args, "pid", None)
+    _check_pid(pid)
     if args.poll == 0:
         rows = [poll_usage(d) for d in devices]
         if args.json:
-            print(json.dumps({"readings": [u.as_dict() for u in rows]}, indent=2))
+            print(json.dumps({"readings": [_reading(u, pid) for u in rows]}, indent=2))
         else:
-            print(_table(rows))
+            print(_table(rows, pid))
         return 0
 
     tty = sys.stderr.isatty()
@@ -132,9 +196,9 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(u)
             n += 1
             if args.json:
-                readings.extend(u.as_dict() for u in rows)
+                readings.extend(_reading(u, pid) for u in rows)
             elif rows:
-                print(_table(rows) + "\n", flush=True)
+                print(_table(rows, pid) + "\n", flush=True)
             left = end - time.monotonic()
             if tty:
                 print(f"\rtorchmem ledger: reading {n}, {max(left, 0):.1f}s left ", end="",

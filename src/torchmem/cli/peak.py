@@ -1,5 +1,10 @@
 """``torchmem peak FILE``: the peak of allocated memory and what was live then, by stack.
 
+The peak is named by its trace entry: "at trace entry #N" (``peak_index`` N in ``--json``) is
+the 0-based index of the entry in its device's trace as ``torchmem trace FILE`` prints it, the
+numbering the tracker summary and the viewer's ``#N`` use too; -1 (text: "before the first
+trace entry") when the state before the trace is the peak.
+
 Example:
     >>> from torchmem.cli import main
     >>> main(["peak", "tests/data/DeComFL__memory.pickle", "--top", "3"])  # doctest: +SKIP

@@ -1,9 +1,20 @@
 """``torchmem run script.py [args...]``: run a script under the tracker, save and summarise.
 
 The script runs like ``python script.py args`` (``__name__ == "__main__"``, ``sys.argv`` set,
-the script's folder first on ``sys.path``). The trace is written even when the script raises;
-the script's exit code is passed on (an exception prints the script's traceback and exits 1).
-``torchmem run --example`` runs a built-in training example instead.
+the script's folder first on ``sys.path``; a folder with a ``__main__.py`` runs that file, as
+python does). ``torchmem run [options] -m package.module args`` runs a module like
+``python -m``: everything after the module name goes to it, so torchmem's own options come
+before ``-m`` (the module's parent packages are imported, and the module compiled, before
+tracking starts). The trace is written even when the script raises; the script's exit code is
+passed on (an exception prints the script's traceback and exits 1). A script that does not
+compile prints Python's ``SyntaxError`` and exits 1 before anything runs: no trace is written.
+``torchmem run --example`` runs a built-in training example instead (giving a script too is an
+error).
+
+``--json`` prints the summary as one JSON document on stdout and nothing else: while the script
+runs, its standard output (``print``, and everything written to file descriptor 1, by child
+processes too) goes to stderr, so ``torchmem run --json train.py > summary.json`` stays
+parseable. torchmem's own messages always go to stderr with ``--json``.
 
 Example:
     >>> from torchmem.cli import main
@@ -15,11 +26,13 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from torchmem.errors import InvalidInputError, MissingFileError
@@ -42,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", nargs="?", help="Python script to run (like 'python script.py')")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.add_argument(
+        "-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ARGS",
+        help="run a module like 'python -m MODULE ARGS' (the rest of the line goes to it; put "
+             "torchmem's options before -m)",
+    )
+    parser.add_argument(
         "--example", action="store_true", help="run torchmem's built-in training example instead"
     )
     parser.add_argument(
@@ -57,7 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"also write a timeline PNG (default for --example: {DEFAULT_PLOT})",
     )
     parser.add_argument("--top", type=int, default=8, help="rows per summary table (default 8)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--json", action="store_true",
+        help="print the summary as JSON on stdout (the script's own output goes to stderr)",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not print the summary")
     parser.add_argument(
         "--host-interval", type=float, default=0.2, metavar="S",
@@ -85,15 +106,19 @@ def _user_traceback(exc: BaseException, script: str) -> str:
 
 
 def _run_script(
-    script: str, argv: list[str], namespace: dict[str, Any] | None = None
+    script: str, argv: list[str], namespace: dict[str, Any] | None = None, *, module: bool = False
 ) -> tuple[int, BaseException | None]:
-    """Run like python; the script's globals are copied into ``namespace`` when it returns."""
+    """Run like python (``module=True``: like ``python -m``); the script's globals are copied
+    into ``namespace`` when it returns."""
     old_argv = sys.argv[:]
-    folder = os.path.dirname(os.path.abspath(script))
+    folder = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
     sys.argv = [script, *argv]
     sys.path.insert(0, folder)
     try:
-        result = runpy.run_path(script, run_name="__main__")
+        if module:
+            result = runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            result = runpy.run_path(script, run_name="__main__")
         if namespace is not None:
             namespace.update(result)
         return 0, None
@@ -115,6 +140,93 @@ def _run_script(
             del sys.path[0]
 
 
+def _script_source(script: str) -> str:
+    """The file ``python script`` would run: the script, or a folder's ``__main__.py``."""
+    if os.path.isdir(script):
+        main_py = os.path.join(script, "__main__.py")
+        if not os.path.isfile(main_py):
+            raise InvalidInputError(
+                f"{script!r} is a directory with no __main__.py; expected a Python file "
+                "('torchmem run train.py'), a folder with a __main__.py, or a module to run "
+                "with -m ('torchmem run -m package.module')"
+            )
+        return main_py
+    if not os.path.isfile(script):
+        raise MissingFileError(
+            f"script {script!r} not found; expected a path to a Python file",
+            path=script,
+            kind="script",
+        )
+    return script
+
+
+def _module_code(name: str) -> Any:
+    """Compile module ``name`` (a package: its ``__main__``) as ``python -m`` would find it."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        try:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations is not None:
+                spec = importlib.util.find_spec(name + ".__main__")
+        except SyntaxError:
+            raise  # in a parent package: Python's message, as for the module itself
+        except Exception as e:  # noqa: BLE001 - a parent package failed to import: say so
+            spec, why = None, f" (importing its package failed: {type(e).__name__}: {e})"
+        else:
+            why = ""
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            raise InvalidInputError(
+                f"no module named {name!r}{why}; expected a module importable from here, as "
+                f"'python -m {name}' would find it (check the name and the current folder)"
+            )
+        return spec.loader.get_code(spec.name)
+    finally:
+        if sys.path and sys.path[0] == os.getcwd():
+            del sys.path[0]
+
+
+def _compiles(script: str, module: bool) -> bool:
+    """Compile the script before anything runs; on a SyntaxError print Python's message."""
+    try:
+        if module:
+            _module_code(script)
+        else:
+            path = _script_source(script)
+            with open(path, "rb") as f:
+                compile(f.read(), path, "exec")
+    except SyntaxError as e:  # IndentationError, TabError too
+        sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, everything written to stdout (Python's and file descriptor 1, child
+    processes' too) goes to stderr, so stdout carries only torchmem's JSON."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved_fd = None
+    try:
+        saved_fd = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no real descriptors (an embedding host): Python-level only
+        saved_fd = None
+    saved, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stdout = saved
+        if saved_fd is not None:
+            os.dup2(saved_fd, 1)
+            os.close(saved_fd)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the script (or the example) under :func:`torchmem.track`; return its exit code.
 
@@ -125,18 +237,31 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.InvalidInputError: expected a script to run...
     """
+    module_argv = getattr(args, "module", None)
+    if module_argv is not None:
+        if not module_argv:
+            raise InvalidInputError("expected a module name after -m, e.g. 'torchmem run -m "
+                                    "mypkg.train --epochs 1'")
+        if args.script:
+            raise InvalidInputError(
+                f"got both a script ({args.script!r}) and -m {module_argv[0]}; pass one of them "
+                "(torchmem's options go before -m, the module's after it)"
+            )
+        args.script, args.args = module_argv[0], module_argv[1:]
+    as_module = module_argv is not None
+    if args.example and args.script:
+        raise InvalidInputError(
+            f"--example runs torchmem's built-in example, and {args.script!r} was given too; "
+            "pass either --example or a script to run, not both"
+        )
     if not args.example and not args.script:
         raise InvalidInputError(
-            "expected a script to run, e.g. 'torchmem run train.py --epochs 1', or "
-            "'torchmem run --example' for the built-in training example"
+            "expected a script to run, e.g. 'torchmem run train.py --epochs 1', "
+            "'torchmem run -m package.module', or 'torchmem run --example' for the built-in "
+            "training example"
         )
-    if args.script and not args.example:
-        if not os.path.isfile(args.script):
-            raise MissingFileError(
-                f"script {args.script!r} not found; expected a path to a Python file",
-                path=args.script,
-                kind="script",
-            )
+    if args.script and not as_module:
+        _script_source(args.script)  # a clear error for a missing file or a plain folder
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
     host_interval = getattr(args, "host_interval", 0.2)
@@ -153,9 +278,13 @@ def run(args: argparse.Namespace) -> int:
             "folder; create the folder or pass another path"
         )
 
+    if args.script and not _compiles(args.script, as_module):
+        return 1  # Python's SyntaxError is printed; nothing ran, so no trace is written
+
     from torchmem.capture.tracker import track
 
-    label = "torchmem example (MLP + Adam, 4 steps)" if args.example else args.script
+    label = ("torchmem example (MLP + Adam, 4 steps)" if args.example
+             else f"-m {args.script}" if as_module else args.script)
     print(f"torchmem: tracking {label} ...", file=sys.stderr)
     meta: dict[str, Any] = {"command": ["torchmem", "run", *sys.argv[2:]] if sys.argv else []}
     code = 0
@@ -178,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
 
                 example_main()
             else:
-                code, exc = _run_script(args.script, list(args.args), namespace)
+                with _stdout_to_stderr(bool(args.json)):
+                    code, exc = _run_script(args.script, list(args.args), namespace,
+                                            module=as_module)
     finally:
         if sampler is not None:
             sampler.stop()

@@ -1,5 +1,9 @@
 """``torchmem summary TRACE [--json]``: summarise a saved trace (no torch needed).
 
+The peak is named by its trace entry ``#N`` (``peak_index`` in ``--json``), numbered as
+``torchmem trace TRACE`` prints the device's entries, like ``torchmem peak`` and the viewer;
+``peak_seq`` in ``--json`` is the row of the tracker's event table (``Event.seq``).
+
 Example:
     >>> from torchmem.cli import main
     >>> main(["summary", "/no/such.tmtrace"])

@@ -25,7 +25,10 @@ from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.model.events import Event, EventKind
 from torchmem.model.snapshot import Block, DeviceTrace, Frame, Segment, Snapshot, SourceInfo
 
-__all__ = ["snapshot_from_trace", "snapshot_from_events", "default_device_index", "CPU_NOTE"]
+__all__ = [
+    "snapshot_from_trace", "snapshot_from_events", "default_device_index", "event_entry_index",
+    "CPU_NOTE",
+]
 
 #: The honest description attached to snapshots built from CPU (or other non-CUDA) tracker runs.
 CPU_NOTE = (
@@ -116,6 +119,57 @@ def snapshot_from_trace(
     if devices and device_index is None:
         device_index = default_device_index(devices)
     return snapshot_from_events(events, device_index=device_index, with_segments=with_segments)
+
+
+def event_entry_index(trace: Any, seq: int, *, with_segments: bool = True) -> int:
+    """The trace entry that tracker event ``seq`` becomes in :func:`snapshot_from_trace`.
+
+    torchmem numbers every point of a run one way: the 0-based index of a trace entry in its
+    device's trace, as ``torchmem trace`` prints it (``torchmem peak``'s ``#N`` and
+    ``peak_index``, the summary's peak and the viewer's ``#N`` use the same). A tracker event
+    becomes several entries (see :func:`snapshot_from_events`); this is the index of its
+    ``alloc`` entry (an allocation) or its ``free_completed`` entry (a free), counted on the
+    event's own device. Markers and frees of storages allocated before tracking started become
+    no entry: -1. ``trace`` is a :class:`~torchmem.model.trace.Trace`.
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> tr = Trace()
+        >>> _ = tr.append(EventKind.ALLOC, 0, "cpu", 8, 1)     # entries 0, 1 (segment_alloc, alloc)
+        >>> _ = tr.append(EventKind.ALLOC, 1, "cpu", 8, 2)     # entries 2, 3
+        >>> _ = tr.append(EventKind.FREE, 2, "cpu", 8, 1)      # entries 4, 5, 6
+        >>> [event_entry_index(tr, i) for i in range(3)]
+        [1, 3, 5]
+        >>> [e.action for e in snapshot_from_trace(tr).trace(0)][5]
+        'free_completed'
+    """
+    if not 0 <= seq < len(trace):
+        raise InvalidInputError(
+            f"event_entry_index: expected an event index in 0..{len(trace) - 1}, got {seq}"
+        )
+    kind, dev, sid = trace.kind, trace.device, trace.storage
+    want = dev[seq]
+    alloc, free = int(EventKind.ALLOC), int(EventKind.FREE)
+    per_alloc, per_free = (2, 3) if with_segments else (1, 2)
+    live: set[int] = set()
+    n = 0  # entries emitted on this device before event i
+    for i in range(seq + 1):
+        if dev[i] != want:
+            continue
+        k = kind[i]
+        if k == alloc:
+            if i == seq:
+                return n + per_alloc - 1
+            live.add(sid[i])
+            n += per_alloc
+        elif k == free:
+            known = sid[i] in live
+            if i == seq:
+                return n + 1 if known else -1
+            if known:
+                live.discard(sid[i])
+                n += per_free
+    return -1
 
 
 def snapshot_from_events(

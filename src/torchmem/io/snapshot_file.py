@@ -9,7 +9,9 @@ normalises them into one :class:`~torchmem.model.snapshot.Snapshot`.
 Safe by construction: pickles are read by :class:`SafeUnpickler`, the C-accelerated
 ``pickle.Unpickler`` with ``find_class`` and ``persistent_load`` refusing everything, so only
 plain containers and scalars can be built. A pickle that tries to import or call anything raises
-:class:`~torchmem.errors.UnsafePickleError` naming the file and the global, and nothing runs.
+:class:`~torchmem.errors.UnsafePickleError` naming the file and the global, and nothing runs. A
+file that is no pickle at all (a PNG renamed ``.pickle``, a directory) raises
+:class:`~torchmem.errors.SnapshotFormatError` saying what it is before any unpickling.
 
 Example:
     >>> import io, pickle
@@ -17,6 +19,10 @@ Example:
     >>> load_snapshot(io.BytesIO(raw)).source.format
     'dict'
     >>> evil = b"cos\\nsystem\\n(S'echo hi'\\ntR."
+    >>> load_snapshot(io.BytesIO(b"\\x89PNG\\r\\n\\x1a\\n..."))
+    Traceback (most recent call last):
+    ...
+    torchmem.errors.SnapshotFormatError: <stream>: not a pickle (a PNG image (a timeline plot?)); expected a memory snapshot: a pickle from torch.cuda.memory._dump_snapshot, torchmem's JSON or a .tmtrace file
     >>> load_snapshot(io.BytesIO(evil))
     Traceback (most recent call last):
     ...
@@ -93,6 +99,33 @@ def _pickle_protocol(head: bytes) -> int | None:
     return None
 
 
+#: Signatures of files that get renamed or mixed up with snapshots, and what they are.
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "a PNG image (a timeline plot?)"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+    (b"%PDF", "a PDF document"),
+    (b"\x7fELF", "an executable (ELF)"),
+    (b"TMTRACE\x00", "a torchmem trace (.tmtrace): name it .tmtrace"),
+    (b"\x93NUMPY", "a NumPy array (.npy)"),
+    (b"SQLite format 3", "an SQLite database"),
+)
+#: Bytes a pickle can start with: its opcodes (protocols 2-5 start with PROTO, ``\\x80``).
+_PICKLE_STARTS = frozenset(ord(op.code) for op in pickletools.opcodes)
+
+
+def _not_a_pickle(head: bytes) -> str | None:
+    """Why ``head`` cannot start a pickled snapshot, or ``None`` when it can."""
+    for magic, what in _MAGIC:
+        if head.startswith(magic):
+            return what
+    if not head or head[0] not in _PICKLE_STARTS:
+        return None if not head else f"it starts with bytes {head[:12]!r}"
+    if head[0] == 0x80 and (len(head) < 2 or not 2 <= head[1] <= 5):
+        return f"it starts with bytes {head[:12]!r} (no pickle protocol 2-5 header)"
+    return None
+
+
 def _describe_bad(data_head: bytes) -> str:
     if not data_head:
         return "the file is empty"
@@ -102,6 +135,9 @@ def _describe_bad(data_head: bytes) -> str:
         return "it is a zip archive (a torch.save checkpoint?), not a memory snapshot"
     if data_head[:15] == b"<!DOCTYPE html>" or data_head[:5].lower() == b"<html":
         return "it is an HTML page (a viewer output?), not a snapshot"
+    for magic, what in _MAGIC:
+        if data_head.startswith(magic):
+            return f"it is {what}"
     return f"it starts with bytes {data_head[:12]!r}"
 
 
@@ -136,6 +172,13 @@ def _load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
                 path=name,
                 kind="snapshot",
             ) from None
+        except IsADirectoryError:
+            raise SnapshotFormatError(
+                f"{name}: is a directory; expected a memory snapshot file (from "
+                "torch.cuda.memory._dump_snapshot or torchmem.write_snapshot) or a .tmtrace "
+                "file: name one of the files inside it",
+                path=name,
+            ) from None
         except OSError as e:
             raise SnapshotFormatError(f"{name}: cannot open: {e.strerror}", path=name) from None
         close = True
@@ -162,6 +205,12 @@ def _load_raw(source: PathLike | IO[bytes]) -> tuple[Any, str, int | None]:
                     "truncated or corrupt"
                 ) from None
         protocol = _pickle_protocol(head)
+        why = _not_a_pickle(head)
+        if why is not None:
+            raise SnapshotFormatError(
+                f"{name}: not a pickle ({why}); expected a memory snapshot: a pickle from "
+                "torch.cuda.memory._dump_snapshot, torchmem's JSON or a .tmtrace file"
+            )
         try:
             obj = SafeUnpickler(f, name).load()
         except UnsafePickleError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from torchmem.render.text import plain_table, shorten_site, signed_bytes
 from torchmem.units import format_bytes
 
 __all__ = ["render_stats", "render_peak", "render_diff", "render_trace", "render_oom"]
@@ -102,14 +103,16 @@ def render_peak(report: Any) -> str:
 
     Example:
         >>> from torchmem.analysis._peak import PeakReport, DevicePeak
-        >>> print(render_peak(PeakReport([DevicePeak(0, "cuda:0", 1024, 3, None, 0, 512, 4)])).splitlines()[0])
-        cuda:0: peak allocated 1.00 KiB after trace entry 3 of 4 (start 0 B, end 512 B)
+        >>> print(render_peak(PeakReport([DevicePeak(0, "cuda:0", 1024, 2, None, 0, 512, 4)])).splitlines()[0])
+        cuda:0: peak allocated 1.00 KiB at trace entry #2 (entries #0-#3; start 0 B, end 512 B)
     """
     out: list[str] = []
     for d in report.devices:
+        where = (f"at trace entry #{d.peak_index}" if d.peak_index >= 0
+                 else "before the first trace entry")
         out.append(
-            f"{d.name}: peak allocated {_b(d.peak_allocated_bytes)} after trace entry "
-            f"{d.peak_index} of {d.trace_entries} (start {_b(d.initial_allocated_bytes)}, "
+            f"{d.name}: peak allocated {_b(d.peak_allocated_bytes)} {where} "
+            f"(entries #0-#{d.trace_entries - 1}; start {_b(d.initial_allocated_bytes)}, "
             f"end {_b(d.end_allocated_bytes)})"
         )
         if not d.consistent:
@@ -125,35 +128,113 @@ def render_peak(report: Any) -> str:
 
 
 def render_diff(diff: Any, top: int | None = 20) -> str:
-    """Render :class:`~torchmem.analysis._diff.SnapshotDiff`.
+    """Render :class:`~torchmem.analysis._diff.SnapshotDiff` or
+    :class:`~torchmem.analysis._diff.TraceDiff`: signed changes (``+3.00 GiB``), largest first.
+
+    ``top`` limits the rows of each table (``None`` or 0: all).
 
     Example:
         >>> from torchmem.analysis._diff import SnapshotDiff
         >>> render_diff(SnapshotDiff([], {}))
         'no differences in allocated blocks\\n'
     """
+    from torchmem.analysis._diff import TraceDiff
+
+    if isinstance(diff, TraceDiff):
+        return _render_trace_diff(diff, top)
     out: list[str] = []
     for dev, t in diff.totals.items():
+        if diff.at == "peak":
+            out.append(
+                f"device {dev}: peak allocated {_b(t['peak_bytes_before'])} -> "
+                f"{_b(t['peak_bytes_after'])} ({signed_bytes(t['peak_bytes_delta'])}); at trace "
+                f"entry {_entry(t['peak_index_before'])} -> {_entry(t['peak_index_after'])}"
+            )
+            continue
         out.append(
             f"device {dev}: reserved {_b(t['reserved_bytes_before'])} -> "
-            f"{_b(t['reserved_bytes_after'])} ({_b(t['reserved_bytes_delta'])}), allocated "
-            f"{_b(t['allocated_bytes_before'])} -> {_b(t['allocated_bytes_after'])} "
-            f"({_b(t['allocated_bytes_delta'])}); segments only before {t['segments_only_before']}, "
-            f"only after {t['segments_only_after']}"
+            f"{_b(t['reserved_bytes_after'])} ({signed_bytes(t['reserved_bytes_delta'])}), "
+            f"allocated {_b(t['allocated_bytes_before'])} -> {_b(t['allocated_bytes_after'])} "
+            f"({signed_bytes(t['allocated_bytes_delta'])}); segments only before "
+            f"{t['segments_only_before']}, only after {t['segments_only_after']}"
         )
     rows = diff.rows[:top] if top else diff.rows
     if not rows:
-        out.append("no differences in allocated blocks")
+        out.append("no differences in allocated blocks"
+                   + (" live at the peak" if diff.at == "peak" else ""))
+    else:
+        out.append(f"live at the {diff.at}, by stack (after - before, largest change first):")
     for r in rows:
-        sign = "+" if r.delta_bytes > 0 else ""
         out.append(
-            f"  {sign}{_b(r.delta_bytes):>12}  ({_b(r.before_bytes)} -> {_b(r.after_bytes)}, "
+            f"  {signed_bytes(r.delta_bytes):>12}  ({_b(r.before_bytes)} -> {_b(r.after_bytes)}, "
             f"{r.before_count} -> {r.after_count} blocks)  dev {r.device}  {r.stack[0]}"
         )
         for fr in r.stack[1:]:
             out.append(f"  {'':>13}  {fr}")
     if top and len(diff.rows) > top:
         out.append(f"  ... {len(diff.rows) - top} more stacks (use --top 0 for all)")
+    return "\n".join(out) + "\n"
+
+
+def _entry(index: int) -> str:
+    return f"#{index}" if index >= 0 else "(none)"
+
+
+_GROUP_TITLES = {"category": "category", "module": "module", "operator": "operator",
+                 "call_site": "call site", "phase": "phase"}
+
+
+def _render_trace_diff(d: Any, top: int | None) -> str:
+    from torchmem.render.summary import short_site
+
+    point = {"peak": "the peak", "end": "the end"}.get(d.at, f"the peak of iteration {d.at[5:]}")
+    dev = d.device_before if d.device_before == d.device_after else (
+        f"{d.device_before} -> {d.device_after}")
+    out = [
+        f"live at {point} on {dev}: {_b(d.before_bytes)} -> {_b(d.after_bytes)} "
+        f"({signed_bytes(d.delta_bytes)}); trace entry {_entry(d.before_index)} -> "
+        f"{_entry(d.after_index)}",
+        f"run peaks: {_b(d.peak_before)} -> {_b(d.peak_after)} "
+        f"({signed_bytes(d.peak_after - d.peak_before)})",
+    ]
+    for name, rows in d.groups.items():
+        changed = [g for g in rows if g.delta_bytes or g.before_count != g.after_count]
+        if name == "phase" or not changed:
+            continue
+        shown = changed[:top] if top else changed
+        cells = [[signed_bytes(g.delta_bytes), _b(g.before_bytes), _b(g.after_bytes),
+                  f"{g.before_count} -> {g.after_count}",
+                  shorten_site(short_site(g.name)) if name == "call_site" else g.name]
+                 for g in shown]
+        out.append("")
+        out.append(f"by {_GROUP_TITLES[name]} (after - before, largest change first):")
+        table = plain_table(["change", "before", "after", "storages", _GROUP_TITLES[name]],
+                            cells, right=3)
+        out += ["  " + line for line in table.splitlines()]
+        if len(changed) > len(shown):
+            out.append(f"  ... {len(changed) - len(shown)} more (use --top 0 for all)")
+    if all(not g.delta_bytes and g.before_count == g.after_count
+           for rows in d.groups.values() for g in rows):
+        out.append(f"no differences in what was live at {point}")
+    if d.iterations:
+        cells = []
+        for it in d.iterations:
+            x = it.to_dict()
+            step = str(it.step) if x["complete"] else f"{it.step} (after last step)"
+            cells.append([
+                step,
+                _b(x["peak_bytes_before"]) if it.before else "-",
+                _b(x["peak_bytes_after"]) if it.after else "-",
+                signed_bytes(x["peak_bytes_delta"]),
+                signed_bytes(x["retained_growth_before"]) if it.before else "-",
+                signed_bytes(x["retained_growth_after"]) if it.after else "-",
+            ])
+        out.append("")
+        out.append("per iteration (peak of each iteration; retained growth = live at its end "
+                   "minus live at its start):")
+        table = plain_table(["step", "peak before", "peak after", "change", "growth before",
+                             "growth after"], cells, right=6)
+        out += ["  " + line for line in table.splitlines()]
     return "\n".join(out) + "\n"
 
 

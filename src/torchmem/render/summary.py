@@ -20,7 +20,7 @@ import sys
 from typing import IO, Any
 
 from torchmem.analysis.summary import TraceSummary
-from torchmem.render.text import rich_table
+from torchmem.render.text import rich_table, shorten_site
 from torchmem.units import format_bytes
 
 __all__ = ["render_summary", "summary_json"]
@@ -82,7 +82,7 @@ def render_summary(
     peak = s.peak.get(s.device, 0)
     others = ", ".join(f"{d} {format_bytes(b)}" for d, b in s.peak.items() if d != s.device)
     console.print(
-        f"[bold]Peak {format_bytes(peak)} on {s.device}[/bold] at event {s.peak_seq} "
+        f"[bold]Peak {format_bytes(peak)} on {s.device}[/bold] at trace entry #{s.peak_index} "
         f"({s.peak_time_ns / 1e6:.1f} ms); {s.events} events, {s.steps} step marker(s)"
         + (f"; other devices: {others}" if others else "")
     )
@@ -95,7 +95,7 @@ def render_summary(
             for name, b, c in rows
         ]
         console.print(rich_table(title, [first, "bytes", "%", "storages"], cells,
-                                 right=_NUMBERS, fold=(first,), show_edge=False, pad_edge=False))
+                                 right=_NUMBERS, no_wrap=(first,), show_edge=False, pad_edge=False))
 
     if s.categories_at_peak:
         cells = [(cat, format_bytes(b), f"{100.0 * b / peak:.1f}" if peak else "-")
@@ -105,7 +105,10 @@ def render_summary(
     table("Live at the peak, by module", s.top_modules_at_peak, "module", peak)
     table("Live at the peak, by operator", s.top_ops_at_peak, "operator", peak)
     if s.top_stacks_at_peak:
-        sites = [(short_site(name), b, c) for name, b, c in s.top_stacks_at_peak]
+        # the bytes, % and storages columns take about 35 characters; the site gets the rest
+        budget = max(30, console.width - 36)
+        sites = [(shorten_site(short_site(name), budget), b, c)
+                 for name, b, c in s.top_stacks_at_peak]
         table("Live at the peak, by call site", sites, "call site", peak)
     total_alloc = sum(b for _, b, _ in s.top_ops_allocated)
     table("Allocated over the run, by operator", s.top_ops_allocated, "operator", total_alloc)
@@ -141,7 +144,9 @@ def short_site(site: str, cwd: str | None = None) -> str:
     """Shorten a ``"file:line:function"`` call site for a table (JSON keeps the full path).
 
     Paths under the working directory become relative; paths inside an installed package keep
-    only what follows ``site-packages/``.
+    only what follows ``site-packages/``. Tables then fit what is left to their width with
+    :func:`~torchmem.render.text.shorten_site` (the file's last parts, the line, the function;
+    never split).
 
     Example:
         >>> short_site("/venv/lib/python3.11/site-packages/pkg/train.py:56:main")
