@@ -191,8 +191,6 @@ def _device_figures(model: Snapshot) -> dict[int, dict[str, Any]]:
                   "end_allocated_bytes", "consistent"):
             if k in pk:
                 d[k] = pk[k]
-        if "peak_index" in pk:  # the page counts entries applied (its slider); #N = that - 1
-            d["peak_index"] = pk["peak_index"] + 1
         d["at_peak"] = pk.get("at_peak", [])
         d["oom_reports"] = [o for o in ooms if int(o.get("device", -1)) == dev]
         out[dev] = d
