@@ -68,9 +68,10 @@ TOP_LEVEL = [
 #: Every namespace a user imports, with its curated ``__all__``.
 NAMESPACES: dict[str, list[str]] = {
     "torchmem.analysis": [
-        "DevicePeak", "DeviceStats", "DiffRow", "IterationStat", "OomEvent", "PeakReport",
+        "CreepReport", "DevicePeak", "DeviceStats", "DiffRow", "IterationMemory",
+        "IterationStat", "OomEvent", "OomExplanation", "PeakReport",
         "PoolStats", "SnapshotDiff", "SnapshotStats", "StackGroup", "TraceRow", "TraceSummary",
-        "diff", "events", "flame", "oom", "peak", "stats", "summarize",
+        "creep", "diff", "events", "explain_oom", "flame", "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
         "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",

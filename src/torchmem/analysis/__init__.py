@@ -13,6 +13,8 @@ diff          what grew and shrank between two snapshots          ``torchmem.sna
 events        the trace with running allocated/reserved totals    ``torchmem.snapshot_trace``
 flame         folded stacks for flame-graph tools                 ``torchmem.folded_stacks``
 oom           out-of-memory entries explained                     ``torchmem.oom_report``
+explain_oom   why an OOM happened, the fix, or the closest call   (new)
+creep         reserved creeping up over iterations (late OOMs)    (new)
 summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
 ============  ==================================================  ============================
 
@@ -36,10 +38,11 @@ Example:
 
 from __future__ import annotations
 
+from torchmem.analysis._creep import CreepReport, IterationMemory, creep
 from torchmem.analysis._diff import DiffRow, SnapshotDiff, diff
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
-from torchmem.analysis._oom import OomEvent, oom
+from torchmem.analysis._oom import OomEvent, OomExplanation, explain_oom, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
 from torchmem.analysis.frames import StackGroup
@@ -52,6 +55,8 @@ __all__ = [
     "events",
     "flame",
     "oom",
+    "explain_oom",
+    "creep",
     "summarize",
     "SnapshotStats",
     "DeviceStats",
@@ -63,6 +68,9 @@ __all__ = [
     "DiffRow",
     "TraceRow",
     "OomEvent",
+    "OomExplanation",
+    "CreepReport",
+    "IterationMemory",
     "TraceSummary",
     "IterationStat",
 ]
