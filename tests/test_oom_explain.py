@@ -279,3 +279,112 @@ def test_a_real_trace_is_split_at_its_own_annotations() -> None:
 def test_a_trace_without_markers_says_so() -> None:
     (c,) = creep(load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle"))
     assert c.iterations == [] and "no iteration markers" in c.text
+
+
+# --------------------------------------------------------------------------- oom_guard
+
+#: The messages of PyTorch's allocators, as their sources write them (see OOM_MESSAGES).
+REAL_MESSAGES = [
+    ("cpu-windows", RuntimeError, "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+     "not enough memory: you tried to allocate 911360 bytes.", 911_360),
+    ("cuda-allocator", "OutOfMemoryError", "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
+     "capacity of 79.19 GiB of which 3.06 MiB is free.", 20 * MiB),
+    ("cuda-runtime", RuntimeError, "CUDA error: out of memory\nCUDA kernel errors might be "
+     "asynchronously reported", None),
+    ("hip", "OutOfMemoryError", "HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+     "capacity of 63.98 GiB", 2 << 30),
+    ("mps", RuntimeError, "MPS backend out of memory (MPS allocated: 7.64 GiB, other allocations: "
+     "68.91 GiB, max allowed: 88.13 GiB). Tried to allocate 33.92 GiB on private pool. Use "
+     "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may "
+     "cause system failure).", int(33.92 * (1 << 30))),
+    ("xpu", "OutOfMemoryError", "XPU out of memory. Tried to allocate 512.00 MiB. GPU 0 has a "
+     "total capacity of 15.11 GiB of which 1.00 MiB is free.", 512 * MiB),
+    ("cublas", RuntimeError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+     "`cublasCreate(handle)`", None),
+]
+
+
+@pytest.mark.parametrize("kind, cls, message, size", REAL_MESSAGES, ids=[m[0] for m in REAL_MESSAGES])
+def test_every_allocators_oom_is_recognised(kind: str, cls: Any, message: str, size: int | None) -> None:
+    import torch
+
+    from torchmem.capture.recording import is_oom_error, requested_bytes
+
+    exc_type = getattr(torch, cls) if isinstance(cls, str) else cls
+    exc = exc_type(message)
+    assert is_oom_error(exc), kind
+    assert requested_bytes(exc) == size
+
+
+def test_errors_that_are_not_oom_pass_through() -> None:
+    import torch
+
+    from torchmem.capture.recording import is_oom_error
+
+    try:
+        torch.empty(1 << 62)  # the size computation overflows: not a memory error
+    except RuntimeError as e:
+        assert "overflow" in str(e) and not is_oom_error(e)
+    assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom_error(ValueError("out of memory"))  # only PyTorch's error types
+
+
+def test_oom_guard_catches_the_real_cpu_error_and_explains_it(tmp_path: Path) -> None:
+    import psutil
+    import torch
+
+    from torchmem.capture.recording import oom_guard
+
+    p = tmp_path / "cpu.pickle"
+    guard = oom_guard(p, device="cpu")
+    # 1 PiB of uint8: beyond any machine's address space, so the allocator fails at once
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):
+        with guard:
+            keep = torch.empty(1000)
+            torch.empty(1 << 50, dtype=torch.uint8)
+    assert keep.numel() == 1000
+    assert guard.written == str(p)
+    assert guard.explained == [f"{p}.oom.txt", f"{p}.oom.json"]
+    t = load_snapshot(p).trace(0)
+    last = t[len(t) - 1]
+    assert (last.action, last.size) == ("oom", 1 << 50)
+    assert 0 < last.device_free <= psutil.virtual_memory().total
+    doc = json.loads(Path(f"{p}.oom.json").read_text())
+    (x,) = doc["explanations"]
+    assert (x["verdict"], x["request_bytes"]) == ("exhaustion", 1 << 50)
+    assert x["missing_bytes"] == (1 << 50) - last.device_free
+    assert x["allocated_bytes"] == 4000  # the one tracked tensor
+    assert Path(f"{p}.oom.txt").read_text() == x["text"]
+    assert x["text"].startswith("Host out of memory on cpu at trace entry")
+
+
+def test_oom_guard_without_explain_writes_only_the_snapshot(tmp_path: Path) -> None:
+    from torchmem.capture.recording import oom_guard
+
+    p = tmp_path / "plain.pickle"
+    with pytest.raises(MemoryError):
+        with oom_guard(p, device="cpu", explain=False):
+            raise MemoryError("host ran out")
+    assert p.exists() and not Path(f"{p}.oom.txt").exists()
+
+
+@pytest.mark.cuda
+def test_oom_guard_on_a_real_cuda_oom(tmp_path: Path) -> None:
+    import torch
+
+    from torchmem.capture.recording import oom_guard
+
+    p = tmp_path / "cuda.pickle"
+    free, total = torch.cuda.mem_get_info()
+    with pytest.raises(torch.OutOfMemoryError):
+        with oom_guard(p, device="cuda"):
+            keep = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            torch.empty(total * 2, dtype=torch.uint8, device="cuda")
+    del keep
+    snap = load_snapshot(p)
+    t = snap.trace(0)
+    oom = next(t[i] for i in range(len(t)) if t[i].action == "oom")
+    assert oom.size >= total * 2  # PyTorch records the rounded request
+    x = json.loads(Path(f"{p}.oom.json").read_text())["explanations"][0]
+    assert x["verdict"] == "exhaustion" and x["missing_bytes"] > total
+    assert x["device_free_bytes"] == oom.device_free

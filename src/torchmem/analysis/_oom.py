@@ -408,7 +408,8 @@ def explain_oom(snap: Snapshot, device: int | None = None) -> list[OomExplanatio
     devices = snap.devices if device is None else [device]
     events = [e for e in oom_report(snap) if e.device in devices]
     if events:
-        return [_explain(snap, e) for e in events]
+        return [_explain(snap, e) if e.name.startswith("cuda") else _explain_host(snap, e)
+                for e in events]
     return [_closest(snap, dev) for dev in devices]
 
 
@@ -505,6 +506,36 @@ def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:
     )
     e.text = _oom_text(e, cfg, fits, sim)
     return e
+
+
+def _explain_host(snap: Snapshot, ev: OomEvent) -> OomExplanation:
+    """A host (CPU) OOM: no caching allocator, so the request against what the OS had free."""
+    dev, i, size, free = ev.device, ev.index, ev.requested_bytes, ev.device_free_bytes
+    live = sum(b.size for s in snap.segments_of(dev) for b in s.blocks if b.is_allocated)
+    if i <= DeviceReplay(snap, dev).last_change:
+        live = ev.allocated_bytes
+    missing = max(0, size - free)
+    t = snap.trace(dev)
+    why = t[i].user_metadata or ""
+    text = (
+        f"Host out of memory on {ev.name} at trace entry {i}: a request of {_fb(size)} "
+        f"({size} B); the OS had {_fb(free)} available; tracked tensors held {_fb(live)}\n"
+        + (f"  error         {why}\n" if why else "")
+    )
+    if missing:
+        text += (f"  verdict       exhaustion: {_fb(missing)} ({missing} B) more than the OS had "
+                 "available; a CPU has no caching allocator, so no allocator setting helps: "
+                 "reduce the sizes or process the data in chunks\n")
+    else:
+        text += ("  verdict       exhaustion: the request is within what the OS reported "
+                 "available, so another limit refused it (address space, ulimit -v, a cgroup "
+                 "memory limit or the overcommit policy)\n")
+    return OomExplanation(
+        device=dev, request_bytes=size, stream=t.streams[i], device_free_bytes=free,
+        reserved_bytes=live, allocated_bytes=live, largest_free_block_bytes=None,
+        verdict="exhaustion", missing_bytes=missing, fix=None, text=text, name=ev.name,
+        index=i, alloc_bytes=size, stack=_stack(snap, dev, i),
+    )
 
 
 def _closest(snap: Snapshot, dev: int) -> OomExplanation:

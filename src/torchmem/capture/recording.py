@@ -51,6 +51,8 @@ __all__ = [
     "dump_snapshot",
     "oom_guard",
     "is_oom_error",
+    "requested_bytes",
+    "OOM_MESSAGES",
     "DEFAULT_MAX_ENTRIES",
 ]
 
@@ -333,32 +335,106 @@ def snapshot(device: Any = None) -> Snapshot:
     )
 
 
+#: Message fragments of PyTorch's out-of-memory errors (matched case-insensitively), per
+#: allocator: CPU (``c10/core/impl/alloc_cpu.cpp``: "DefaultCPUAllocator: can't allocate memory:
+#: you tried to allocate N bytes. Error code 12 (Cannot allocate memory)" on POSIX, "...: not
+#: enough memory: ..." on Windows); CUDA ("CUDA out of memory. Tried to allocate ...", a
+#: ``torch.OutOfMemoryError``; "CUDA error: out of memory" from CUDA calls outside the
+#: allocator; "Tried to allocate more than 1EB memory"); ROCm ("HIP out of memory"); MPS ("MPS
+#: backend out of memory (MPS allocated: ...)", a ``RuntimeError``); XPU ("XPU out of memory.
+#: Tried to allocate ...", a ``torch.OutOfMemoryError``); cuBLAS and cuDNN workspace failures
+#: (``CUBLAS_STATUS_ALLOC_FAILED``, ``CUDNN_STATUS_ALLOC_FAILED``).
+OOM_MESSAGES: tuple[str, ...] = (
+    "out of memory",
+    "defaultcpuallocator: can't allocate memory",
+    "defaultcpuallocator: not enough memory",
+    "tried to allocate more than 1eb memory",
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+)
+
+_UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "PIB": 1 << 50,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
 def is_oom_error(exc: BaseException) -> bool:
-    """True for out-of-memory errors: ``torch.OutOfMemoryError`` (and CUDA's), ``MemoryError``,
-    and ``RuntimeError`` whose message says "out of memory".
+    """True for PyTorch's out-of-memory errors, on every allocator it has.
+
+    ``torch.OutOfMemoryError`` (CUDA, XPU; also ``torch.cuda.OutOfMemoryError``), Python's
+    ``MemoryError``, and a ``RuntimeError`` whose message has one of :data:`OOM_MESSAGES` (the
+    CPU allocator's "DefaultCPUAllocator: can't allocate memory", MPS, HIP, cuBLAS, cuDNN).
 
     Example:
-        >>> is_oom_error(MemoryError()), is_oom_error(RuntimeError("CUDA out of memory")), is_oom_error(ValueError())
+        >>> import torch
+        >>> try:
+        ...     torch.empty(1 << 50, dtype=torch.uint8)   # 1 PiB: the CPU allocator refuses it
+        ... except RuntimeError as e:
+        ...     real = e
+        >>> is_oom_error(real), is_oom_error(MemoryError()), is_oom_error(ValueError("x"))
         (True, True, False)
     """
     oom_types: tuple[type[BaseException], ...] = (MemoryError,)
-    for name in ("OutOfMemoryError",):
-        t = getattr(torch, name, None) or getattr(torch.cuda, name, None)
+    for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)):
         if isinstance(t, type):
             oom_types += (t,)
     if isinstance(exc, oom_types):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(m in text for m in OOM_MESSAGES)
+
+
+def _is_host_oom(exc: BaseException) -> bool:
+    """A host-memory OOM: ``MemoryError`` or the CPU allocator's error."""
+    return isinstance(exc, MemoryError) or "defaultcpuallocator" in str(exc).lower()
+
+
+def requested_bytes(exc: BaseException) -> int | None:
+    """The size an out-of-memory error says was requested, in bytes (``None`` if it does not say).
+
+    Reads the CPU allocator's "you tried to allocate N bytes" and the CUDA/XPU/HIP/MPS
+    allocators' "Tried to allocate 2.00 GiB" (rounded to what the message shows).
+
+    Example:
+        >>> requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 ..."))
+        2147483648
+        >>> requested_bytes(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes."))
+        4096
+        >>> requested_bytes(MemoryError()) is None
+        True
+    """
+    import re
+
+    nbytes = getattr(exc, "nbytes", None)
+    if isinstance(nbytes, int) and nbytes > 0:
+        return nbytes
+    text = str(exc)
+    m = re.search(r"tried to allocate (\d+) bytes", text, re.IGNORECASE)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"tried to allocate ([\d.]+) ?([KMGTP]?i?B)\b", text, re.IGNORECASE)
+    if m and m.group(2).upper() in _UNITS:
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return None
 
 
 class oom_guard:
     """Write a snapshot to ``path`` when an out-of-memory error escapes the block, then re-raise.
 
-    With ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
-    recording is already active, so the snapshot has the history leading to the error. For a
-    CPU ``MemoryError`` an ``oom`` trace entry is appended (size 0 when unknown; ``device_free``
-    from the OS's available memory). Other exceptions pass through untouched and no file is
-    written.
+    Caught: every error :func:`is_oom_error` recognises (the CPU allocator's ``RuntimeError``,
+    ``torch.OutOfMemoryError`` from CUDA and XPU, MPS and HIP messages, ``MemoryError``). With
+    ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
+    recording is already active, so the snapshot has the history leading to the error. A CUDA
+    OOM's ``oom`` trace entry is PyTorch's own; for a host OOM one is appended (the size from
+    the error's message, 0 when it does not say; ``device_free`` from the OS's available memory).
+    Other exceptions pass through untouched and no file is written.
+
+    With ``explain=True`` (default) the explanation of ``torchmem oom`` is written beside the
+    snapshot: ``<path>.oom.txt`` (the words) and ``<path>.oom.json`` (``torchmem oom --json``).
+    It runs ``torchmem oom`` in a child Python process (the analysis is not part of the
+    recording layer, and a failing explanation must never hide the OOM): allow a few seconds.
+    ``written`` and ``explained`` hold the paths written.
 
     Example:
         >>> import os, tempfile, torch
@@ -366,13 +442,16 @@ class oom_guard:
         >>> try:
         ...     with oom_guard(p, device="cpu"):
         ...         keep = torch.empty(1000)
-        ...         raise MemoryError("pretend the host ran out")
-        ... except MemoryError:
-        ...     pass
+        ...         huge = torch.empty(1 << 50, dtype=torch.uint8)   # 1 PiB: a real CPU OOM
+        ... except RuntimeError as e:
+        ...     print(str(e)[str(e).index("DefaultCPUAllocator"):][:42])
+        DefaultCPUAllocator: can't allocate memory
         >>> from torchmem.io.snapshot_file import load_snapshot
         >>> s = load_snapshot(p)
-        >>> s.trace(0)[-1].action, s.segments[0].total_size
-        ('oom', 4000)
+        >>> s.trace(0)[-1].action, s.trace(0)[-1].size == 1 << 50, s.segments[0].total_size
+        ('oom', True, 4000)
+        >>> print(open(p + ".oom.txt").read().splitlines()[0])  # doctest: +ELLIPSIS
+        Host out of memory on cpu at trace entry 2: a request of 1024.00 TiB ...
     """
 
     def __init__(
@@ -383,6 +462,7 @@ class oom_guard:
         record: bool = True,
         device: Any = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
+        explain: bool = True,
     ) -> None:
         if format not in ("pickle", "json"):
             raise InvalidInputError(f"oom_guard: format={format!r}; expected 'pickle' or 'json'")
@@ -391,8 +471,10 @@ class oom_guard:
         self.record = record
         self.device = device
         self.max_entries = max_entries
+        self.explain = explain
         self._recs: list[record_history | None] = []
         self.written: str | None = None
+        self.explained: list[str] = []
 
     def __enter__(self) -> oom_guard:
         rec = None
@@ -417,25 +499,63 @@ class oom_guard:
                         rec = None
                     else:
                         snap = snapshot(self.device)
-                    if not any(t.count("oom") for t in snap.traces.values()) and isinstance(
-                        exc, MemoryError
-                    ):
+                    if not any(t.count("oom") for t in snap.traces.values()) and _is_host_oom(exc):
                         _append_host_oom(snap, exc)
                     write_snapshot(self.path, snap, format=self.format)
                 except Exception as err:  # never hide the out-of-memory error behind our own
-                    msg = (
-                        f"torchmem.oom_guard could not write the snapshot to {self.path}: "
-                        f"{type(err).__name__}: {err}"
-                    )
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(msg)
+                    _note(exc, f"torchmem.oom_guard could not write the snapshot to {self.path}: "
+                               f"{type(err).__name__}: {err}")
                     return
                 self.written = self.path
-                print(f"torchmem: out of memory; snapshot written to {self.path}", file=sys.stderr)
+                done = f"snapshot written to {self.path}"
+                if self.explain:
+                    self.explained = _write_explanation(self.path, exc)
+                    if self.explained:
+                        done += f", explained in {self.explained[0]}"
+                print(f"torchmem: out of memory; {done}", file=sys.stderr)
         finally:
             if rec is not None:
                 rec.stop()
+
+
+def _note(exc: BaseException, msg: str) -> None:
+    """Warn, and add ``msg`` to the error's notes (shown with its traceback)."""
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    if hasattr(exc, "add_note"):
+        exc.add_note(msg)
+
+
+def _write_explanation(path: str, exc: BaseException) -> list[str]:
+    """Run ``torchmem oom PATH --json`` in a child process; write ``PATH.oom.json`` and
+    ``PATH.oom.txt``. Returns the paths written (none when it failed: a warning says why)."""
+    import json
+    import subprocess
+
+    # the folder holding this torchmem package, so that the child imports the same one
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = "import sys; from torchmem.cli import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "oom", path, "--json"], capture_output=True, text=True,
+            timeout=600, env=env, check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                               else f"exit code {proc.returncode}")
+        doc = json.loads(proc.stdout)
+        text = "".join(e["text"] for e in doc["explanations"])
+        text += "".join(f"late OOMs     {c['text']}\n" for c in doc["creep"])
+        with open(path + ".oom.json", "w", encoding="utf-8") as f:
+            f.write(proc.stdout)
+        with open(path + ".oom.txt", "w", encoding="utf-8") as f:
+            f.write(text)
+    except Exception as err:  # noqa: BLE001 - the OOM is what matters
+        _note(exc, f"torchmem.oom_guard wrote {path} but could not explain it "
+                   f"({type(err).__name__}: {err}); run 'torchmem oom {path}'")
+        return []
+    return [path + ".oom.txt", path + ".oom.json"]
 
 
 def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
@@ -446,7 +566,7 @@ def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
     snap.device_names.setdefault(dev, "cpu")
     n = len(t)
     time_us = t.times[n - 1] if n and t.has_time else (None if n else 0)
-    size = getattr(exc, "nbytes", 0) or 0
+    size = requested_bytes(exc) or 0
     t.append("oom", int(psutil.virtual_memory().available), int(size), 0, time_us, 0)
     note = f"{type(exc).__name__}: {exc}"[:200]
     if n == 0 and t.user_metadata is None:
