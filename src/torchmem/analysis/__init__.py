@@ -15,6 +15,7 @@ flame         folded stacks for flame-graph tools                 ``torchmem.fol
 oom           out-of-memory entries explained                     ``torchmem.oom_report``
 explain_oom   why an OOM happened, the fix, or the closest call   (new)
 creep         reserved creeping up over iterations (late OOMs)    (new)
+gpu_gap       nvidia-smi's used bytes split, each with its source (new)
 summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
 ============  ==================================================  ============================
 
@@ -42,6 +43,7 @@ from torchmem.analysis._creep import CreepReport, IterationMemory, creep
 from torchmem.analysis._diff import DiffRow, SnapshotDiff, diff
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
+from torchmem.analysis._gpu_gap import GpuGap, GpuReading, gpu_gap
 from torchmem.analysis._oom import OomEvent, OomExplanation, explain_oom, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
@@ -57,6 +59,7 @@ __all__ = [
     "oom",
     "explain_oom",
     "creep",
+    "gpu_gap",
     "summarize",
     "SnapshotStats",
     "DeviceStats",
@@ -71,6 +74,8 @@ __all__ = [
     "OomExplanation",
     "CreepReport",
     "IterationMemory",
+    "GpuReading",
+    "GpuGap",
     "TraceSummary",
     "IterationStat",
 ]

@@ -45,6 +45,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("torchmem.cli.replay", "replay a snapshot's trace through the allocator simulator and compare"),
     "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
     "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
+    "gpu": ("torchmem.cli.gpu", "the gap between nvidia-smi and PyTorch, line by line, per GPU"),
     "estimate": ("torchmem.cli.estimate", "will a training step fit on a GPU? (fake run, no GPU needed)"),
 }
 

@@ -93,6 +93,16 @@ def _table(rows: list[Any]) -> str:
     return "\n".join(lines)
 
 
+def _gaps(devices: list[str]) -> list[Any]:
+    """:class:`~torchmem.analysis.GpuGap` of the CUDA devices among ``devices`` (none on CPU)."""
+    cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return []
+    from torchmem.cli.gpu import gaps
+
+    return [g for g, _ in gaps(cuda)]
+
+
 def run(args: argparse.Namespace) -> int:
     """Print device usage; return 0.
 
@@ -110,11 +120,17 @@ def run(args: argparse.Namespace) -> int:
         )
     devices = _devices(args)
     if args.poll == 0:
+        gap = _gaps(devices)  # first: it measures the CUDA context before anything starts CUDA
         rows = [poll_usage(d) for d in devices]
         if args.json:
-            print(json.dumps({"readings": [u.as_dict() for u in rows]}, indent=2))
+            doc: dict[str, Any] = {"readings": [u.as_dict() for u in rows]}
+            if gap:
+                doc["gpu_gap"] = [g.to_dict() for g in gap]
+            print(json.dumps(doc, indent=2))
         else:
             print(_table(rows))
+            for g in gap:  # the gap to nvidia-smi, one line per GPU (torchmem gpu: every line)
+                print(g.summary())
         return 0
 
     tty = sys.stderr.isatty()
