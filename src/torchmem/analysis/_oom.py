@@ -568,7 +568,10 @@ def _closest(snap: Snapshot, dev: int) -> OomExplanation:
         index=peak, closest=True, pool=pool,
         stack=_stack(snap, dev, peak) if peak is not None else [], **parts,
     )
-    e.text = _closest_text(e)
+    why = ("the snapshot has no allocation history" if not t.count("alloc") else
+           "the allocator simulator did not reproduce its trace, so the state at the peak is "
+           "not known")
+    e.text = _closest_text(e, why)
     return e
 
 
@@ -609,6 +612,10 @@ def _peak_entry(snap: Snapshot, dev: int) -> int | None:
     return at
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def _where(e: OomExplanation) -> list[str]:
     lines = []
     if e.stack:
@@ -621,7 +628,7 @@ def _where(e: OomExplanation) -> list[str]:
     )
     if e.exact:
         per = "; ".join(
-            f"stream {r['stream']} {r['pool']} pool: {r['blocks']} blocks, {_fb(r['free_bytes'])}, "
+            f"stream {r['stream']} {r['pool']} pool: {_n(r['blocks'], 'block')}, {_fb(r['free_bytes'])}, "
             f"largest {_fb(r['largest_free_block'])}" for r in e.pools
         ) or "none"
         lines.append(f"    free blocks   {e.free_blocks} ({_fb(e.free_bytes)}): {per}")
@@ -650,7 +657,7 @@ def _oom_text(
     if cfg.max_split_size_mb is not None:
         tried += "released cached blocks over max_split_size, then "
     if e.released_segments:
-        tried += (f"released {e.released_segments} cached segments ({_fb(e.released_bytes)}) "
+        tried += (f"released {_n(e.released_segments, 'cached segment')} ({_fb(e.released_bytes)}) "
                   "and retried; failed again")
     else:
         tried += ("found no whole cached segment to release (every free block lies in a segment "
@@ -691,16 +698,24 @@ def _what_if_line(sim: dict[str, Any] | None, alternatives: list[dict[str, Any]]
     return out
 
 
-def _closest_text(e: OomExplanation) -> str:
+def _closest_text(e: OomExplanation, why: str) -> str:
     if e.index is not None:
         head = (f"No OOM recorded on {e.name}; closest to OOM: the peak of allocated bytes, after "
                 f"trace entry {e.index} (a request of {_fb(e.request_bytes or 0)} on stream "
                 f"{e.stream}, {e.pool} pool)")
     else:
-        head = (f"No OOM recorded on {e.name}; closest to OOM: its recorded state (the snapshot "
-                "has no allocation history)")
+        head = f"No OOM recorded on {e.name}; closest to OOM: its end state ({why})"
     lines = [head]
     lines.extend(_where(e))
+    unalloc = max(0, e.reserved_bytes - e.allocated_bytes)
+    if e.reserved_bytes and not unalloc:
+        lines.append("  cache         all of reserved is allocated: nothing cached to reuse")
+    elif e.reserved_bytes:
+        lines.append(
+            f"  cache         {100 * e.allocated_bytes / e.reserved_bytes:.2f}% of reserved is "
+            f"allocated; the {_fb(unalloc)} cached is split into {_n(e.free_blocks, 'free block')}, so "
+            f"at most {_fb(e.largest_free_block_bytes or 0)} of it can serve one request"
+        )
     lines.append(
         f"  headroom      a request up to {_fb(e.largest_free_block_bytes or 0)} (the largest "
         "free block) fits in the cache; a larger one needs a new segment from the device's free "

@@ -20,7 +20,7 @@ explanation starts with the keys ``device``, ``request_bytes``, ``stream``,
 Example:
     >>> from torchmem.cli import main
     >>> main(["oom", "tests/data/LLM-inference__oom_snapshot_41810ba.pickle"])  # doctest: +ELLIPSIS
-    No OOM recorded on cuda:0; closest to OOM: its recorded state ...
+    No OOM recorded on cuda:0; closest to OOM: its end state ...
     0
 """
 
