@@ -51,12 +51,14 @@ def gaps(devices: list[int] | None = None, *, measure: bool = True) -> list[tupl
     first to measure its context (only possible before this process used it).
 
     Example:
-        >>> import torch
-        >>> if not torch.cuda.is_available():
-        ...     gaps()
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.DeviceError: no CUDA GPU is visible here (torch.cuda.is_available() is False: a CPU-only build of torch, no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them), so there is nothing to compare with nvidia-smi
+        >>> from torchmem.errors import DeviceError
+        >>> try:
+        ...     found = gaps()
+        ... except DeviceError as e:      # no GPU here: the message says why
+        ...     found = []
+        >>> all(g.reserved_bytes + g.context_bytes + g.nccl_bytes + g.unexplained_bytes
+        ...     == g.process_bytes for g, _ in found)
+        True
     """
     from torchmem.analysis._gpu_gap import GpuReading, gpu_gap
     from torchmem.devices import measure_cuda_context, read_gpu
@@ -95,12 +97,16 @@ def run(args: argparse.Namespace) -> int:
     """Print the split per GPU (text or ``--json``); exit 0, or 2 without a GPU.
 
     Example:
-        >>> import torch
-        >>> if not torch.cuda.is_available():
-        ...     run(argparse.Namespace(device=None, json=False))
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.DeviceError: no CUDA GPU is visible here (torch.cuda.is_available() is False: a CPU-only build of torch, no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them), so there is nothing to compare with nvidia-smi
+        >>> import contextlib, io, json
+        >>> from torchmem.errors import DeviceError
+        >>> out = io.StringIO()
+        >>> try:
+        ...     with contextlib.redirect_stdout(out):
+        ...         code = run(argparse.Namespace(device=None, json=True))
+        ... except DeviceError:          # no GPU here
+        ...     code = 2
+        >>> code == 2 or "devices" in json.loads(out.getvalue())
+        True
     """
     if sys.stderr.isatty():
         print("starting CUDA to measure its context ...", file=sys.stderr, flush=True)

@@ -1,5 +1,9 @@
 """``torchmem ledger``: device usage now, or polled for a while; text table or JSON.
 
+On CUDA devices a one-reading table is followed by one line per GPU splitting nvidia-smi's
+figure (this process = PyTorch reserved + CUDA context + unexplained; other processes; not
+attributed), ``"gpu_gap"`` in ``--json``; ``torchmem gpu`` shows every line with its source.
+
 Examples::
 
     torchmem ledger                      # every available device, one reading
