@@ -132,6 +132,8 @@ def test_other_streams_and_pending_frees_are_split_out() -> None:
     # 10 MiB free + 29 MiB reserved-but-unallocated >= 30 MiB: not exhaustion
     assert e.verdict == "fragmentation" and e.missing_bytes == 0
     assert e.released_segments == 0 and "found no whole cached segment" in e.text
+    assert "1.00 MiB are freed but still in use by another stream" in e.text
+    assert "12.00 MiB are cached for other streams only" in e.text
 
 
 @pytest.mark.parametrize("name", ["LLM-inference__oom_snapshot_41810ba.pickle",
@@ -234,6 +236,8 @@ def test_reserved_creeping_up_is_found_with_its_start(tmp_path: Path,
     assert [i.peak_reserved_bytes // MiB for i in c.iterations] == [160, 160, 160, 262, 366, 472]
     assert [i.peak_allocated_bytes // MiB for i in c.iterations] == [160] * 6
     assert c.creeping and c.start_iteration == 3 and c.reserved_source == "simulated"
+    (e,) = explain_oom(load_snapshot(path))
+    assert e.closest and e.torchmem_trace and "a torchmem trace" in e.text
     assert (c.reserved_growth_bytes, c.allocated_growth_bytes) == (312 * MiB, 0)
     assert main(["oom", str(path)]) == 0
     out = capsys.readouterr().out

@@ -371,6 +371,8 @@ class OomExplanation:
     released_bytes: int = 0
     exact: bool = True
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    #: built by torchmem's tracker (no caching allocator behind the snapshot)
+    torchmem_trace: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict, the issue's keys first.
@@ -566,7 +568,8 @@ def _closest(snap: Snapshot, dev: int) -> OomExplanation:
         allocated_bytes=state["allocated_bytes"] - state["pending_free_bytes"],
         verdict=None, missing_bytes=None, fix=None, text="", name=snap.device_name(dev),
         index=peak, closest=True, pool=pool,
-        stack=_stack(snap, dev, peak) if peak is not None else [], **parts,
+        stack=_stack(snap, dev, peak) if peak is not None else [],
+        torchmem_trace=snap.source.format == "torchmem-events", **parts,
     )
     why = ("the snapshot has no allocation history" if not t.count("alloc") else
            "the allocator simulator did not reproduce its trace, so the state at the peak is "
@@ -673,6 +676,12 @@ def _oom_text(
     else:
         v = (f"  verdict       fragmentation: {_fb(free)} free on the device plus {_fb(unalloc)} "
              f"reserved but unallocated cover {_fb(size)}, but not in one piece")
+        if e.pending_free_bytes:
+            v += (f"; {_fb(e.pending_free_bytes)} are freed but still in use by another stream "
+                  "(record_stream): they return once that stream's work is done")
+        if e.other_streams_bytes:
+            v += (f"; {_fb(e.other_streams_bytes)} are cached for other streams only: allocate "
+                  "on one stream, or torch.cuda.empty_cache() between phases")
         if e.fix is not None:
             frac = fits[0]["memory_fraction"]
             v += (f"; PYTORCH_CUDA_ALLOC_CONF={e.fix}"
@@ -706,6 +715,10 @@ def _closest_text(e: OomExplanation, why: str) -> str:
     else:
         head = f"No OOM recorded on {e.name}; closest to OOM: its end state ({why})"
     lines = [head]
+    if e.torchmem_trace:
+        lines.append("  note          a torchmem trace: no caching allocator recorded it, every "
+                     "segment is one storage (torchmem oom shows reserved creeping per "
+                     "iteration with the allocator simulator below, when it has step markers)")
     lines.extend(_where(e))
     unalloc = max(0, e.reserved_bytes - e.allocated_bytes)
     if e.reserved_bytes and not unalloc:
