@@ -392,3 +392,26 @@ def test_oom_guard_on_a_real_cuda_oom(tmp_path: Path) -> None:
     x = json.loads(Path(f"{p}.oom.json").read_text())["explanations"][0]
     assert x["verdict"] == "exhaustion" and x["missing_bytes"] > total
     assert x["device_free_bytes"] == oom.device_free
+
+
+def test_a_device_oom_without_history_is_explained_from_its_message() -> None:
+    # oom_guard around a CUDA OOM with no recorded history saves the allocator's state only;
+    # the message gives the device, the request and the free memory. SketchKV2's real state,
+    # with PyTorch 2.13's message for a 4 GiB request and 1.21 GiB free:
+    from torchmem.capture.recording import append_device_oom
+
+    raw = _raw("SketchKV2__my_snapshot.pickle")
+    c = _census(raw["segments"])
+    snap = from_pytorch(raw)
+    message = ("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of "
+               "23.65 GiB of which 1.21 GiB is free. Including non-PyTorch memory, this process "
+               "has 22.43 GiB memory in use.")
+    assert append_device_oom(snap, RuntimeError(message))
+    (e,) = explain_oom(snap)
+    free = int(1.21 * (1 << 30))
+    assert (e.request_bytes, e.device_free_bytes) == (4 << 30, free)
+    assert (e.reserved_bytes, e.allocated_bytes) == (c["reserved"], c["allocated"])
+    missing = (4 << 30) - free - (c["reserved"] - c["allocated"])
+    assert missing == 2_259_586_089  # 4,294,967,296 - 1,299,227,607 - 736,153,600 cached
+    assert (e.verdict, e.missing_bytes) == ("exhaustion", missing)
+    assert not append_device_oom(snap, RuntimeError("CUDA error: out of memory"))  # no figures

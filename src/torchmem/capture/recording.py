@@ -52,6 +52,7 @@ __all__ = [
     "oom_guard",
     "is_oom_error",
     "requested_bytes",
+    "append_device_oom",
     "OOM_MESSAGES",
     "DEFAULT_MAX_ENTRIES",
 ]
@@ -499,8 +500,11 @@ class oom_guard:
                         rec = None
                     else:
                         snap = snapshot(self.device)
-                    if not any(t.count("oom") for t in snap.traces.values()) and _is_host_oom(exc):
-                        _append_host_oom(snap, exc)
+                    if not any(t.count("oom") for t in snap.traces.values()):
+                        if _is_host_oom(exc):
+                            _append_host_oom(snap, exc)
+                        else:  # a device OOM with no history recorded: the message says it
+                            append_device_oom(snap, exc)
                     write_snapshot(self.path, snap, format=self.format)
                 except Exception as err:  # never hide the out-of-memory error behind our own
                     _note(exc, f"torchmem.oom_guard could not write the snapshot to {self.path}: "
@@ -558,17 +562,57 @@ def _write_explanation(path: str, exc: BaseException) -> list[str]:
     return [path + ".oom.txt", path + ".oom.json"]
 
 
+def append_device_oom(snap: Snapshot, exc: BaseException) -> bool:
+    """Add an ``oom`` entry read from a device OOM's message to a snapshot without one.
+
+    A snapshot taken after a CUDA (XPU, HIP) OOM without recorded history has the allocator's
+    state but no ``oom`` entry. PyTorch's message names the device ("GPU 0"), the request
+    ("Tried to allocate 20.00 MiB": the segment size, rounded as printed) and the free memory
+    ("of which 3.06 MiB is free"); with them ``torchmem oom`` can explain the state. Returns
+    whether an entry was added (the message must name the device and the request); the entry's
+    ``user_metadata`` says where its figures come from.
+
+    Example:
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> s = from_pytorch({"segments": [], "device_traces": []})
+        >>> append_device_oom(s, RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB. "
+        ...     "GPU 1 has a total capacity of 79.19 GiB of which 1.50 GiB is free."))
+        True
+        >>> e = s.trace(1)[0]
+        >>> e.action, e.size, e.device_free
+        ('oom', 2147483648, 1610612736)
+    """
+    import re
+
+    text = str(exc)
+    size = requested_bytes(exc)
+    dev = re.search(r"\bGPU (\d+)", text)
+    if size is None or dev is None:
+        return False
+    free = re.search(r"of which ([\d.]+) ?([KMGTP]?i?B) is free", text, re.IGNORECASE)
+    device_free = (int(float(free.group(1)) * _UNITS[free.group(2).upper()])
+                   if free and free.group(2).upper() in _UNITS else 0)
+    index = int(dev.group(1))
+    note = "added by torchmem.oom_guard from the error message (sizes rounded as printed): "
+    _append_oom(snap, index, f"cuda:{index}", device_free, size, (note + text.split("\n")[0])[:300])
+    return True
+
+
 def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
     import psutil
 
     dev = next((d for d, n in snap.device_names.items() if n == "cpu"), 0)
+    _append_oom(snap, dev, "cpu", int(psutil.virtual_memory().available),
+                requested_bytes(exc) or 0, f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _append_oom(snap: Snapshot, dev: int, name: str, device_free: int, size: int, note: str) -> None:
+    """Append an ``oom`` entry to device ``dev``'s trace, after its last entry in time."""
     t = snap.new_trace(dev)
-    snap.device_names.setdefault(dev, "cpu")
+    snap.device_names.setdefault(dev, name)
     n = len(t)
     time_us = t.times[n - 1] if n and t.has_time else (None if n else 0)
-    size = requested_bytes(exc) or 0
-    t.append("oom", int(psutil.virtual_memory().available), int(size), 0, time_us, 0)
-    note = f"{type(exc).__name__}: {exc}"[:200]
+    t.append("oom", int(device_free), int(size), 0, time_us, 0)
     if n == 0 and t.user_metadata is None:
         t.user_metadata = array("I")
     if t.user_metadata is not None:
