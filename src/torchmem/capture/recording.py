@@ -427,7 +427,8 @@ class oom_guard:
     ``torch.OutOfMemoryError`` from CUDA and XPU, MPS and HIP messages, ``MemoryError``). With
     ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
     recording is already active, so the snapshot has the history leading to the error. A CUDA
-    OOM's ``oom`` trace entry is PyTorch's own; for a host OOM one is appended (the size from
+    OOM's ``oom`` trace entry is PyTorch's own (without recorded history it is read from the
+    error's message: :func:`append_device_oom`); for a host OOM one is appended (the size from
     the error's message, 0 when it does not say; ``device_free`` from the OS's available memory).
     Other exceptions pass through untouched and no file is written.
 
