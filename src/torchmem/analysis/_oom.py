@@ -656,15 +656,15 @@ def _oom_text(
     largest = e.largest_free_block_bytes
     tried = f"  tried         no cached block of {_fb(size)} on stream {e.stream}'s {e.pool} pool"
     tried += f" (largest {_fb(largest)})" if largest is not None else ""
-    tried += f"; cudaMalloc({_fb(e.alloc_bytes or 0)}) failed with {_fb(free)} free; "
+    tried += f"; cudaMalloc({_fb(e.alloc_bytes or 0)}) failed; "
     if cfg.max_split_size_mb is not None:
         tried += "released cached blocks over max_split_size, then "
     if e.released_segments:
         tried += (f"released {_n(e.released_segments, 'cached segment')} ({_fb(e.released_bytes)}) "
-                  "and retried; failed again")
+                  f"and retried; failed again with {_fb(free)} free")
     else:
         tried += ("found no whole cached segment to release (every free block lies in a segment "
-                  "partly in use), so the retry failed too")
+                  f"partly in use), so the retry failed too, with {_fb(free)} free")
     lines.append(tried)
     unalloc = max(0, e.reserved_bytes - e.allocated_bytes)
     if e.verdict == "exhaustion":
