@@ -256,3 +256,17 @@ def test_real_gpu_lines_add_up() -> None:
         # measured when CUDA had not started before (else the per-generation estimate)
         assert g.context_source in ("measured", "estimate") and 0 < g.context_bytes < 4 * GiB
         assert r["reserved_bytes"] == torch.cuda.memory_reserved(g.device)
+
+
+def test_torchmem_ledger_prints_the_gap_on_cuda(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(devices, "_cuda_count", lambda: 1)
+    assert main(["ledger", "--device", "cuda:0"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda:0 vs nvidia-smi: this process 534.00 MiB = PyTorch reserved 0 B" in out
+    assert main(["ledger", "--device", "cuda:0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (g,) = doc["gpu_gap"]
+    assert (g["context_bytes"], g["other_processes_bytes"]) == (CONTEXT, OTHER[1])
+    assert doc["readings"][0]["used"] == g["used_bytes"]  # the same NVML figure in both
