@@ -18,6 +18,11 @@ interval; threads start on the first :meth:`~UsagePoller.usage` call for a devic
 DeviceUsage | None`` method is a *usage source* (see :class:`UsageSource`); the ledger's auto-GC
 reads one, and tests inject their own.
 
+:func:`read_gpu` reads what :func:`torchmem.analysis.gpu_gap` needs to split nvidia-smi's figure
+(NVML's device and per-process usage, PyTorch's reserved and allocated bytes, the CUDA context
+measured by :func:`measure_cuda_context`, NCCL process groups). The module is over 600 lines
+because the polling and these readings share the NVML state and the UUID-based handle lookup.
+
 Example:
     >>> u = poll_usage("cpu")
     >>> u.device, u.total > 0, 0 <= u.used_pct <= 100, u.process is not None and u.process > 0

@@ -44,9 +44,10 @@ from torchmem.analysis._diff import DiffRow, SnapshotDiff, diff
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
 from torchmem.analysis._gpu_gap import GpuGap, GpuReading, gpu_gap
-from torchmem.analysis._oom import OomEvent, OomExplanation, explain_oom, oom
+from torchmem.analysis._oom import OomEvent, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
+from torchmem.analysis._why_oom import OomExplanation, explain_oom
 from torchmem.analysis.frames import StackGroup
 from torchmem.analysis.summary import IterationStat, TraceSummary, summarize
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
     """
     from torchmem.analysis._creep import creep
-    from torchmem.analysis._oom import explain_oom
+    from torchmem.analysis._why_oom import explain_oom
     from torchmem.errors import InvalidInputError
 
     snap = load(args.file)
