@@ -51,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
     """Explain the OOMs (text or ``--json``); exit code 0.
 
     Example:
-        >>> run(argparse.Namespace(file="missing.pickle", json=False, device=None))
-        Traceback (most recent call last):
-        ...
-        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
+        >>> import contextlib, io, json
+        >>> buf = io.StringIO()
+        >>> with contextlib.redirect_stdout(buf):
+        ...     code = run(argparse.Namespace(file="tests/data/SketchKV2__my_snapshot.pickle",
+        ...                                   json=True, device=None))
+        >>> code, json.loads(buf.getvalue())["closest_to_oom"]
+        (0, True)
     """
     from torchmem.analysis._creep import creep
     from torchmem.analysis._why_oom import explain_oom
