@@ -23,8 +23,9 @@ CUDA context                   measured: this process's NVML usage right after C
 NCCL                           bytes when measured (rarely possible); the number of NCCL
                                process groups otherwise, their buffers then sit in "unexplained"
 unexplained (this process)     this process - reserved - context - NCCL: libraries that call
-                               cudaMalloc themselves (cuDNN/cuBLAS handles, Triton, NCCL), or an
-                               estimate that was off
+                               cudaMalloc themselves (cuDNN/cuBLAS handles, Triton, NCCL),
+                               kernel images loaded after the context was measured (CUDA's lazy
+                               module loading), or an estimate that was off
 not attributed to any process  used - this process - other processes: the driver's own
                                reservations, processes NVML does not list (other containers)
 =============================  ===============================================================
