@@ -406,6 +406,9 @@ def _oom_text(
             v += (f"; PYTORCH_CUDA_ALLOC_CONF={e.fix}"
                   + (f" (with torch.cuda.set_per_process_memory_fraction({frac}))" if frac else "")
                   + " would have fit it (replayed on a device of the same size)")
+        elif e.alternatives:
+            v += ("; none of the what-if settings fits it either: free memory before the peak "
+                  "(torch.cuda.empty_cache() between phases) or make the request smaller")
         lines.append(v)
     lines.append("  what-ifs      " + _what_if_line(sim, e.alternatives))
     return "\n".join(lines) + "\n"
