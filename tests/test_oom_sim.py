@@ -66,8 +66,9 @@ def test_the_state_at_the_oom_is_the_simulators() -> None:
     sim = o.simulated
     assert sim is not None and sim["exact"] and sim["reproduces_oom"]
     assert (sim["allocated_bytes"], sim["reserved_bytes"]) == (50 * MiB, 600 * MiB)
-    assert sim["free"] == [{"stream": 0, "pool": "large", "free_bytes": 550 * MiB,
+    assert sim["free"] == [{"stream": 0, "pool": "large", "blocks": 1, "free_bytes": 550 * MiB,
                             "largest_free_block": 550 * MiB}]
+    assert sim["pending_free_bytes"] == 0
     assert (o.cached_free_bytes, o.largest_free_block) == (550 * MiB, 550 * MiB)
     assert o.verdict == "fragmentation"  # 400 + 550 >= 560, but no single block
 

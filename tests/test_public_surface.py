@@ -68,10 +68,12 @@ TOP_LEVEL = [
 #: Every namespace a user imports, with its curated ``__all__``.
 NAMESPACES: dict[str, list[str]] = {
     "torchmem.analysis": [
-        "DevicePeak", "DeviceStats", "DiffRow", "GroupDelta", "IterationDelta", "IterationStat",
-        "OomEvent", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats", "StackGroup",
-        "TraceDiff", "TraceRow", "TraceSummary",
-        "diff", "events", "flame", "oom", "peak", "stats", "summarize",
+        "CreepReport", "DevicePeak", "DeviceStats", "DiffRow", "GpuGap", "GpuReading",
+        "GroupDelta", "IterationDelta", "IterationMemory", "IterationStat", "OomEvent",
+        "OomExplanation", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats",
+        "StackGroup", "TraceDiff", "TraceRow", "TraceSummary",
+        "creep", "diff", "events", "explain_oom", "flame", "gpu_gap", "oom", "peak", "stats",
+        "summarize",
     ],
     "torchmem.capture": [
         "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
@@ -85,8 +87,8 @@ NAMESPACES: dict[str, list[str]] = {
         "tensor_memory_span",
     ],
     "torchmem.devices": [
-        "DeviceUsage", "UsagePoller", "UsageSource", "available_devices", "normalize_device",
-        "poll_all", "poll_usage",
+        "DeviceUsage", "UsagePoller", "UsageSource", "available_devices",
+        "measure_cuda_context", "normalize_device", "poll_all", "poll_usage", "read_gpu",
     ],
     "torchmem.errors": [
         "DeviceError", "FileFormatError", "InvalidInputError", "MissingFileError", "MoveError",

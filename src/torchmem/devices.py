@@ -18,6 +18,11 @@ interval; threads start on the first :meth:`~UsagePoller.usage` call for a devic
 DeviceUsage | None`` method is a *usage source* (see :class:`UsageSource`); the ledger's auto-GC
 reads one, and tests inject their own.
 
+:func:`read_gpu` reads what :func:`torchmem.analysis.gpu_gap` needs to split nvidia-smi's figure
+(NVML's device and per-process usage, PyTorch's reserved and allocated bytes, the CUDA context
+measured by :func:`measure_cuda_context`, NCCL process groups). The module is over 600 lines
+because the polling and these readings share the NVML state and the UUID-based handle lookup.
+
 Example:
     >>> u = poll_usage("cpu")
     >>> u.device, u.total > 0, 0 <= u.used_pct <= 100, u.process is not None and u.process > 0
@@ -49,6 +54,8 @@ __all__ = [
     "poll_usage",
     "poll_all",
     "normalize_device",
+    "read_gpu",
+    "measure_cuda_context",
 ]
 
 
@@ -251,6 +258,175 @@ def _cuda_usage(index: int) -> DeviceUsage:
         name, total=int(total), used=int(total) - int(free),
         process=int(torch.cuda.memory_reserved(index)), source="torch.cuda", time=time.time(),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the gap to nvidia-smi: readings for torchmem.analysis.gpu_gap
+
+#: CUDA context bytes measured by :func:`measure_cuda_context`, per device index.
+_CONTEXT: dict[int, int] = {}
+
+
+def _handle(nv: Any, cuda: Any, index: int) -> Any:
+    """NVML's handle of torch's device ``index`` (by UUID: CUDA_VISIBLE_DEVICES renumbers)."""
+    try:
+        uuid = str(cuda.get_device_properties(index).uuid)
+        if uuid:
+            return nv.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    except Exception:
+        pass
+    return nv.nvmlDeviceGetHandleByIndex(index)
+
+
+def _processes(nv: Any, h: Any) -> dict[int, int | None]:
+    """``{pid: used bytes or None}`` of the compute and graphics processes NVML lists."""
+    out: dict[int, int | None] = {}
+    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        try:
+            procs = getattr(nv, fn)(h)
+        except Exception:
+            continue
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            out[int(p.pid)] = None if used is None else int(used)
+    return out
+
+
+def _torch_cuda() -> Any:
+    import torch
+
+    return torch.cuda
+
+
+def measure_cuda_context(
+    device: Any = 0, *, nvml: Any = None, cuda: Any = None
+) -> Optional[int]:
+    """Start CUDA on ``device`` and measure its context with NVML; ``None`` when it cannot.
+
+    Call it before anything else uses CUDA in the process: the context is then this process's
+    NVML usage right after CUDA started (or, where NVML does not list processes, the rise of the
+    device's used bytes, which another process allocating at the same moment would distort).
+    Once CUDA is running it returns the figure measured earlier, if any. The result is kept for
+    :func:`read_gpu`. ``nvml`` and ``cuda`` replace ``pynvml`` and ``torch.cuda`` (tests).
+
+    Example:
+        >>> c = measure_cuda_context(0)   # None on a machine without a GPU or NVML
+        >>> c is None or c > 0
+        True
+    """
+    index = int(normalize_device(device).split(":")[1]) if not isinstance(device, int) else device
+    cuda = cuda if cuda is not None else _torch_cuda()
+    if index in _CONTEXT:
+        return _CONTEXT[index]
+    if cuda.is_initialized() and not _CONTEXT:
+        return None  # CUDA was started by someone else: its contexts may exist already
+    nv = nvml if nvml is not None else _nvml()
+    if nv is None or not cuda.is_available():
+        return None
+    pid = os.getpid()
+    before: Optional[int] = None
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):  # NVML's index is torch's only then
+        try:
+            h0 = nv.nvmlDeviceGetHandleByIndex(index)
+            if _processes(nv, h0).get(pid):
+                return None  # this process already has a context there
+            before = int(nv.nvmlDeviceGetMemoryInfo(h0).used)
+        except Exception:
+            before = None
+    cuda.mem_get_info(index)  # creates the context on that device
+    try:
+        h = _handle(nv, cuda, index)
+        mine = _processes(nv, h).get(pid)
+        after = int(nv.nvmlDeviceGetMemoryInfo(h).used)
+    except Exception:
+        return None
+    context = mine if mine is not None else (after - before if before is not None else None)
+    if context is not None:
+        _CONTEXT[index] = context
+    return context
+
+
+def read_gpu(
+    device: Any = 0,
+    *,
+    context_estimates: Optional[dict[int, int]] = None,
+    nvml: Any = None,
+    cuda: Any = None,
+) -> dict[str, Any]:
+    """The readings of one GPU for :func:`torchmem.analysis.gpu_gap` (a dict of bytes).
+
+    NVML's total and used, every process NVML lists with its usage (this one apart),
+    ``torch.cuda.memory_reserved``/``memory_allocated``, the context measured by
+    :func:`measure_cuda_context` (else ``context_estimate_bytes`` from ``context_estimates``, a
+    table ``{compute-capability major: bytes}`` such as :data:`torchmem.fit.CONTEXT_BYTES`), and
+    the number of NCCL process groups when ``torch.distributed`` is initialised. Without NVML
+    the device figures come from ``torch.cuda.mem_get_info`` and there are no per-process ones.
+    ``nvml`` and ``cuda`` replace ``pynvml`` and ``torch.cuda`` (tests use recorded readings).
+
+    Example:
+        >>> try:
+        ...     r = read_gpu(0)
+        ... except DeviceError:
+        ...     r = None                  # no GPU on this machine
+        >>> r is None or r["used_bytes"] <= r["total_bytes"]
+        True
+    """
+    index = int(normalize_device(device).split(":")[1]) if not isinstance(device, int) else device
+    cuda = cuda if cuda is not None else _torch_cuda()
+    if not cuda.is_available() or index >= int(cuda.device_count()):
+        raise DeviceError(
+            f"cannot read cuda:{index}: this machine has "
+            f"{int(cuda.device_count()) if cuda.is_available() else 0} visible CUDA device(s)"
+        )
+    nv = nvml if nvml is not None else _nvml()
+    notes: list[str] = []
+    pid = os.getpid()
+    d: dict[str, Any] = {"device": index}
+    readings = None
+    if nv is not None:
+        try:
+            h = _handle(nv, cuda, index)
+            info = nv.nvmlDeviceGetMemoryInfo(h)
+            name = nv.nvmlDeviceGetName(h)
+            procs = _processes(nv, h)
+            readings = (int(info.total), int(info.used),
+                        name.decode() if isinstance(name, bytes) else str(name), procs)
+        except Exception as e:  # a driver error: fall back to torch
+            notes.append(f"NVML failed ({type(e).__name__}: {e}); device figures from torch")
+    if readings is not None:
+        total, used, name, procs = readings
+        d.update(name=name, total_bytes=total, used_bytes=used, process_bytes=procs.get(pid),
+                 other_processes=sorted((p, b or 0) for p, b in procs.items() if p != pid),
+                 source="nvml")
+    else:
+        free, total = cuda.mem_get_info(index)
+        d.update(name=str(cuda.get_device_properties(index).name), total_bytes=int(total),
+                 used_bytes=int(total) - int(free), process_bytes=None, other_processes=[],
+                 source="torch.cuda.mem_get_info")
+        notes.append("NVML is not available (pip install nvidia-ml-py): no per-process figures")
+    d["reserved_bytes"] = int(cuda.memory_reserved(index))
+    d["allocated_bytes"] = int(cuda.memory_allocated(index))
+    d["context_bytes"] = _CONTEXT.get(index)
+    if d["context_bytes"] is None and context_estimates:
+        major = int(cuda.get_device_capability(index)[0])
+        d["context_estimate_bytes"] = context_estimates.get(major, max(context_estimates.values()))
+    d["nccl_process_groups"] = _nccl_groups()
+    d["notes"] = notes
+    return d
+
+
+def _nccl_groups() -> int:
+    """How many process groups use NCCL (0 when torch.distributed is not initialised)."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        from torch.distributed.distributed_c10d import _world
+
+        return sum(1 for pg in list(_world.pg_map) if dist.get_backend(pg) == "nccl")
+    except Exception:
+        return 0
 
 
 # ---------------------------------------------------------------------------------------------

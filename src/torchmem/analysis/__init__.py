@@ -17,6 +17,9 @@ diff          what grew and shrank between two runs (snapshots    ``torchmem.sna
 events        the trace with running allocated/reserved totals    ``torchmem.snapshot_trace``
 flame         folded stacks for flame-graph tools                 ``torchmem.folded_stacks``
 oom           out-of-memory entries explained                     ``torchmem.oom_report``
+explain_oom   why an OOM happened, the fix, or the closest call   (new)
+creep         reserved creeping up over iterations (late OOMs)    (new)
+gpu_gap       nvidia-smi's used bytes split, each with its source (new)
 summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
 ============  ==================================================  ============================
 
@@ -40,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+from torchmem.analysis._creep import CreepReport, IterationMemory, creep
 from torchmem.analysis._diff import (
     DiffRow,
     GroupDelta,
@@ -50,9 +54,11 @@ from torchmem.analysis._diff import (
 )
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
+from torchmem.analysis._gpu_gap import GpuGap, GpuReading, gpu_gap
 from torchmem.analysis._oom import OomEvent, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
+from torchmem.analysis._why_oom import OomExplanation, explain_oom
 from torchmem.analysis.frames import StackGroup
 from torchmem.analysis.summary import IterationStat, TraceSummary, summarize
 
@@ -63,6 +69,9 @@ __all__ = [
     "events",
     "flame",
     "oom",
+    "explain_oom",
+    "creep",
+    "gpu_gap",
     "summarize",
     "SnapshotStats",
     "DeviceStats",
@@ -77,6 +86,11 @@ __all__ = [
     "IterationDelta",
     "TraceRow",
     "OomEvent",
+    "OomExplanation",
+    "CreepReport",
+    "IterationMemory",
+    "GpuReading",
+    "GpuGap",
     "TraceSummary",
     "IterationStat",
 ]

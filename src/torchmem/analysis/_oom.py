@@ -23,7 +23,7 @@ from typing import Any
 
 from torchmem.analysis.replay import OOM, DeviceReplay
 from torchmem.errors import SimulatedOutOfMemoryError, TorchmemError
-from torchmem.model.snapshot import Snapshot
+from torchmem.model.snapshot import Segment, Snapshot
 from torchmem.sim.config import AllocatorConfig
 from torchmem.sim.replay import StartSegment, TraceReplay
 from torchmem.units import format_bytes as _fb
@@ -170,25 +170,54 @@ _WHAT_IF: tuple[tuple[str, dict[str, Any], float | None], ...] = (
     ("expandable_segments:True", {"expandable_segments": True}, None),
     ("max_split_size_mb:128", {"max_split_size_mb": 128}, None),
     ("max_split_size_mb:512", {"max_split_size_mb": 512}, None),
-    ("garbage_collection_threshold:0.8 (memory fraction 1.0)",
-     {"garbage_collection_threshold": 0.8}, 1.0),
-    ("garbage_collection_threshold:0.5 (memory fraction 1.0)",
-     {"garbage_collection_threshold": 0.5}, 1.0),
+    ("garbage_collection_threshold:0.8", {"garbage_collection_threshold": 0.8}, 1.0),
+    ("garbage_collection_threshold:0.5", {"garbage_collection_threshold": 0.5}, 1.0),
 )
+
+
+def _label(alloc_conf: str, fraction: float | None) -> str:
+    """A what-if's name: the ``PYTORCH_CUDA_ALLOC_CONF`` string and the memory fraction it needs."""
+    return alloc_conf if fraction is None else f"{alloc_conf} (memory fraction {fraction})"
 
 
 def _free_by_pool(tr: TraceReplay) -> tuple[list[dict[str, Any]], int]:
     """Free bytes and the largest free block per (stream, pool) of the simulator's state."""
+    return _free_rows(tr.allocator.snapshot().segments)
+
+
+def _free_rows(segments: list[Segment]) -> tuple[list[dict[str, Any]], int]:
+    """Per (stream, pool) of ``segments``: free blocks, free bytes, the largest free block."""
     groups: dict[tuple[int, str], list[int]] = {}
-    for seg in tr.allocator.snapshot().segments:
+    for seg in segments:
         for b in seg.blocks:
             if b.state == "inactive":
                 groups.setdefault((seg.stream, seg.segment_type), []).append(b.size)
     rows: list[dict[str, Any]] = [
-        {"stream": stream, "pool": pool, "free_bytes": sum(v), "largest_free_block": max(v)}
+        {"stream": stream, "pool": pool, "blocks": len(v), "free_bytes": sum(v),
+         "largest_free_block": max(v)}
         for (stream, pool), v in sorted(groups.items())
     ]
     return rows, max((max(v) for v in groups.values()), default=0)
+
+
+def _sim_state(tr: TraceReplay) -> dict[str, Any]:
+    """The simulator's state where ``tr`` stopped (the ``simulated`` dict of :class:`OomEvent`)."""
+    result = tr.result()
+    div = result.first_divergence
+    free, largest = _free_by_pool(tr)
+    sim: dict[str, Any] = {
+        "exact": div is None,
+        "start": result.start,
+        "allocated_bytes": tr.allocator.allocated_bytes,
+        "reserved_bytes": tr.allocator.reserved_bytes,
+        "largest_free_block": largest,
+        "free": free,
+        # freed by the program (free_requested) but still in use by another stream
+        "pending_free_bytes": tr.allocator.allocated_bytes - tr.allocated_bytes,
+    }
+    if div is not None:
+        sim["divergence"] = div["explanation"]
+    return sim
 
 
 def _simulate(
@@ -200,19 +229,8 @@ def _simulate(
         tr.run(i)
     except TorchmemError:
         return None, []
-    result = tr.result()
-    div = result.first_divergence
-    free, largest = _free_by_pool(tr)
-    sim = {
-        "exact": div is None,
-        "start": result.start,
-        "allocated_bytes": tr.allocator.allocated_bytes,
-        "reserved_bytes": tr.allocator.reserved_bytes,
-        "largest_free_block": largest,
-        "free": free,
-    }
-    if div is not None:
-        sim["divergence"] = div["explanation"]
+    sim = _sim_state(tr)
+    div = tr.result().first_divergence
     capacity = tr.allocator.reserved_bytes + device_free
     base = tr.allocator.config
     alternatives: list[dict[str, Any]] = []
@@ -224,15 +242,16 @@ def _simulate(
     sim["reproduces_oom"] = same["avoided"] is False
     if same["avoided"] is not False:
         return sim, alternatives
-    for label, change, fraction in _WHAT_IF:
+    for conf, change, fraction in _WHAT_IF:
+        label = _label(conf, fraction)
         try:
             cfg = replace(base, **change)
         except TorchmemError as e:  # e.g. a max_split_size below the large segment size
-            alternatives.append({"setting": label, "avoided": None, "detail": str(e)})
-            continue
-        alternatives.append(
-            _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start, label)
-        )
+            alt: dict[str, Any] = {"setting": label, "avoided": None, "detail": str(e)}
+        else:
+            alt = _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start, label)
+        alt["alloc_conf"], alt["memory_fraction"] = conf, fraction
+        alternatives.append(alt)
     return sim, alternatives
 
 

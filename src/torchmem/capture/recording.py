@@ -30,13 +30,20 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from array import array
 from types import TracebackType
 from typing import Any
 
 import torch
 
 from torchmem._device import device_name
+from torchmem.capture._oom_errors import (
+    OOM_MESSAGES,
+    append_device_oom,
+    append_host_oom,
+    is_host_oom,
+    is_oom_error,
+    requested_bytes,
+)
 from torchmem.errors import DeviceError, InvalidInputError
 from torchmem.io.convert import CPU_NOTE, snapshot_from_trace
 from torchmem.io.pytorch_snapshot import from_pytorch
@@ -51,6 +58,9 @@ __all__ = [
     "dump_snapshot",
     "oom_guard",
     "is_oom_error",
+    "requested_bytes",
+    "append_device_oom",
+    "OOM_MESSAGES",
     "DEFAULT_MAX_ENTRIES",
 ]
 
@@ -333,32 +343,23 @@ def snapshot(device: Any = None) -> Snapshot:
     )
 
 
-def is_oom_error(exc: BaseException) -> bool:
-    """True for out-of-memory errors: ``torch.OutOfMemoryError`` (and CUDA's), ``MemoryError``,
-    and ``RuntimeError`` whose message says "out of memory".
-
-    Example:
-        >>> is_oom_error(MemoryError()), is_oom_error(RuntimeError("CUDA out of memory")), is_oom_error(ValueError())
-        (True, True, False)
-    """
-    oom_types: tuple[type[BaseException], ...] = (MemoryError,)
-    for name in ("OutOfMemoryError",):
-        t = getattr(torch, name, None) or getattr(torch.cuda, name, None)
-        if isinstance(t, type):
-            oom_types += (t,)
-    if isinstance(exc, oom_types):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
 class oom_guard:
     """Write a snapshot to ``path`` when an out-of-memory error escapes the block, then re-raise.
 
-    With ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
-    recording is already active, so the snapshot has the history leading to the error. For a
-    CPU ``MemoryError`` an ``oom`` trace entry is appended (size 0 when unknown; ``device_free``
-    from the OS's available memory). Other exceptions pass through untouched and no file is
-    written.
+    Caught: every error :func:`is_oom_error` recognises (the CPU allocator's ``RuntimeError``,
+    ``torch.OutOfMemoryError`` from CUDA and XPU, MPS and HIP messages, ``MemoryError``). With
+    ``record=True`` (default) the block is recorded (:class:`record_history`) unless a
+    recording is already active, so the snapshot has the history leading to the error. A CUDA
+    OOM's ``oom`` trace entry is PyTorch's own (without recorded history it is read from the
+    error's message: :func:`append_device_oom`); for a host OOM one is appended (the size from
+    the error's message, 0 when it does not say; ``device_free`` from the OS's available memory).
+    Other exceptions pass through untouched and no file is written.
+
+    With ``explain=True`` (default) the explanation of ``torchmem oom`` is written beside the
+    snapshot: ``<path>.oom.txt`` (the words) and ``<path>.oom.json`` (``torchmem oom --json``).
+    It runs ``torchmem oom`` in a child Python process (the analysis is not part of the
+    recording layer, and a failing explanation must never hide the OOM): allow a few seconds.
+    ``written`` and ``explained`` hold the paths written.
 
     Example:
         >>> import os, tempfile, torch
@@ -366,13 +367,16 @@ class oom_guard:
         >>> try:
         ...     with oom_guard(p, device="cpu"):
         ...         keep = torch.empty(1000)
-        ...         raise MemoryError("pretend the host ran out")
-        ... except MemoryError:
-        ...     pass
+        ...         huge = torch.empty(1 << 50, dtype=torch.uint8)   # 1 PiB: a real CPU OOM
+        ... except RuntimeError as e:
+        ...     print(str(e)[str(e).index("DefaultCPUAllocator"):][:42])
+        DefaultCPUAllocator: can't allocate memory
         >>> from torchmem.io.snapshot_file import load_snapshot
         >>> s = load_snapshot(p)
-        >>> s.trace(0)[-1].action, s.segments[0].total_size
-        ('oom', 4000)
+        >>> s.trace(0)[-1].action, s.trace(0)[-1].size == 1 << 50, s.segments[0].total_size
+        ('oom', True, 4000)
+        >>> print(open(p + ".oom.txt").read().splitlines()[0])  # doctest: +ELLIPSIS
+        Host out of memory on cpu at trace entry 2: a request of 1024.00 TiB ...
     """
 
     def __init__(
@@ -383,6 +387,7 @@ class oom_guard:
         record: bool = True,
         device: Any = None,
         max_entries: int = DEFAULT_MAX_ENTRIES,
+        explain: bool = True,
     ) -> None:
         if format not in ("pickle", "json"):
             raise InvalidInputError(f"oom_guard: format={format!r}; expected 'pickle' or 'json'")
@@ -391,8 +396,10 @@ class oom_guard:
         self.record = record
         self.device = device
         self.max_entries = max_entries
+        self.explain = explain
         self._recs: list[record_history | None] = []
         self.written: str | None = None
+        self.explained: list[str] = []
 
     def __enter__(self) -> oom_guard:
         rec = None
@@ -417,49 +424,66 @@ class oom_guard:
                         rec = None
                     else:
                         snap = snapshot(self.device)
-                    if not any(t.count("oom") for t in snap.traces.values()) and isinstance(
-                        exc, MemoryError
-                    ):
-                        _append_host_oom(snap, exc)
+                    if not any(t.count("oom") for t in snap.traces.values()):
+                        if is_host_oom(exc):
+                            append_host_oom(snap, exc)
+                        else:  # a device OOM with no history recorded: the message says it
+                            append_device_oom(snap, exc)
                     write_snapshot(self.path, snap, format=self.format)
                 except Exception as err:  # never hide the out-of-memory error behind our own
-                    msg = (
-                        f"torchmem.oom_guard could not write the snapshot to {self.path}: "
-                        f"{type(err).__name__}: {err}"
-                    )
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(msg)
+                    _note(exc, f"torchmem.oom_guard could not write the snapshot to {self.path}: "
+                               f"{type(err).__name__}: {err}")
                     return
                 self.written = self.path
-                print(f"torchmem: out of memory; snapshot written to {self.path}", file=sys.stderr)
+                done = f"snapshot written to {self.path}"
+                if self.explain:
+                    self.explained = _write_explanation(self.path, exc)
+                    if self.explained:
+                        done += f", explained in {self.explained[0]}"
+                print(f"torchmem: out of memory; {done}", file=sys.stderr)
         finally:
             if rec is not None:
                 rec.stop()
 
 
-def _append_host_oom(snap: Snapshot, exc: BaseException) -> None:
-    import psutil
-
-    dev = next((d for d, n in snap.device_names.items() if n == "cpu"), 0)
-    t = snap.new_trace(dev)
-    snap.device_names.setdefault(dev, "cpu")
-    n = len(t)
-    time_us = t.times[n - 1] if n and t.has_time else (None if n else 0)
-    size = getattr(exc, "nbytes", 0) or 0
-    t.append("oom", int(psutil.virtual_memory().available), int(size), 0, time_us, 0)
-    note = f"{type(exc).__name__}: {exc}"[:200]
-    if n == 0 and t.user_metadata is None:
-        t.user_metadata = array("I")
-    if t.user_metadata is not None:
-        t.user_metadata.append(_add_text(t, note))
-    if t.compile_contexts is not None:
-        t.compile_contexts.append(_add_text(t, "N/A"))
+def _note(exc: BaseException, msg: str) -> None:
+    """Warn, and add ``msg`` to the error's notes (shown with its traceback)."""
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    if hasattr(exc, "add_note"):
+        exc.add_note(msg)
 
 
-def _add_text(t: Any, text: str) -> int:
-    t.texts.append(text)
-    return len(t.texts) - 1
+def _write_explanation(path: str, exc: BaseException) -> list[str]:
+    """Run ``torchmem oom PATH --json`` in a child process; write ``PATH.oom.json`` and
+    ``PATH.oom.txt``. Returns the paths written (none when it failed: a warning says why)."""
+    import json
+    import subprocess
+
+    # the folder holding this torchmem package, so that the child imports the same one
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = "import sys; from torchmem.cli import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, "oom", path, "--json"], capture_output=True, text=True,
+            timeout=600, env=env, check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                               else f"exit code {proc.returncode}")
+        doc = json.loads(proc.stdout)
+        text = "".join(e["text"] for e in doc["explanations"])
+        text += "".join(f"late OOMs     {c['text']}\n" for c in doc["creep"])
+        with open(path + ".oom.json", "w", encoding="utf-8") as f:
+            f.write(proc.stdout)
+        with open(path + ".oom.txt", "w", encoding="utf-8") as f:
+            f.write(text)
+    except Exception as err:  # noqa: BLE001 - the OOM is what matters
+        _note(exc, f"torchmem.oom_guard wrote {path} but could not explain it "
+                   f"({type(err).__name__}: {err}); run 'torchmem oom {path}'")
+        return []
+    return [path + ".oom.txt", path + ".oom.json"]
 
 
 _take_snapshot = snapshot  # dump_snapshot's parameter shadows the function

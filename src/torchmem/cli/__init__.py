@@ -41,9 +41,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("torchmem.cli.diff", "what grew and shrank between two snapshots"),
     "trace": ("torchmem.cli.trace", "a snapshot's event log with running totals"),
     "flame": ("torchmem.cli.flame", "folded stacks of a snapshot for flame-graph tools"),
+    "oom": ("torchmem.cli.oom", "why a snapshot ran out of memory (or how close it came), with the fix"),
     "replay": ("torchmem.cli.replay", "replay a snapshot's trace through the allocator simulator and compare"),
     "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
     "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
+    "gpu": ("torchmem.cli.gpu", "the gap between nvidia-smi and PyTorch, line by line, per GPU"),
     "estimate": ("torchmem.cli.estimate", "will a training step fit on a GPU? (fake run, no GPU needed)"),
 }
 

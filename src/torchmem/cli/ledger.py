@@ -1,5 +1,9 @@
 """``torchmem ledger``: device usage now, or polled for a while; text table or JSON.
 
+On CUDA devices a one-reading table is followed by one line per GPU splitting nvidia-smi's
+figure (this process = PyTorch reserved + CUDA context + unexplained; other processes; not
+attributed), ``"gpu_gap"`` in ``--json``; ``torchmem gpu`` shows every line with its source.
+
 Examples::
 
     torchmem ledger                      # every available device, one reading
@@ -155,6 +159,16 @@ def _table(rows: list[Any], pid: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _gaps(devices: list[str]) -> list[Any]:
+    """:class:`~torchmem.analysis.GpuGap` of the CUDA devices among ``devices`` (none on CPU)."""
+    cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+    if not cuda:
+        return []
+    from torchmem.cli.gpu import gaps
+
+    return [g for g, _ in gaps(cuda)]
+
+
 def run(args: argparse.Namespace) -> int:
     """Print device usage; return 0.
 
@@ -174,11 +188,17 @@ def run(args: argparse.Namespace) -> int:
     pid = getattr(args, "pid", None)
     _check_pid(pid)
     if args.poll == 0:
+        gap = _gaps(devices)  # first: it measures the CUDA context before anything starts CUDA
         rows = [poll_usage(d) for d in devices]
         if args.json:
-            print(json.dumps({"readings": [_reading(u, pid) for u in rows]}, indent=2))
+            doc: dict[str, Any] = {"readings": [_reading(u, pid) for u in rows]}
+            if gap:
+                doc["gpu_gap"] = [g.to_dict() for g in gap]
+            print(json.dumps(doc, indent=2))
         else:
             print(_table(rows, pid))
+            for g in gap:  # the gap to nvidia-smi, one line per GPU (torchmem gpu: every line)
+                print(g.summary())
         return 0
 
     tty = sys.stderr.isatty()

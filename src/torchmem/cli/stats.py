@@ -50,4 +50,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_stats(stats))
         sys.stdout.write(render_oom(ooms))
+        if ooms:
+            sys.stdout.write(f"  (torchmem oom {args.file}: how the cached bytes split, what the "
+                             "allocator tried, the verdict and the fix)\n")
     return 0
