@@ -232,6 +232,9 @@ class TraceReplay:
         self.peak_allocated_bytes = allocated
         self.peak_requested_bytes = requested
         self.peak_reserved_bytes = sim.reserved_bytes
+        #: The ``alloc`` entry after which the allocated bytes first reached their peak (-1: the
+        #: start state, before any entry).
+        self.peak_allocated_entry = -1
         self._expected: list[tuple[int, int, int]] = []  # (entry, size, stream)
         self._got: list[tuple[int, int, int, int]] = []  # (entry, size, stream, address)
         self._allocs = 0
@@ -282,6 +285,7 @@ class TraceReplay:
             self.peak_allocated_bytes, self.peak_requested_bytes, self.peak_reserved_bytes
         )
         n_allocs, matched, last = self._allocs, self._allocs_matched, self._last
+        peak_at = self.peak_allocated_entry
         i = first
         try:
             for i in range(first, stop):
@@ -316,6 +320,7 @@ class TraceReplay:
                     requested += size
                     if allocated > peak_a:
                         peak_a = allocated
+                        peak_at = i
                     if requested > peak_q:
                         peak_q = requested
                     if sim.reserved_bytes > peak_r:
@@ -365,6 +370,7 @@ class TraceReplay:
             self.allocated_bytes, self.requested_bytes = allocated, requested
             self.peak_allocated_bytes, self.peak_requested_bytes = peak_a, peak_q
             self.peak_reserved_bytes = peak_r
+            self.peak_allocated_entry = peak_at
             self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
 
     def _free_run(self, i: int) -> tuple[set[int], int]:

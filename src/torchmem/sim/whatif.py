@@ -1,0 +1,850 @@
+"""What if the allocator had been configured differently? Replay the recorded requests and see.
+
+:func:`whatif` replays the requests recorded in a snapshot's trace (``alloc``, the frees, the
+program's ``empty_cache()`` calls) through :class:`~torchmem.sim.replay.TraceReplay` (the one
+allocator model, :class:`~torchmem.sim.CachingAllocator`) under another
+``PYTORCH_CUDA_ALLOC_CONF`` and, optionally, another capacity, and reports per device, side by
+side with the recorded run: peak reserved and allocated bytes, fragmentation at the peak of
+allocated bytes (reserved minus allocated, the largest free block per pool, inactive split
+bytes), segment allocations and frees (cudaMalloc/cudaFree calls; expandable segments' page
+maps and unmaps count too), allocation retries and out-of-memory errors.
+
+- **The recorded run.** Segment counts, the peak of reserved bytes and the OOMs are read from
+  the trace itself (``segment_*`` and ``oom`` entries); block sizes (allocated bytes) and the
+  free blocks at the peak come from the replay with the recorded settings at the real
+  addresses, which reproduces the allocator's decisions (``torchmem replay`` checks that).
+  Retries: one per ``oom`` entry (PyTorch counts the last retry before each OOM); a retry that
+  succeeded looks like a program's ``empty_cache()`` in a trace and is replayed as one.
+- **Without** ``alloc_conf`` the recorded settings are used and, when the replay is exact, the
+  what-if equals the recorded run figure for figure (:attr:`DeviceWhatIf.identical`): the
+  replay proof.
+- **Capacity.** ``capacity`` (bytes, or a size such as ``"24 GiB"``) limits what cudaMalloc may
+  reserve; without it a trace with a recorded OOM is replayed on the device it ran on (reserved
+  plus the device's free bytes at the first OOM), an estimate on its GPU, anything else on an
+  unlimited device. At each recorded ``oom`` entry the failed request is tried again: the
+  recorded OOM either happens again or is avoided (then the block is freed at once: the
+  recorded program never held it). Any other OOM stops the what-if there (the program would
+  have crashed); its figures then cover the run up to it.
+- **Mid-run traces** (the ring buffer dropped older entries, or recording began late) start
+  from the state rebuilt from the snapshot's end state, which the recorded settings made; the
+  figures cover the recorded window only, and this is said in the notes. A trace cut short so
+  that it frees memory the snapshot cannot account for is an error, never replayed as complete.
+- **Inputs.** A PyTorch snapshot, a torchmem trace (a :class:`~torchmem.model.Trace` or a
+  snapshot loaded from a ``.tmtrace``: its storage allocations and frees become the requests,
+  all on stream 0, and the "recorded" column is the default settings, simulated, since no
+  caching allocator was recorded), or an :class:`~torchmem.fit.Estimate` made with
+  ``keep_snapshot=True`` (its simulated run, on its GPU).
+
+The limit, stated in every result (:data:`LIMIT`): a what-if keeps the program's requests fixed.
+
+:func:`suggest` tries :data:`SUGGESTED_CONFIGS` on top of the recorded settings and ranks them by
+OOM avoided, then peak reserved bytes, then cudaMalloc calls.
+
+Example:
+    >>> from torchmem.sim import CachingAllocator
+    >>> a = CachingAllocator()
+    >>> a.free(a.malloc(12 << 20)); z = a.malloc(14 << 20)   # a 12 MiB segment, then 14 MiB
+    >>> w = whatif(a.snapshot(), "expandable_segments:True").devices[0]
+    >>> w.recorded.peak_reserved_bytes >> 20, w.whatif.peak_reserved_bytes >> 20
+    (26, 20)
+    >>> whatif(a.snapshot()).devices[0].identical
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
+from torchmem.model.snapshot import Snapshot
+from torchmem.sim._start import StartSegment
+from torchmem.sim.allocator import CachingAllocator
+from torchmem.sim.config import AllocatorConfig
+from torchmem.sim.replay import TraceReplay
+from torchmem.units import format_bytes, parse_bytes
+
+__all__ = [
+    "LIMIT",
+    "SUGGESTED_CONFIGS",
+    "DeviceWhatIf",
+    "RunFigures",
+    "Suggestion",
+    "WhatIf",
+    "conf_string",
+    "suggest",
+    "whatif",
+]
+
+#: The limit of every what-if, printed with its results.
+LIMIT = (
+    "a what-if keeps the program's requests fixed (the same sizes, streams and order, and its "
+    "empty_cache() calls); it does not know what the program would have done differently"
+)
+
+#: What :func:`suggest` tries, each on top of the recorded settings. Garbage collection acts
+#: only under a per-process memory fraction, so it is tried with ``per_process_memory_fraction``
+#: 1.0 (the whole device), and only when the capacity is known.
+SUGGESTED_CONFIGS: tuple[str, ...] = (
+    "expandable_segments:True",
+    "max_split_size_mb:64",
+    "max_split_size_mb:128",
+    "max_split_size_mb:256",
+    "max_split_size_mb:512",
+    "roundup_power2_divisions:4",
+    "roundup_power2_divisions:8",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:1.0",
+    "garbage_collection_threshold:0.8,per_process_memory_fraction:1.0",
+)
+
+_REQUESTS = ("alloc", "free_requested", "free_completed")
+_SEG_UP = ("segment_alloc", "segment_map")
+_SEG_DOWN = ("segment_free", "segment_unmap")
+_HISTORY_HINT = (
+    "record with torch.cuda.memory._record_memory_history(max_entries=1000000) (or "
+    "torchmem.record_history()) before the run and dump the snapshot after it "
+    "(torch.cuda.memory._dump_snapshot)"
+)
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One run's figures on one device (the recorded run, or a what-if).
+
+    ``fragmentation_bytes`` is reserved minus allocated at the peak of allocated bytes (reached
+    after trace entry ``peak_entry``; -1: the state before the first entry), where
+    ``largest_free_block_bytes`` (per pool, ``"large"`` and ``"small"``) and
+    ``inactive_split_bytes`` (free blocks of split, non-expandable segments) are taken too.
+    ``segment_allocs``/``segment_frees`` count cudaMalloc/cudaFree calls (and expandable pages
+    mapped/unmapped). ``oom`` is ``None`` or a dict with ``entry``, ``request_bytes``,
+    ``stream`` and ``recorded`` (whether the trace records an OOM there); ``complete`` is false
+    when an OOM stopped the run before the trace's end.
+
+    Example:
+        >>> f = RunFigures("", 40 << 20, 9 << 20, 31 << 20, {"large": 11 << 20, "small": 0}, 0, 2, 0, 0, None, 4)
+        >>> f.to_dict()["peak_reserved_bytes"], f.key()
+        (41943040, (False, 41943040, 2))
+    """
+
+    alloc_conf: str
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    fragmentation_bytes: int
+    largest_free_block_bytes: dict[str, int]
+    inactive_split_bytes: int
+    segment_allocs: int
+    segment_frees: int
+    alloc_retries: int
+    oom: dict[str, Any] | None
+    peak_entry: int
+    complete: bool = True
+
+    def key(self) -> tuple[bool, int, int]:
+        """The ranking key: an OOM first, then peak reserved bytes, then cudaMalloc calls.
+
+        Example:
+            >>> RunFigures("", 5, 0, 0, {}, 0, 3, 0, 0, {"entry": 1}, 0).key()
+            (True, 5, 3)
+        """
+        return (self.oom is not None, self.peak_reserved_bytes, self.segment_allocs)
+
+    def same_as(self, other: RunFigures) -> bool:
+        """Whether every figure equals ``other``'s (the OOM by entry and request size).
+
+        Example:
+            >>> f = RunFigures("", 1, 1, 0, {}, 0, 1, 0, 0, None, 0)
+            >>> f.same_as(replace(f, alloc_conf="x")), f.same_as(replace(f, segment_allocs=2))
+            (True, False)
+        """
+        def oom(f: RunFigures) -> tuple[int, int] | None:
+            return None if f.oom is None else (f.oom["entry"], f.oom["request_bytes"])
+
+        skip = ("alloc_conf", "oom")
+        mine, theirs = asdict(self), asdict(other)
+        return all(mine[k] == theirs[k] for k in mine if k not in skip) and oom(self) == oom(other)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the issue's keys first (``peak_reserved_bytes`` ... ``oom``).
+
+        Example:
+            >>> list(RunFigures("", 1, 1, 0, {}, 0, 1, 0, 0, None, 0).to_dict())[:6]
+            ['peak_reserved_bytes', 'peak_allocated_bytes', 'segment_allocs', 'segment_frees', 'alloc_retries', 'oom']
+        """
+        d = asdict(self)
+        first = ("peak_reserved_bytes", "peak_allocated_bytes", "segment_allocs", "segment_frees",
+                 "alloc_retries", "oom")
+        return {**{k: d.pop(k) for k in first}, **d}
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One configuration tried by :func:`suggest`.
+
+    ``alloc_conf`` is the whole ``PYTORCH_CUDA_ALLOC_CONF`` (the recorded settings with
+    ``change`` applied); ``figures`` its run (``None`` when it could not be simulated: then
+    ``skipped`` says why); ``saved_bytes`` the peak reserved bytes it saves against the recorded
+    settings replayed on the same device (negative: it costs that much), ``cost`` what it costs
+    in words (cudaMalloc/cudaFree calls, retries, rounding).
+
+    Example:
+        >>> s = Suggestion("expandable_segments:True", "expandable_segments:True", None, False, 0, "",
+        ...                "needs a capacity")
+        >>> s.to_dict()["oom"], s.line
+        (None, 'PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True')
+    """
+
+    alloc_conf: str
+    change: str
+    figures: RunFigures | None
+    avoids_oom: bool
+    saved_bytes: int
+    cost: str
+    skipped: str | None = None
+
+    @property
+    def line(self) -> str:
+        """The environment line to set.
+
+        Example:
+            >>> Suggestion("max_split_size_mb:128", "", None, False, 0, "").line
+            'PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128'
+        """
+        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``alloc_conf``, ``peak_reserved_bytes``, ``oom``, then the rest.
+
+        Example:
+            >>> list(Suggestion("a", "a", None, False, 0, "", "why").to_dict())[:3]
+            ['alloc_conf', 'peak_reserved_bytes', 'oom']
+        """
+        f = self.figures
+        d: dict[str, Any] = {
+            "alloc_conf": self.alloc_conf,
+            "peak_reserved_bytes": None if f is None else f.peak_reserved_bytes,
+            "oom": None if f is None else f.oom,
+            "change": self.change,
+            "avoids_oom": self.avoids_oom,
+            "saved_bytes": self.saved_bytes,
+            "cost": self.cost,
+            "skipped": self.skipped,
+        }
+        if f is not None:
+            d["figures"] = f.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class DeviceWhatIf:
+    """The what-if of one device, side by side with the recorded run.
+
+    ``source`` is ``"snapshot"``, ``"trace"`` (a torchmem trace: ``recorded`` is the default
+    settings, simulated) or ``"estimate"``. ``identical`` says whether the what-if equals the
+    recorded run in every figure; ``replay_exact`` whether the replay with the recorded settings
+    reproduced every decision of the real allocator (``None`` for a torchmem trace).
+    ``capacity`` is the simulated device's bytes (``None``: unlimited) and ``capacity_source``
+    where it comes from. ``baseline`` is the recorded settings replayed on that device (what
+    suggestions are measured against). ``recorded_oom_avoided`` is ``None`` without a recorded
+    OOM, else whether the what-if avoided the first one.
+
+    Example:
+        >>> f = RunFigures("", 1, 1, 0, {}, 0, 1, 0, 0, None, 0)
+        >>> d = DeviceWhatIf(0, "cuda:0", "snapshot", f, f, f, True, True, None, None, "empty")
+        >>> sorted(d.to_dict())[:4]
+        ['capacity_bytes', 'capacity_source', 'device', 'identical']
+    """
+
+    device: int
+    name: str
+    source: str
+    recorded: RunFigures
+    whatif: RunFigures
+    baseline: RunFigures
+    identical: bool
+    replay_exact: bool | None
+    capacity: int | None
+    capacity_source: str | None
+    start: str
+    recorded_oom_avoided: bool | None = None
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[Suggestion, ...] = ()
+    best: Suggestion | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``device``, ``recorded``, ``whatif`` and the rest (``suggestions`` and
+        ``best`` when suggestions were made).
+
+        Example:
+            >>> f = RunFigures("", 1, 1, 0, {}, 0, 1, 0, 0, None, 0)
+            >>> list(DeviceWhatIf(0, "cuda:0", "snapshot", f, f, f, True, True, None, None, "empty").to_dict())[:3]
+            ['device', 'recorded', 'whatif']
+        """
+        d: dict[str, Any] = {
+            "device": self.device,
+            "recorded": self.recorded.to_dict(),
+            "whatif": self.whatif.to_dict(),
+            "name": self.name,
+            "source": self.source,
+            "identical": self.identical,
+            "replay_exact": self.replay_exact,
+            "recorded_oom_avoided": self.recorded_oom_avoided,
+            "capacity_bytes": self.capacity,
+            "capacity_source": self.capacity_source,
+            "start": self.start,
+            "notes": list(self.notes),
+        }
+        if self.suggestions:
+            d["baseline"] = self.baseline.to_dict()
+            d["suggestions"] = [s.to_dict() for s in self.suggestions]
+            d["best"] = None if self.best is None else self.best.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The result of :func:`whatif` or :func:`suggest`: one :class:`DeviceWhatIf` per device.
+
+    Example:
+        >>> WhatIf(()).to_dict()
+        {'devices': [], 'limit': "a what-if keeps the program's requests fixed (the same sizes, streams and order, and its empty_cache() calls); it does not know what the program would have done differently"}
+    """
+
+    devices: tuple[DeviceWhatIf, ...]
+    limit: str = LIMIT
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"devices": [...], "limit": ...}``.
+
+        Example:
+            >>> list(WhatIf(()).to_dict())
+            ['devices', 'limit']
+        """
+        return {"devices": [d.to_dict() for d in self.devices], "limit": self.limit}
+
+
+# -- configurations as strings ----------------------------------------------------------------
+
+
+def conf_string(config: AllocatorConfig) -> str:
+    """``config`` as a ``PYTORCH_CUDA_ALLOC_CONF`` string of its non-default options
+    (``""`` for the defaults); :meth:`AllocatorConfig.parse` reads it back to an equal config.
+
+    Example:
+        >>> conf_string(AllocatorConfig.parse("max_split_size_mb:128, expandable_segments:True"))
+        'max_split_size_mb:128,expandable_segments:True'
+        >>> c = AllocatorConfig.parse("roundup_power2_divisions:[256:1,>:4]")
+        >>> AllocatorConfig.parse(conf_string(c)) == c, conf_string(AllocatorConfig())
+        (True, '')
+    """
+    default = AllocatorConfig()
+    parts: list[str] = []
+    for name in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
+                 "garbage_collection_threshold", "per_process_memory_fraction",
+                 "expandable_segments", "release_lock_on_cudamalloc",
+                 "graph_capture_record_stream_reuse", "pinned_use_cuda_host_register",
+                 "pinned_num_register_threads"):
+        v = getattr(config, name)
+        if v != getattr(default, name):
+            parts.append(f"{name}:{v}")
+    div = config.roundup_power2_divisions
+    if div != default.roundup_power2_divisions:
+        if len(set(div)) == 1:
+            parts.append(f"roundup_power2_divisions:{div[0]}")
+        else:
+            table = ",".join(f"{1 << k}:{d}" for k, d in enumerate(div))
+            parts.append(f"roundup_power2_divisions:[{table}]")
+    parts.extend(f"{k}:{v}" for k, v in config.host_options)
+    return ",".join(parts)
+
+
+def _parse_conf(alloc_conf: AllocatorConfig | str) -> AllocatorConfig:
+    if isinstance(alloc_conf, AllocatorConfig):
+        return alloc_conf
+    if not isinstance(alloc_conf, str):
+        raise InvalidInputError(
+            f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
+            f"'expandable_segments:True' or an AllocatorConfig, got {type(alloc_conf).__name__}"
+        )
+    return AllocatorConfig.parse(alloc_conf)
+
+
+def _shown(conf: str) -> str:
+    return conf or "(default settings)"
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Input:
+    snapshot: Snapshot
+    source: str
+    capacity: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _requests_only(snap: Snapshot) -> Snapshot:
+    """A torchmem trace's snapshot with only its requests (no one-segment-per-storage entries)."""
+    out = Snapshot()
+    out.source = snap.source
+    out.device_names = dict(snap.device_names)
+    out.stacks = snap.stacks
+    for dev, t in snap.traces.items():
+        nt = out.new_trace(dev)
+        names = t.action_names
+        keep = {names.index(a) for a in _REQUESTS if a in names}
+        for i in range(len(t)):
+            if t.actions[i] in keep:
+                nt.append(names[t.actions[i]], t.addrs[i], t.sizes[i], t.streams[i],
+                          t.times[i] if t.has_time else None, t.stack_ids[i])
+    return out
+
+
+def _input(obj: Any) -> _Input:
+    """A snapshot, a torchmem trace, or an estimate, as what the what-if replays."""
+    from torchmem.model.trace import Trace
+
+    if isinstance(obj, Trace):
+        from torchmem.io.convert import snapshot_from_trace
+
+        obj = snapshot_from_trace(obj)
+    if isinstance(obj, Snapshot):
+        if obj.source.format != "torchmem-events":
+            return _Input(obj, "snapshot")
+        notes = [n for n in obj.notes if "left out" in n]
+        notes.insert(0, (
+            "a torchmem trace: its storage allocations and frees are the requests (stream 0), fed "
+            "to the simulated CUDA caching allocator; no caching allocator was recorded, so the "
+            "'recorded' column is the default settings, simulated"
+        ))
+        return _Input(_requests_only(obj), "trace", notes=notes)
+    if hasattr(obj, "snapshot") and hasattr(obj, "usable_bytes"):  # torchmem.fit.Estimate
+        if obj.snapshot is None:
+            raise InvalidInputError(
+                "the estimate holds no simulated run; make it with "
+                "torchmem.estimate(..., keep_snapshot=True) and pass that estimate"
+            )
+        return _Input(obj.snapshot, "estimate", capacity=int(obj.usable_bytes),
+                      notes=[f"an estimate on {getattr(obj, 'gpu', '?')}: its simulated run"])
+    raise InvalidInputError(
+        f"what-if replays a Snapshot (torchmem.io.load_snapshot), a torchmem Trace or an Estimate "
+        f"made with keep_snapshot=True, got {type(obj).__name__}"
+    )
+
+
+def _capacity(capacity: int | str | None) -> int | None:
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, str)):
+        raise InvalidInputError(
+            f"capacity must be bytes (an int > 0) or a size such as '24 GiB', got "
+            f"{type(capacity).__name__} {capacity!r}"
+        )
+    n = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    if n <= 0:
+        raise InvalidInputError(f"capacity must be > 0 bytes, got {capacity!r}")
+    return n
+
+
+def _devices(snap: Snapshot, device: int | None) -> list[int]:
+    with_history = [d for d in sorted(snap.traces) if snap.trace(d).count("alloc")]
+    where = snap.source.path or "the snapshot"
+    if device is not None:
+        if device not in snap.devices and device not in snap.traces:
+            raise InvalidInputError(
+                f"device {device} is not in {where}; it has devices {snap.devices or '(none)'}"
+            )
+        if device not in with_history:
+            raise InvalidInputError(
+                f"what-if needs the allocator history: {where} has no alloc entries in the trace "
+                f"of device {device}; {_HISTORY_HINT}"
+            )
+        return [device]
+    if not with_history:
+        n_seg = len(snap.segments)
+        n_ent = sum(len(t) for t in snap.traces.values())
+        raise InvalidInputError(
+            f"what-if needs the allocator history: {where} has {n_seg} segments and "
+            f"{n_ent} trace entries but no alloc entry on any device; {_HISTORY_HINT}"
+        )
+    return with_history
+
+
+# -- the replays ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """A stepped what-if replay: the figures as it goes."""
+
+    tr: TraceReplay
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    peak_entry: int = -1
+    peak_at_attempt: bool = False
+    oom: dict[str, Any] | None = None
+    first_recorded_avoided: bool | None = None
+    held: int = 0
+
+
+def _oom_dict(snap: Snapshot, dev: int, i: int, sim: CachingAllocator, allocated: int,
+              recorded: bool) -> dict[str, Any]:
+    t = snap.trace(dev)
+    frames = snap.stacks[t.stack_ids[i]] if t.stack_ids[i] < len(snap.stacks) else ()
+    where = next((f"{f.filename}:{f.line} {f.name}" for f in frames
+                  if not f.filename.startswith("<") and f.filename != "??"), None)
+    return {"entry": i, "request_bytes": int(t.sizes[i]), "stream": int(t.streams[i]),
+            "recorded": recorded, "reserved_bytes": sim.reserved_bytes,
+            "allocated_bytes": allocated, "where": where}
+
+
+def _walk(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
+          start: list[StartSegment], stop: tuple[int, bool] | None = None) -> _Run:
+    """Replay under ``cfg``: the trace's entries, and each recorded OOM's request tried again.
+
+    ``stop`` ``(entry, at_retried_oom)`` ends the walk right after that entry (or after the
+    retried request of the recorded OOM at that entry) with the state there: the second pass,
+    which reads the state at the peak of allocated bytes."""
+    fraction = cfg.per_process_memory_fraction
+    if fraction is not None and capacity is None:
+        raise InvalidInputError(
+            f"the settings {conf_string(cfg)!r} set per_process_memory_fraction, which needs the "
+            "device's capacity: pass capacity=... (torchmem whatif --gpu NAME|SIZE)"
+        )
+    tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, start=start, real_addresses=False)
+    run = _Run(tr, tr.peak_reserved_bytes, tr.peak_allocated_bytes)
+    t = snap.trace(dev)
+    end = len(t) if stop is None else stop[0] + 1
+    code = t.action_names.index("oom") if "oom" in t.action_names else -1
+    points = [i for i in range(end) if t.actions[i] == code] if code >= 0 else []
+    sim = tr.allocator
+    for i in [*points, end]:
+        try:
+            tr.run(i)
+        except SimulatedOutOfMemoryError:
+            run.oom = _oom_dict(snap, dev, tr.position, sim, tr.allocated_bytes, False)
+            break
+        finally:
+            if tr.peak_allocated_bytes > run.peak_allocated:
+                run.peak_allocated, run.peak_entry = tr.peak_allocated_bytes, tr.peak_allocated_entry
+                run.peak_at_attempt = False
+            run.peak_reserved = max(run.peak_reserved, tr.peak_reserved_bytes)
+        if i == end:
+            break
+        before = sim.allocated_bytes
+        try:  # the recorded OOM's request, tried again
+            addr = sim.malloc(int(t.sizes[i]), int(t.streams[i]))
+        except SimulatedOutOfMemoryError:
+            if run.first_recorded_avoided is None:
+                run.first_recorded_avoided = False
+            if run.oom is None:
+                run.oom = _oom_dict(snap, dev, i, sim, tr.allocated_bytes, True)
+            continue
+        if run.first_recorded_avoided is None:
+            run.first_recorded_avoided = True
+        held = sim.allocated_bytes - before
+        run.peak_reserved = max(run.peak_reserved, sim.reserved_bytes)
+        if tr.allocated_bytes + held > run.peak_allocated:
+            run.peak_allocated, run.peak_entry = tr.allocated_bytes + held, i
+            run.peak_at_attempt = True
+        if stop == (i, True):
+            run.held = held  # the state at the peak holds the block
+            break
+        sim.free(addr)
+    return run
+
+
+def _state(run: _Run) -> tuple[int, dict[str, int], int]:
+    """Reserved minus allocated, the largest free block per pool and the inactive split bytes."""
+    sim = run.tr.allocator
+    largest = {"large": 0, "small": 0}
+    split = 0
+    for seg in sim.layout():
+        free = [size for _off, size, used in seg[3] if not used]
+        if free:
+            pool = "small" if seg.small else "large"  # type: ignore[attr-defined]
+            largest[pool] = max(largest[pool], max(free))
+            if len(seg[3]) > 1 and not seg.is_expandable:  # type: ignore[attr-defined]
+                split += sum(free)
+    return sim.reserved_bytes - run.tr.allocated_bytes - run.held, largest, split
+
+
+def _figures(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
+             start: list[StartSegment]) -> tuple[RunFigures, _Run]:
+    """Run the what-if, then again up to its peak of allocated bytes for the state there."""
+    run = _walk(snap, dev, cfg, capacity, start)
+    sim = run.tr.allocator
+    ups = sum(1 for e in sim.events if e[0] in _SEG_UP)
+    downs = sum(1 for e in sim.events if e[0] in _SEG_DOWN)
+    retries = sim.num_alloc_retries
+    at = _walk(snap, dev, cfg, capacity, start, stop=(run.peak_entry, run.peak_at_attempt))
+    frag, largest, split = _state(at)
+    figs = RunFigures(
+        conf_string(cfg), run.peak_reserved, run.peak_allocated, frag, largest, split, ups, downs,
+        retries, run.oom, run.peak_entry, complete=run.oom is None or run.oom["recorded"],
+    )
+    return figs, run
+
+
+def _recorded(snap: Snapshot, dev: int, cfg: AllocatorConfig) -> tuple[RunFigures, TraceReplay]:
+    """The recorded run: segments and OOMs from the trace, block sizes from the exact replay."""
+    try:
+        tr = TraceReplay(snap, dev, config=cfg)
+        tr.run()
+    except InvalidInputError as e:
+        raise InvalidInputError(
+            f"device {dev}: the trace is cut short (entries were dropped) and cannot be replayed "
+            f"from any state the snapshot records, so a what-if would not be complete: {e}. Fix: "
+            f"{_HISTORY_HINT}, with max_entries large enough for the whole run"
+        ) from None
+    t = snap.trace(dev)
+    names = t.action_names
+    reserved = sum(s.size for s in tr.start_segments)
+    peak_r = reserved
+    ups = downs = retries = 0
+    oom: dict[str, Any] | None = None
+    for i in range(len(t)):
+        a = names[t.actions[i]]
+        if a in _SEG_UP:
+            ups += 1
+            reserved += t.sizes[i]
+            peak_r = max(peak_r, reserved)
+        elif a in _SEG_DOWN:
+            downs += 1
+            reserved -= t.sizes[i]
+        elif a == "oom":
+            retries += 1
+            if oom is None:
+                oom = {"entry": i, "request_bytes": int(t.sizes[i]), "stream": int(t.streams[i]),
+                       "recorded": True, "reserved_bytes": reserved,
+                       "device_free_bytes": int(t.addrs[i])}
+    at = TraceReplay(snap, dev, config=cfg, start=tr.start_segments)
+    at.run(tr.peak_allocated_entry + 1)
+    frag, largest, split = _state(_Run(at))
+    figs = RunFigures(conf_string(cfg), peak_r, tr.peak_allocated_bytes, frag, largest, split,
+                      ups, downs, retries, oom, tr.peak_allocated_entry)
+    return figs, tr
+
+
+# -- the API ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Device:
+    """What every what-if on one device shares: the recorded run and the start state."""
+
+    snap: Snapshot
+    dev: int
+    source: str
+    cfg: AllocatorConfig
+    start: list[StartSegment]
+    recorded: RunFigures
+    replay_exact: bool | None
+    capacity: int | None
+    capacity_source: str | None
+    notes: list[str]
+
+
+def _prepare(inp: _Input, dev: int, capacity: int | None) -> _Device:
+    snap = inp.snapshot
+    notes = list(inp.notes)
+    cap, cap_source = capacity, "given" if capacity is not None else None
+    start: list[StartSegment] = []
+    exact: bool | None = None
+    if inp.source == "trace":  # no allocator recorded: the default settings, simulated
+        cfg = AllocatorConfig()
+        recorded, _ = _figures(snap, dev, cfg, cap, start)
+    else:
+        cfg = AllocatorConfig.from_settings(snap.allocator_settings)
+        notes.extend(cfg.notes)
+        recorded, tr = _recorded(snap, dev, cfg)
+        res = tr.result()
+        start = tr.start_segments
+        exact = res.first_divergence is None and res.final_layout_equal
+        if not exact:
+            why = res.first_divergence["explanation"] if res.first_divergence else (
+                "the final layout differs from the snapshot's")
+            notes.append(
+                "the replay with the recorded settings does not reproduce every decision of the "
+                f"real allocator ({why}); block sizes and the what-if are approximate"
+            )
+        if res.start == "rebuilt":
+            notes.append(
+                f"the trace starts mid-run (older entries were dropped by the ring buffer, or "
+                f"recording began late): the state at its start ({res.start_segments} segments, "
+                f"{res.start_live_blocks} live blocks) was rebuilt from the end state; it was made "
+                "by the recorded settings and every what-if starts from it; the figures cover the "
+                "recorded window only"
+            )
+    if cap is None and inp.capacity is not None:
+        cap, cap_source = inp.capacity, "the estimate's GPU (usable bytes)"
+    if cap is None and recorded.oom is not None:
+        o = recorded.oom
+        cap = o["reserved_bytes"] + o["device_free_bytes"]
+        cap_source = (f"the recorded OOM at trace entry {o['entry']}: reserved "
+                      f"{format_bytes(o['reserved_bytes'])} + device free "
+                      f"{format_bytes(o['device_free_bytes'])}")
+    return _Device(snap, dev, inp.source, cfg, start, recorded, exact, cap, cap_source, notes)
+
+
+def _device_whatif(d: _Device, cfg: AllocatorConfig | None) -> DeviceWhatIf:
+    baseline, run = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start)
+    figs = baseline
+    if cfg is not None and cfg != d.cfg:
+        figs, run = _figures(d.snap, d.dev, cfg, d.capacity, d.start)
+    identical = figs.same_as(d.recorded)
+    notes = list(d.notes)
+    if cfg is None and d.source != "trace":
+        notes.append(
+            "the what-if equals the recorded run exactly (same settings, same requests): the "
+            "replay proof" if identical else
+            "the what-if with the recorded settings differs from the recorded run: the simulator "
+            "does not reproduce this trace exactly (see torchmem replay), so read the what-if "
+            "figures as approximate"
+        )
+    return DeviceWhatIf(
+        device=d.dev, name=d.snap.device_name(d.dev), source=d.source, recorded=d.recorded,
+        whatif=figs, baseline=baseline, identical=identical, replay_exact=d.replay_exact,
+        capacity=d.capacity, capacity_source=d.capacity_source,
+        start="rebuilt" if d.start else "empty",
+        recorded_oom_avoided=run.first_recorded_avoided,
+        notes=tuple(notes),
+    )
+
+
+def whatif(
+    snapshot: Any,
+    alloc_conf: AllocatorConfig | str | None = None,
+    capacity: int | str | None = None,
+    *,
+    device: int | None = None,
+) -> WhatIf:
+    """Replay ``snapshot``'s recorded requests under ``alloc_conf`` (and ``capacity``) and
+    report each device side by side with the recorded run (see the module's docstring).
+
+    ``snapshot`` is a :class:`~torchmem.model.Snapshot` with an allocator trace, a torchmem
+    :class:`~torchmem.model.Trace` (or its snapshot), or an :class:`~torchmem.fit.Estimate`
+    made with ``keep_snapshot=True``. ``alloc_conf`` is the whole ``PYTORCH_CUDA_ALLOC_CONF``
+    to try (``None``: the recorded settings); ``capacity`` bytes, or a size such as
+    ``"24 GiB"``, that cudaMalloc may reserve. Unknown options raise
+    :class:`~torchmem.errors.InvalidInputError` naming the option and listing the valid ones;
+    so does a snapshot without allocator history.
+
+    Example:
+        >>> a = CachingAllocator()
+        >>> a.free(a.malloc(12 << 20)); z = a.malloc(14 << 20)
+        >>> d = whatif(a.snapshot(), "expandable_segments:True").devices[0]
+        >>> d.recorded.segment_allocs, d.whatif.segment_allocs, d.whatif.peak_reserved_bytes >> 20
+        (2, 1, 20)
+        >>> whatif(a.snapshot(), capacity="13 MiB").devices[0].whatif.oom["entry"]
+        5
+        >>> whatif(a.snapshot(), "expandable_segment:True")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: unrecognized allocator option 'expandable_segment' in 'expandable_segment:True'; known options: ...
+    """
+    cfg = None if alloc_conf is None else _parse_conf(alloc_conf)
+    cap = _capacity(capacity)
+    inp = _input(snapshot)
+    out = []
+    for dev in _devices(inp.snapshot, device):
+        out.append(_device_whatif(_prepare(inp, dev, cap), cfg))
+    return WhatIf(tuple(out))
+
+
+def _cost(base: RunFigures, f: RunFigures) -> str:
+    parts = []
+    for label, a, b in (("cudaMalloc calls", base.segment_allocs, f.segment_allocs),
+                        ("cudaFree calls", base.segment_frees, f.segment_frees),
+                        ("allocation retries", base.alloc_retries, f.alloc_retries)):
+        if b != a:
+            parts.append(f"{b - a:+d} {label} ({b} vs {a})")
+    if f.peak_allocated_bytes > base.peak_allocated_bytes:
+        parts.append(
+            f"+{format_bytes(f.peak_allocated_bytes - base.peak_allocated_bytes)} peak allocated "
+            "(coarser rounding)"
+        )
+    return "; ".join(parts) or "no more cudaMalloc/cudaFree calls or retries"
+
+
+def _suggestions(d: _Device, baseline: RunFigures, configs: Sequence[str],
+                 progress: Callable[[str], None] | None) -> tuple[Suggestion, ...]:
+    tried: list[Suggestion] = []
+    seen = {d.cfg}
+    for k, change in enumerate(configs):
+        if progress is not None:
+            progress(f"device {d.dev}: trying {k + 1}/{len(configs)}: {change}")
+        try:
+            delta = AllocatorConfig.parse(change)
+            touched = {p.split(":", 1)[0].strip() for p in change.split(",") if ":" in p}
+            cfg = replace(d.cfg, **{name: getattr(delta, name) for name in touched},
+                          settings="")
+        except (TorchmemError, TypeError, AttributeError) as e:
+            tried.append(Suggestion(change, change, None, False, 0, "", f"not valid here: {e}"))
+            continue
+        conf = conf_string(cfg)
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        if cfg.per_process_memory_fraction is not None and d.capacity is None:
+            tried.append(Suggestion(conf, change, None, False, 0, "",
+                                    "needs the device's capacity (pass capacity= / --gpu)"))
+            continue
+        try:
+            f, _ = _figures(d.snap, d.dev, cfg, d.capacity, d.start)
+        except TorchmemError as e:
+            tried.append(Suggestion(conf, change, None, False, 0, "", f"not simulated: {e}"))
+            continue
+        tried.append(Suggestion(conf, change, f, baseline.oom is not None and f.oom is None,
+                                baseline.peak_reserved_bytes - f.peak_reserved_bytes,
+                                _cost(baseline, f)))
+    ran = sorted((s for s in tried if s.figures is not None),
+                 key=lambda s: s.figures.key() if s.figures else (True, 0, 0))
+    return (*ran, *(s for s in tried if s.figures is None))
+
+
+def suggest(
+    snapshot: Any,
+    capacity: int | str | None = None,
+    *,
+    device: int | None = None,
+    alloc_conf: AllocatorConfig | str | None = None,
+    configs: Sequence[str] = SUGGESTED_CONFIGS,
+    progress: Callable[[str], None] | None = None,
+) -> WhatIf:
+    """:func:`whatif`, plus each of ``configs`` tried on top of the recorded settings, ranked.
+
+    Ranked by OOM avoided, then peak reserved bytes, then cudaMalloc calls
+    (:attr:`DeviceWhatIf.suggestions`; those that could not be simulated come last, with the
+    reason). :attr:`DeviceWhatIf.best` is the first one when it beats the recorded settings
+    replayed on the same device (``baseline``), else ``None``. ``progress`` gets a line per
+    configuration tried.
+
+    Example:
+        >>> a = CachingAllocator()
+        >>> a.free(a.malloc(12 << 20)); z = a.malloc(14 << 20)
+        >>> d = suggest(a.snapshot()).devices[0]
+        >>> d.best.line, d.best.saved_bytes >> 20
+        ('PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True', 6)
+    """
+    if isinstance(configs, str) or not all(isinstance(c, str) for c in configs):
+        raise InvalidInputError(
+            "configs must be a sequence of PYTORCH_CUDA_ALLOC_CONF strings, e.g. "
+            "['expandable_segments:True']"
+        )
+    cfg = None if alloc_conf is None else _parse_conf(alloc_conf)
+    cap = _capacity(capacity)
+    inp = _input(snapshot)
+    out = []
+    for dev in _devices(inp.snapshot, device):
+        d = _prepare(inp, dev, cap)
+        w = _device_whatif(d, cfg)
+        ranked = _suggestions(d, w.baseline, configs, progress)
+        top = ranked[0] if ranked and ranked[0].figures is not None else None
+        best = top if top is not None and top.figures is not None and (
+            top.figures.key() < w.baseline.key()) else None
+        out.append(replace(w, suggestions=ranked, best=best))
+    return WhatIf(tuple(out))
