@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("torchmem.cli.trace", "a snapshot's event log with running totals"),
     "flame": ("torchmem.cli.flame", "folded stacks of a snapshot for flame-graph tools"),
     "replay": ("torchmem.cli.replay", "replay a snapshot's trace through the allocator simulator and compare"),
+    "whatif": ("torchmem.cli.whatif", "replay a snapshot's requests under other allocator settings or GPU"),
     "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
     "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
     "estimate": ("torchmem.cli.estimate", "will a training step fit on a GPU? (fake run, no GPU needed)"),

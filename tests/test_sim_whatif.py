@@ -1,0 +1,384 @@
+"""torchmem.sim.whatif / suggest and ``torchmem whatif``: the recorded requests under other settings.
+
+Ground truth comes from elsewhere: the real snapshots' own entries and the peaks measured by an
+independent block replay (../shared/data/gpu-truth.md, also pinned in test_sim_replay.py); runs
+of the simulator itself whose OOM (or not) is raised by :class:`CachingAllocator` while the
+snapshot is recorded; the allocator's rules applied by hand (segment sizes, best fit, splitting,
+expandable pages of 20 MiB); and :func:`torchmem.estimate`'s own counters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchmem.cli import main
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
+from torchmem.io import load_snapshot, save_trace
+from torchmem.io.pytorch_snapshot import from_pytorch
+from torchmem.model.events import EventKind
+from torchmem.model.snapshot import Snapshot
+from torchmem.model.trace import Trace
+from torchmem.sim import AllocatorConfig, CachingAllocator, WhatIf, replay, suggest, whatif
+from torchmem.sim.whatif import SUGGESTED_CONFIGS, conf_string
+
+MiB = 1 << 20
+DATA = Path(__file__).resolve().parent / "data"
+# the traces torchmem replay reproduces exactly, and their independent figures (gpu-truth.md):
+# (peak allocated, peak reserved, segment_alloc entries)
+EXACT = {
+    "DeComFL__memory.pickle": (1_790_894_592, 1_897_922_560, 61),
+    "MAGMA27_a2__memory_snapshot.pickle": (13_927_832_064, 14_180_941_824, 0),
+    "notHanmin_a2__memory_snapshot_forward.pickle": (44_634_833_408, 47_234_154_496, 0),
+}
+STATE_ONLY = ["Attention__memory.pickle", "SketchKV2__my_snapshot.pickle",
+              "LLM-inference__oom_snapshot_41810ba.pickle"]
+
+
+def _fragmented_oom() -> Snapshot:
+    """Two 20 MiB segments of three 6 MiB blocks each (2 MiB tails), the outer blocks freed:
+    28 MiB cached but at most 8 MiB contiguous, and a 10 MiB request on a full 40 MiB device."""
+    a = CachingAllocator(capacity=40 * MiB)
+    xs = [a.malloc(6 * MiB) for _ in range(6)]
+    for k in (0, 2, 3, 5):
+        a.free(xs[k])
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(10 * MiB)
+    return a.snapshot()
+
+
+def _split_big_block_oom() -> Snapshot:
+    """A cached 64 MiB segment split by a 4 MiB request, then 64 MiB again on a 100 MiB device."""
+    a = CachingAllocator(capacity=100 * MiB)
+    a.free(a.malloc(64 * MiB))
+    a.malloc(4 * MiB)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(64 * MiB)
+    return a.snapshot()
+
+
+# -- identity: the replay proof on real snapshots ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_without_alloc_conf_the_whatif_equals_the_recorded_run(name: str) -> None:
+    snap = load_snapshot(DATA / name)
+    d = whatif(snap).devices[0]
+    peak_alloc, peak_res, seg_allocs = EXACT[name]
+    rec = d.recorded
+    assert (rec.peak_allocated_bytes, rec.peak_reserved_bytes, rec.segment_allocs) == (
+        peak_alloc, peak_res, seg_allocs)
+    assert rec.segment_frees == [e.action for e in snap.trace(0)].count("segment_free")
+    assert rec.oom is None and rec.alloc_retries == 0
+    assert d.replay_exact is True and d.identical
+    assert d.whatif.same_as(rec)
+    # fragmentation at the peak adds up, and its blocks lie inside it
+    assert rec.fragmentation_bytes == 0 or rec.fragmentation_bytes >= max(
+        rec.largest_free_block_bytes.values())
+    assert rec.inactive_split_bytes <= rec.fragmentation_bytes
+    assert any("the replay proof" in n for n in d.notes)
+
+
+def test_mid_run_traces_are_reported_as_such() -> None:
+    d = whatif(load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle")).devices[0]
+    assert d.start == "rebuilt"
+    assert any("starts mid-run" in n and "216 segments" in n for n in d.notes)
+    e = whatif(load_snapshot(DATA / "DeComFL__memory.pickle")).devices[0]
+    assert e.start == "empty" and not any("mid-run" in n for n in e.notes)
+
+
+def test_decomfl_expandable_segments_by_the_rules() -> None:
+    """DeComFL under expandable segments: fewer cudaMalloc-like calls, lower peak reserved, the
+    same allocated blocks (the requests are fixed; expandable segments round only to 512 B)."""
+    snap = load_snapshot(DATA / "DeComFL__memory.pickle")
+    d = whatif(snap, "expandable_segments:True").devices[0]
+    assert not d.identical
+    assert d.whatif.alloc_conf == "expandable_segments:True"
+    assert d.whatif.peak_reserved_bytes < d.recorded.peak_reserved_bytes
+    assert d.whatif.segment_allocs < d.recorded.segment_allocs
+    # a mapped range is reserved only in whole pages of 2 MiB (small) or 20 MiB (large)
+    assert d.whatif.peak_reserved_bytes % (2 * MiB) == 0
+    assert d.whatif.inactive_split_bytes == 0  # PyTorch counts no split bytes in expandable ranges
+    assert d.recorded.peak_allocated_bytes - d.whatif.peak_allocated_bytes < 8 * MiB
+
+
+# -- hand-computed what-ifs: an OOM the recorded settings hit, avoided ------------------------
+
+
+def test_expandable_segments_avoid_a_fragmentation_oom() -> None:
+    snap = _fragmented_oom()
+    d = whatif(snap, "expandable_segments:True").devices[0]
+    rec, wi = d.recorded, d.whatif
+    # recorded: 2 segments of 20 MiB, 36 MiB allocated at the peak (six 6 MiB blocks), two 2 MiB
+    # tails free in split segments; the 10 MiB request fails on the full 40 MiB device
+    assert (rec.peak_reserved_bytes, rec.peak_allocated_bytes) == (40 * MiB, 36 * MiB)
+    assert rec.fragmentation_bytes == 4 * MiB and rec.inactive_split_bytes == 4 * MiB
+    assert rec.largest_free_block_bytes == {"large": 2 * MiB, "small": 0}
+    assert (rec.segment_allocs, rec.segment_frees, rec.alloc_retries) == (2, 0, 1)
+    assert rec.oom is not None
+    assert (rec.oom["request_bytes"], rec.oom["device_free_bytes"]) == (10 * MiB, 0)
+    # the device is the one the OOM ran on: 40 MiB reserved + 0 B free
+    assert d.capacity == 40 * MiB and "recorded OOM" in (d.capacity_source or "")
+    # expandable: one range of two 20 MiB pages, the blocks back to back (36 MiB), a 4 MiB tail;
+    # freeing 1, 3, 4, 6 leaves [12, 24) and [30, 40) MiB free: the 10 MiB request fits
+    assert (wi.peak_reserved_bytes, wi.peak_allocated_bytes) == (40 * MiB, 36 * MiB)
+    assert wi.largest_free_block_bytes == {"large": 4 * MiB, "small": 0}
+    assert wi.inactive_split_bytes == 0
+    assert (wi.segment_allocs, wi.alloc_retries, wi.oom) == (2, 0, None)
+    assert d.recorded_oom_avoided is True
+
+
+def test_max_split_size_avoids_splitting_the_big_cached_block() -> None:
+    snap = _split_big_block_oom()
+    d = whatif(snap, "max_split_size_mb:32").devices[0]
+    rec, wi = d.recorded, d.whatif
+    # recorded: the 4 MiB request splits the cached 64 MiB segment; 64 MiB more does not fit
+    # next to it on 100 MiB (36 MiB free), and the split segment cannot be released
+    assert (rec.peak_reserved_bytes, rec.segment_allocs, rec.alloc_retries) == (64 * MiB, 1, 1)
+    assert rec.oom is not None and rec.oom["request_bytes"] == 64 * MiB
+    assert d.capacity == 100 * MiB
+    # max_split_size 32 MiB: the 4 MiB request may not take the 64 MiB block (>= 32 MiB), so it
+    # gets a new 20 MiB segment; the second 64 MiB request takes the intact 64 MiB block
+    assert (wi.peak_reserved_bytes, wi.segment_allocs, wi.oom) == (84 * MiB, 2, None)
+    assert wi.peak_allocated_bytes == 68 * MiB and wi.fragmentation_bytes == 16 * MiB
+    assert d.recorded_oom_avoided is True
+    assert whatif(snap).devices[0].recorded_oom_avoided is False  # the recorded settings: again
+
+
+def test_the_recorded_oom_is_reproduced_with_the_recorded_settings() -> None:
+    d = whatif(_fragmented_oom()).devices[0]
+    assert d.identical and d.recorded_oom_avoided is False
+    assert d.whatif.oom is not None and d.whatif.oom["recorded"]
+    assert d.whatif.alloc_retries == d.recorded.alloc_retries == 1
+
+
+def test_a_capacity_moves_the_oom_and_says_where() -> None:
+    a = CachingAllocator()
+    a.free(a.malloc(12 * MiB))  # a 12 MiB segment, cached
+    a.malloc(14 * MiB)  # no fit: a new 14 MiB segment (26 MiB reserved)
+    snap = a.snapshot()
+    # 20 MiB: the 14 MiB request's cudaMalloc fails, the retry frees the cached 12 MiB segment
+    d = whatif(snap, capacity=20 * MiB).devices[0]
+    assert (d.whatif.peak_reserved_bytes, d.whatif.segment_frees, d.whatif.alloc_retries) == (
+        14 * MiB, 1, 1)
+    assert d.whatif.oom is None and d.recorded.peak_reserved_bytes == 26 * MiB
+    # 13 MiB: 12 MiB fits, 14 MiB never does; entries: segment_alloc, alloc, free_requested,
+    # free_completed, segment_alloc, alloc (the one that fails)
+    d = whatif(snap, capacity="13 MiB").devices[0]
+    assert d.whatif.oom is not None
+    assert (d.whatif.oom["entry"], d.whatif.oom["request_bytes"]) == (5, 14 * MiB)
+    assert d.whatif.oom["recorded"] is False and not d.whatif.complete
+    assert d.recorded.oom is None and d.capacity_source == "given"
+
+
+# -- suggestions -------------------------------------------------------------------------------
+
+
+def test_suggestions_are_ranked_oom_first_then_reserved_then_cudamalloc() -> None:
+    d = suggest(_fragmented_oom()).devices[0]
+    ran = [s for s in d.suggestions if s.figures is not None]
+    keys = [s.figures.key() for s in ran if s.figures is not None]
+    assert keys == sorted(keys) and len(ran) == len(SUGGESTED_CONFIGS)
+    assert d.best is not None and d.best.alloc_conf == "expandable_segments:True"
+    assert d.best.avoids_oom and ran[0] is d.best
+    # every other setting still runs out of memory here: the cached blocks are split
+    assert all(s.figures is not None and s.figures.oom is not None for s in ran[1:])
+    assert "allocation retries" in d.best.cost
+
+
+def test_suggest_ranks_by_reserved_and_names_no_best_when_nothing_beats_the_recording() -> None:
+    d = suggest(load_snapshot(DATA / "DeComFL__memory.pickle")).devices[0]
+    ran = [s for s in d.suggestions if s.figures is not None]
+    assert [s.figures.key() for s in ran if s.figures] == sorted(
+        s.figures.key() for s in ran if s.figures)
+    assert d.best is ran[0] and d.best.figures is not None
+    assert d.best.saved_bytes == d.recorded.peak_reserved_bytes - d.best.figures.peak_reserved_bytes > 0
+    # garbage collection needs the device's size; without one it is skipped with the reason
+    skipped = [s for s in d.suggestions if s.figures is None]
+    assert skipped and all("capacity" in (s.skipped or "") for s in skipped)
+    # MAGMA27: no cudaMalloc in the window, nothing lowers the (constant) reserved bytes
+    m = suggest(load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle")).devices[0]
+    assert m.best is None
+
+
+def test_suggestions_build_on_the_recorded_settings() -> None:
+    a = CachingAllocator(config="max_split_size_mb:200")
+    a.free(a.malloc(12 * MiB))
+    a.malloc(14 * MiB)
+    d = suggest(a.snapshot(), configs=["expandable_segments:True"]).devices[0]
+    assert d.recorded.alloc_conf == "max_split_size_mb:200"
+    assert d.suggestions[0].alloc_conf == "max_split_size_mb:200,expandable_segments:True"
+    assert d.suggestions[0].line.startswith("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:200,")
+
+
+# -- inputs: a torchmem trace, an estimate -----------------------------------------------------
+
+
+def _tracked() -> Trace:
+    tr = Trace()
+    tr.append(EventKind.ALLOC, 1000, "cpu", 4096, 1)
+    tr.append(EventKind.ALLOC, 2000, "cpu", 12 * MiB, 2)
+    tr.append(EventKind.FREE, 3000, "cpu", 12 * MiB, 2)
+    tr.append(EventKind.ALLOC, 4000, "cpu", 14 * MiB, 3)
+    return tr
+
+
+def test_a_torchmem_trace_is_simulated_from_its_requests(tmp_path: Path) -> None:
+    d = whatif(_tracked(), "expandable_segments:True").devices[0]
+    assert d.source == "trace" and d.replay_exact is None
+    # default settings: a 2 MiB small segment (4 KiB), a 12 MiB segment, then a 14 MiB one
+    assert (d.recorded.peak_reserved_bytes, d.recorded.segment_allocs) == (28 * MiB, 3)
+    assert d.recorded.peak_allocated_bytes == 4096 + 14 * MiB
+    # expandable: one 2 MiB small page; the large range maps one 20 MiB page for both
+    assert (d.whatif.peak_reserved_bytes, d.whatif.segment_allocs) == (22 * MiB, 2)
+    assert any("no caching allocator was recorded" in n for n in d.notes)
+    p = tmp_path / "run.tmtrace"
+    save_trace(_tracked(), p)
+    loaded = whatif(load_snapshot(p), "expandable_segments:True").devices[0]
+    assert loaded.whatif.same_as(d.whatif) and loaded.recorded.same_as(d.recorded)
+
+
+def test_an_estimate_is_replayed_on_its_gpu() -> None:
+    import torch
+
+    import torchmem
+
+    def build(batch: int):  # type: ignore[no-untyped-def]
+        net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                  torch.nn.Linear(1024, 256))
+        opt = torch.optim.Adam(net.parameters())
+        x = torch.randn(batch, 256)
+
+        def step() -> None:
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    est = torchmem.estimate(build, gpu="T4", batch_size=16, keep_snapshot=True)
+    d = whatif(est).devices[0]
+    assert d.source == "estimate" and d.capacity == est.usable_bytes
+    # the estimate's own counters are the ground truth of its run
+    assert d.recorded.peak_reserved_bytes == est.peak_reserved_bytes
+    assert d.recorded.peak_allocated_bytes == est.peak_allocated_bytes
+    assert d.identical and d.replay_exact
+    with pytest.raises(InvalidInputError, match="keep_snapshot=True"):
+        whatif(torchmem.estimate(build, gpu="T4", batch_size=16))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_unknown_option_is_named_with_the_valid_ones() -> None:
+    snap = _fragmented_oom()
+    with pytest.raises(InvalidInputError, match="'expandable_segment'.*known options:.*expandable_segments"):
+        whatif(snap, "expandable_segment:True")
+    with pytest.raises(InvalidInputError, match="max_split_size_mb: got 'lots'"):
+        whatif(snap, "max_split_size_mb:lots")
+    with pytest.raises(InvalidInputError, match="capacity must be > 0"):
+        whatif(snap, capacity=0)
+
+
+@pytest.mark.parametrize("name", STATE_ONLY)
+def test_a_snapshot_without_history_says_how_to_record_it(name: str) -> None:
+    with pytest.raises(InvalidInputError, match="what-if needs the allocator history: .*record with"):
+        whatif(load_snapshot(DATA / name))
+
+
+def test_a_trace_cut_short_is_reported_never_replayed_as_complete() -> None:
+    e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}  # noqa: E731
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        e("alloc", 1 << 30, 4096), e("free_completed", 2 << 30, 4096)]]})
+    with pytest.raises(InvalidInputError, match="cut short .*dropped"):
+        whatif(snap)
+
+
+def test_gc_settings_need_a_capacity() -> None:
+    snap = CachingAllocator().snapshot()
+    a = CachingAllocator()
+    a.malloc(100)
+    with pytest.raises(InvalidInputError, match="needs the device's capacity"):
+        whatif(a.snapshot(), "garbage_collection_threshold:0.8,per_process_memory_fraction:0.9")
+    with pytest.raises(InvalidInputError, match="what-if needs the allocator history"):
+        whatif(snap)
+    with pytest.raises(InvalidInputError, match="got str"):
+        whatif("snap.pickle")
+
+
+def test_conf_string_round_trips() -> None:
+    for text in ("", "expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
+                 "roundup_power2_divisions:[256:1,512:2,>:4]", "large_segment_size_mb:64",
+                 "per_process_memory_fraction:0.5,release_lock_on_cudamalloc:True"):
+        c = AllocatorConfig.parse(text)
+        assert AllocatorConfig.parse(conf_string(c)) == c
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["whatif", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_json_has_the_issue_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, str(DATA / "DeComFL__memory.pickle"), "--alloc-conf",
+                        "expandable_segments:True", "--suggest", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    dev = doc["devices"][0]
+    assert dev["device"] == 0
+    for side in ("recorded", "whatif"):
+        assert list(dev[side])[:6] == ["peak_reserved_bytes", "peak_allocated_bytes",
+                                       "segment_allocs", "segment_frees", "alloc_retries", "oom"]
+    assert dev["recorded"]["peak_reserved_bytes"] == EXACT["DeComFL__memory.pickle"][1]
+    assert dev["whatif"]["oom"] is None
+    for s in dev["suggestions"]:
+        assert {"alloc_conf", "peak_reserved_bytes", "oom"} <= set(s)
+    assert dev["best"]["alloc_conf"] == "expandable_segments:True"
+    assert "requests fixed" in doc["limit"]
+
+
+def test_cli_text_says_identity_and_the_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _cli(capsys, str(DATA / "DeComFL__memory.pickle"))
+    assert code == 0
+    assert "the recorded settings replayed" in out and "the replay proof" in out
+    assert "limit: a what-if keeps the program's requests fixed" in out
+    assert "1.77 GiB" in out  # peak reserved, both columns
+
+
+def test_cli_oom_avoided_and_gpu_size(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from torchmem.io import write_snapshot
+
+    p = tmp_path / "oom.pickle"
+    write_snapshot(p, _fragmented_oom())
+    code, out, _ = _cli(capsys, str(p), "--alloc-conf", "expandable_segments:True")
+    assert code == 0 and "the recorded OOM is AVOIDED" in out
+    code, out, _ = _cli(capsys, str(p), "--suggest")
+    assert "best: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
+    assert "avoids the OOM" in out
+    code, out, _ = _cli(capsys, str(DATA / "DeComFL__memory.pickle"), "--gpu", "1GiB", "--json")
+    dev = json.loads(out)["devices"][0]
+    assert dev["whatif"]["oom"] is not None and not dev["whatif"]["oom"]["recorded"]
+    assert dev["capacity_bytes"] < 1 << 30 and "--gpu" in dev["capacity_source"]
+
+
+def test_cli_bad_input_is_an_error_line_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, str(DATA / "DeComFL__memory.pickle"), "--alloc-conf", "bogus:1")
+    assert code == 2 and "unrecognized allocator option 'bogus'" in err and "Traceback" not in err
+    code, _, err = _cli(capsys, str(DATA / "Attention__memory.pickle"))
+    assert code == 2 and "what-if needs the allocator history: " in err
+    code, _, err = _cli(capsys, str(DATA / "DeComFL__memory.pickle"), "--gpu", "B9000")
+    assert code == 2 and "unknown GPU 'B9000'" in err
+
+
+def test_whatif_result_type_and_replay_agree() -> None:
+    snap = load_snapshot(DATA / "DeComFL__memory.pickle")
+    w = whatif(snap)
+    assert isinstance(w, WhatIf)
+    r = replay(snap)
+    assert (w.devices[0].recorded.peak_reserved_bytes, w.devices[0].recorded.peak_allocated_bytes) == (
+        r.peak_reserved_bytes, r.peak_allocated_bytes)
