@@ -171,6 +171,7 @@ def test_a_capacity_moves_the_oom_and_says_where() -> None:
     assert (d.whatif.oom["entry"], d.whatif.oom["request_bytes"]) == (5, 14 * MiB)
     assert d.whatif.oom["recorded"] is False and not d.whatif.complete
     assert d.recorded.oom is None and d.capacity_source == "given"
+    assert not d.identical and any("no identity is claimed" in n for n in d.notes)
 
 
 # -- suggestions -------------------------------------------------------------------------------
@@ -382,3 +383,26 @@ def test_whatif_result_type_and_replay_agree() -> None:
     r = replay(snap)
     assert (w.devices[0].recorded.peak_reserved_bytes, w.devices[0].recorded.peak_allocated_bytes) == (
         r.peak_reserved_bytes, r.peak_allocated_bytes)
+
+
+def test_estimate_suggest_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    f = tmp_path / "net.py"
+    f.write_text(
+        "import torch\n"
+        "def build(batch):\n"
+        "    net = torch.nn.Linear(512, 2048)\n"
+        "    x = torch.randn(batch, 512)\n"
+        "    return lambda: net(x).sum().backward()\n"
+    )
+    code = main(["estimate", f"{f}:build", "--gpu", "T4", "--batch-size", "8", "--suggest", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    dev = doc["whatif"]["devices"][0]
+    # the estimate's run is what the what-if replays: its peaks, on the T4's usable bytes
+    assert dev["recorded"]["peak_reserved_bytes"] == doc["peak_reserved_bytes"]
+    assert dev["recorded"]["peak_allocated_bytes"] == doc["peak_allocated_bytes"]
+    assert dev["identical"] and dev["capacity_bytes"] == doc["capacity_bytes"] - doc["overhead_bytes"]
+    assert len(dev["suggestions"]) == len(SUGGESTED_CONFIGS)
+    code = main(["estimate", f"{f}:build", "--gpu", "T4", "--batch-size", "8", "--suggest"])
+    out = capsys.readouterr().out
+    assert code == 0 and "FITS" in out and "suggestions (ranked" in out

@@ -87,7 +87,7 @@ def _device_lines(d: dict[str, Any]) -> list[str]:
         f"{format_bytes(d['capacity_bytes'])} ({d['capacity_source']})")
     out.append(f"  capacity                 {cap}")
     out.append(f"  {'':<24} {head:>20} {'what-if':>14} {'change':>14}")
-    rows: list[tuple[str, int, int, bool]] = [
+    rows: list[tuple[str, Any, Any, bool]] = [
         ("peak reserved", rec["peak_reserved_bytes"], wi["peak_reserved_bytes"], True),
         ("peak allocated", rec["peak_allocated_bytes"], wi["peak_allocated_bytes"], True),
         ("fragmentation at peak", rec["fragmentation_bytes"], wi["fragmentation_bytes"], True),
@@ -101,6 +101,8 @@ def _device_lines(d: dict[str, Any]) -> list[str]:
         ("allocation retries", rec["alloc_retries"], wi["alloc_retries"], False),
     ]
     for label, a, b, is_bytes in rows:
+        if a is None or b is None:
+            continue
         sa, sb = (format_bytes(a), format_bytes(b)) if is_bytes else (str(a), str(b))
         out.append(f"  {label:<24} {sa:>20} {sb:>14} {_delta(a, b, is_bytes):>14}")
     out.append(f"  {'out of memory':<24} recorded: {_oom(rec['oom'])}")

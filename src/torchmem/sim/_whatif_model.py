@@ -35,7 +35,9 @@ class RunFigures:
     ``segment_allocs``/``segment_frees`` count cudaMalloc/cudaFree calls (and expandable pages
     mapped/unmapped). ``oom`` is ``None`` or a dict with ``entry``, ``request_bytes``,
     ``stream`` and ``recorded`` (whether the trace records an OOM there); ``complete`` is false
-    when an OOM stopped the run before the trace's end.
+    when an OOM stopped the run before the trace's end. The three figures of the state at the
+    peak are ``None`` where they were not measured (a suggestion's run: that takes a second
+    replay up to the peak).
 
     Example:
         >>> f = RunFigures("", 40 << 20, 9 << 20, 31 << 20, {"large": 11 << 20, "small": 0}, 0, 2, 0, 0, None, 4)
@@ -46,9 +48,9 @@ class RunFigures:
     alloc_conf: str
     peak_reserved_bytes: int
     peak_allocated_bytes: int
-    fragmentation_bytes: int
-    largest_free_block_bytes: dict[str, int]
-    inactive_split_bytes: int
+    fragmentation_bytes: int | None
+    largest_free_block_bytes: dict[str, int] | None
+    inactive_split_bytes: int | None
     segment_allocs: int
     segment_frees: int
     alloc_retries: int
@@ -162,7 +164,8 @@ class DeviceWhatIf:
     reproduced every decision of the real allocator (``None`` for a torchmem trace).
     ``capacity`` is the simulated device's bytes (``None``: unlimited) and ``capacity_source``
     where it comes from. ``baseline`` is the recorded settings replayed on that device (what
-    suggestions are measured against). ``recorded_oom_avoided`` is ``None`` without a recorded
+    suggestions are measured against; ``None`` when no suggestion was asked for and the what-if
+    ran under other settings). ``recorded_oom_avoided`` is ``None`` without a recorded
     OOM, else whether the what-if avoided the first one.
 
     Example:
@@ -177,7 +180,7 @@ class DeviceWhatIf:
     source: str
     recorded: RunFigures
     whatif: RunFigures
-    baseline: RunFigures
+    baseline: RunFigures | None
     identical: bool
     replay_exact: bool | None
     capacity: int | None
@@ -212,7 +215,7 @@ class DeviceWhatIf:
             "notes": list(self.notes),
         }
         if self.suggestions:
-            d["baseline"] = self.baseline.to_dict()
+            d["baseline"] = None if self.baseline is None else self.baseline.to_dict()
             d["suggestions"] = [s.to_dict() for s in self.suggestions]
             d["best"] = None if self.best is None else self.best.to_dict()
         return d

@@ -347,15 +347,20 @@ def _state(run: _Run) -> tuple[int, dict[str, int], int]:
 
 
 def _figures(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
-             start: list[StartSegment]) -> tuple[RunFigures, _Run]:
-    """Run the what-if, then again up to its peak of allocated bytes for the state there."""
+             start: list[StartSegment], state: bool = True) -> tuple[RunFigures, _Run]:
+    """Run the what-if, then (``state``) again up to its peak of allocated bytes for the state
+    there."""
     run = _walk(snap, dev, cfg, capacity, start)
     sim = run.tr.allocator
     ups = sum(1 for e in sim.events if e[0] in _SEG_UP)
     downs = sum(1 for e in sim.events if e[0] in _SEG_DOWN)
     retries = sim.num_alloc_retries
-    at = _walk(snap, dev, cfg, capacity, start, stop=(run.peak_entry, run.peak_at_attempt))
-    frag, largest, split = _state(at)
+    frag: int | None = None
+    largest: dict[str, int] | None = None
+    split: int | None = None
+    if state:
+        at = _walk(snap, dev, cfg, capacity, start, stop=(run.peak_entry, run.peak_at_attempt))
+        frag, largest, split = _state(at)
     figs = RunFigures(
         conf_string(cfg), run.peak_reserved, run.peak_allocated, frag, largest, split, ups, downs,
         retries, run.oom, run.peak_entry, complete=run.oom is None or run.oom["recorded"],
@@ -465,21 +470,30 @@ def _prepare(inp: _Input, dev: int, capacity: int | None) -> _Device:
     return _Device(snap, dev, inp.source, cfg, start, recorded, exact, cap, cap_source, notes)
 
 
-def _device_whatif(d: _Device, cfg: AllocatorConfig | None) -> DeviceWhatIf:
-    baseline, run = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start)
-    figs = baseline
-    if cfg is not None and cfg != d.cfg:
+def _device_whatif(d: _Device, cfg: AllocatorConfig | None, with_baseline: bool) -> DeviceWhatIf:
+    """The what-if under ``cfg`` (``None``: the recorded settings) and, when asked for or the
+    same, the recorded settings replayed on the same device (the baseline of suggestions)."""
+    baseline: RunFigures | None = None
+    if cfg is None or cfg == d.cfg:
+        figs, run = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start)
+        baseline = figs
+    else:
         figs, run = _figures(d.snap, d.dev, cfg, d.capacity, d.start)
+        if with_baseline:
+            baseline, _ = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start, state=False)
     identical = figs.same_as(d.recorded)
     notes = list(d.notes)
     if cfg is None and d.source != "trace":
-        notes.append(
-            "the what-if equals the recorded run exactly (same settings, same requests): the "
-            "replay proof" if identical else
-            "the what-if with the recorded settings differs from the recorded run: the simulator "
-            "does not reproduce this trace exactly (see torchmem replay), so read the what-if "
-            "figures as approximate"
-        )
+        if identical:
+            notes.append("the what-if equals the recorded run exactly (same settings, same "
+                         "requests): the replay proof")
+        elif d.capacity_source == "given":
+            notes.append("the recorded settings on the device given: the figures differ from the "
+                         "recorded run's because the device does (no identity is claimed)")
+        else:
+            notes.append("the what-if with the recorded settings differs from the recorded run: "
+                         "the simulator does not reproduce this trace exactly (see torchmem "
+                         "replay), so read the what-if figures as approximate")
     return DeviceWhatIf(
         device=d.dev, name=d.snap.device_name(d.dev), source=d.source, recorded=d.recorded,
         whatif=figs, baseline=baseline, identical=identical, replay_exact=d.replay_exact,
@@ -525,25 +539,28 @@ def whatif(
     inp = _input(snapshot)
     out = []
     for dev in _devices(inp.snapshot, device):
-        out.append(_device_whatif(_prepare(inp, dev, cap), cfg))
+        out.append(_device_whatif(_prepare(inp, dev, cap), cfg, with_baseline=False))
     return WhatIf(tuple(out))
 
 
 def _cost(base: RunFigures, f: RunFigures) -> str:
-    """What ``f`` costs against ``base`` (more calls, retries, allocated bytes), and what it saves."""
+    """What ``f`` costs against ``base`` (more calls, retries, allocated bytes), and what else
+    it saves."""
     worse: list[str] = []
     better: list[str] = []
     for label, a, b in (("cudaMalloc calls", base.segment_allocs, f.segment_allocs),
                         ("cudaFree calls", base.segment_frees, f.segment_frees),
                         ("allocation retries (each synchronizes the device)", base.alloc_retries,
                          f.alloc_retries)):
-        if b != a:
-            (worse if b > a else better).append(f"{b - a:+d} {label} ({a} -> {b})")
+        if b > a:
+            worse.append(f"{b - a} more {label} ({a} -> {b})")
+        elif b < a:
+            better.append(f"{a - b} fewer {label} ({a} -> {b})")
     a, b = base.peak_allocated_bytes, f.peak_allocated_bytes
     if b > a:
-        worse.append(f"+{format_bytes(b - a)} peak allocated (coarser rounding or unsplit blocks)")
+        worse.append(f"{format_bytes(b - a)} more peak allocated (coarser rounding or unsplit blocks)")
     cost = "; ".join(worse) or "nothing more (no more cudaMalloc/cudaFree calls, retries or allocated bytes)"
-    return cost + (f"; and {'; '.join(better)}" if better else "")
+    return cost + (f"; also {'; '.join(better)}" if better else "")
 
 
 def _suggestions(d: _Device, baseline: RunFigures, configs: Sequence[str],
@@ -570,7 +587,7 @@ def _suggestions(d: _Device, baseline: RunFigures, configs: Sequence[str],
                                     "needs the device's capacity (pass capacity= / --gpu)"))
             continue
         try:
-            f, _ = _figures(d.snap, d.dev, cfg, d.capacity, d.start)
+            f, _ = _figures(d.snap, d.dev, cfg, d.capacity, d.start, state=False)
         except TorchmemError as e:
             tried.append(Suggestion(conf, change, None, False, 0, "", f"not simulated: {e}"))
             continue
@@ -617,10 +634,11 @@ def suggest(
     out = []
     for dev in _devices(inp.snapshot, device):
         d = _prepare(inp, dev, cap)
-        w = _device_whatif(d, cfg)
-        ranked = _suggestions(d, w.baseline, configs, progress)
-        top = ranked[0] if ranked and ranked[0].figures is not None else None
-        best = top if top is not None and top.figures is not None and (
-            top.figures.key() < w.baseline.key()) else None
+        w = _device_whatif(d, cfg, with_baseline=True)
+        base = w.baseline
+        assert base is not None
+        ranked = _suggestions(d, base, configs, progress)
+        top = ranked[0].figures if ranked else None
+        best = ranked[0] if top is not None and top.key() < base.key() else None
         out.append(replace(w, suggestions=ranked, best=best))
     return WhatIf(tuple(out))
