@@ -154,6 +154,23 @@ def test_the_recorded_oom_is_reproduced_with_the_recorded_settings() -> None:
     assert d.whatif.alloc_retries == d.recorded.alloc_retries == 1
 
 
+def test_the_allocators_own_release_before_an_oom_is_not_replayed_twice() -> None:
+    """On a 40 MiB device: two 12 MiB segments, one freed; a 30 MiB request releases the cached
+    one (a segment_free entry before the oom entry) and still does not fit (12 + 30 > 40)."""
+    b = CachingAllocator(capacity=40 * MiB)
+    x = b.malloc(12 * MiB)
+    b.malloc(12 * MiB)
+    b.free(x)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        b.malloc(30 * MiB)
+    snap = b.snapshot()
+    assert [e.action for e in snap.trace(0)][-2:] == ["segment_free", "oom"]
+    d = whatif(snap).devices[0]
+    assert d.capacity == 40 * MiB  # 12 MiB reserved after the release + 28 MiB free
+    assert d.identical and d.recorded_oom_avoided is False
+    assert (d.whatif.segment_frees, d.whatif.alloc_retries) == (1, 1)
+
+
 def test_a_capacity_moves_the_oom_and_says_where() -> None:
     a = CachingAllocator()
     a.free(a.malloc(12 * MiB))  # a 12 MiB segment, cached

@@ -250,6 +250,17 @@ class TraceReplay:
         self._retry: tuple[int, set[int]] | None = None
         self._halt = stop_at_divergence  # stop at the first alloc that lands elsewhere
 
+    def skip(self, stop: int) -> None:
+        """Pass over the entries up to (not including) ``stop`` without applying them (the
+        what-if skips the allocator's own release before a recorded OOM: the simulator does
+        what it needs itself when the request is tried again).
+
+        Example:
+            >>> r = TraceReplay(Snapshot()); r.skip(3); r.position
+            3
+        """
+        self.position = self._at = max(self.position, stop)
+
     def run(self, stop: int | None = None) -> None:
         """Apply the trace's entries up to (not including) entry ``stop`` (default: all).
 

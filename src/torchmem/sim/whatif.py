@@ -295,9 +295,14 @@ def _walk(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
     code = t.action_names.index("oom") if "oom" in t.action_names else -1
     points = [i for i in range(end) if t.actions[i] == code] if code >= 0 else []
     sim = tr.allocator
+    names = t.action_names
     for i in [*points, end]:
+        first = i  # a recorded OOM: the allocator's own release just before it is not replayed
+        while i < end and first > 0 and names[t.actions[first - 1]] in _SEG_DOWN:
+            first -= 1
         try:
-            tr.run(i)
+            tr.run(max(first, tr.position))
+            tr.skip(i)
         except SimulatedOutOfMemoryError:
             run.oom = _oom_dict(snap, dev, tr.position, sim, tr.allocated_bytes, False)
             break
