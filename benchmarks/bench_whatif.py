@@ -29,30 +29,16 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+sys.path.insert(0, str(HERE))
+
+from bench_replay import FILES, best  # noqa: E402  (the same traces, the same timer)
 from torchmem.io import load_snapshot  # noqa: E402
 from torchmem.model.snapshot import Snapshot  # noqa: E402
 from torchmem.sim import CachingAllocator, replay, suggest, whatif  # noqa: E402
-
-FILES = [
-    "DeComFL__memory.pickle",
-    "MAGMA27_a2__memory_snapshot.pickle",
-    "notHanmin_a2__memory_snapshot_forward.pickle",
-]
-
-
-def best(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    out = None
-    t_best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        t_best = min(t_best, time.perf_counter() - t0)
-    return t_best, out
 
 
 def generated(requests: int, seed: int = 0) -> Snapshot:

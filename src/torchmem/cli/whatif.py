@@ -205,11 +205,15 @@ def suggest_estimate(est: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Replay under the settings asked for and print the comparison (text or ``--json``).
 
+    Options are checked before any replay (``main`` turns the error into one line, exit 2).
+
     Example:
-        >>> run(argparse.Namespace(file="missing.pickle", json=False, device=None))
+        >>> ns = argparse.Namespace(file="tests/data/DeComFL__memory.pickle", alloc_conf="bogus:1",
+        ...                         gpu=None, suggest=False, device=None, json=True)
+        >>> run(ns)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchmem.errors.MissingFileError: missing.pickle: no such file; expected the path of a memory snapshot (from torch.cuda.memory._dump_snapshot or torchmem.write_snapshot)
+        torchmem.errors.InvalidInputError: unrecognized allocator option 'bogus' in 'bogus:1'; known options: ...
     """
     from torchmem.sim import AllocatorConfig, suggest, whatif
 
