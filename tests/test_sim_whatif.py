@@ -333,6 +333,100 @@ def test_conf_string_round_trips() -> None:
         assert AllocatorConfig.parse(conf_string(c)) == c
 
 
+def _program(a: CachingAllocator) -> CachingAllocator:
+    """The GPU test's workload, as allocator calls, three rounds: twelve 6 MiB blocks, every
+    other one freed; a 64 MiB temporary (a cached segment once freed); then 10 MiB or more,
+    which splits that cached block unless max_split_size_mb forbids it; a 60 MiB temporary
+    (a whole cached segment for garbage collection to free)."""
+    keep: list[int] = []
+    for rnd in range(3):
+        xs = [a.malloc(6 * MiB + 4096 * rnd) for _ in range(12)]
+        for x in xs[0::2]:
+            a.free(x)
+        keep += xs[1::2]
+        a.free(a.malloc(64 * MiB + MiB * rnd))
+        keep.append(a.malloc(10 * MiB + MiB * rnd))
+        a.free(a.malloc(60 * MiB + MiB * rnd))  # more than the 54 MiB rest: a new segment
+    return a
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "max_split_size_mb:64",
+                                  "roundup_power2_divisions:4", "large_segment_size_mb:64"])
+def test_the_whatif_equals_the_program_run_under_those_settings(conf: str) -> None:
+    """Ground truth: the same program run directly on an allocator with the other settings."""
+    capacity = 400 * MiB
+    recorded = _program(CachingAllocator(capacity=capacity)).snapshot()
+    direct = _program(CachingAllocator(capacity=capacity, config=conf))
+    d = whatif(recorded, conf, capacity).devices[0]
+    ups = sum(e[0] in ("segment_alloc", "segment_map") for e in direct.events)
+    downs = sum(e[0] in ("segment_free", "segment_unmap") for e in direct.events)
+    assert d.whatif.peak_reserved_bytes == direct.max_reserved_bytes
+    assert d.whatif.peak_allocated_bytes == direct.max_allocated_bytes
+    assert (d.whatif.segment_allocs, d.whatif.segment_frees) == (ups, downs)
+    assert d.whatif.alloc_retries == direct.num_alloc_retries
+    assert d.whatif.fragmentation_bytes is not None
+    # each of these settings changes the run (so the comparison above is not the recorded one)
+    assert not d.identical
+
+
+# -- a real GPU: the what-if against the real allocator under the other settings -------------
+
+_GPU_SCRIPT = """
+import json, sys, torch
+out = sys.argv[1]
+torch.cuda.init()
+torch.cuda.memory._record_memory_history(max_entries=100000)
+MiB = 1 << 20
+keep = []
+for rnd in range(3):  # the allocator calls of _program, in the same order
+    xs = [torch.empty(6 * MiB + 4096 * rnd, dtype=torch.uint8, device="cuda") for _ in range(12)]
+    for k in range(0, 12, 2):
+        xs[k] = None
+    keep += [x for x in xs if x is not None]
+    del xs
+    t = torch.empty(64 * MiB + MiB * rnd, dtype=torch.uint8, device="cuda")
+    del t
+    keep.append(torch.empty(10 * MiB + MiB * rnd, dtype=torch.uint8, device="cuda"))
+    t = torch.empty(60 * MiB + MiB * rnd, dtype=torch.uint8, device="cuda")
+    del t
+torch.cuda.synchronize()
+torch.cuda.memory._dump_snapshot(out)
+s = torch.cuda.memory_stats()
+print(json.dumps({"reserved": torch.cuda.max_memory_reserved(),
+                  "allocated": torch.cuda.max_memory_allocated(),
+                  "retries": s.get("num_alloc_retries", 0)}))
+"""
+
+
+def _gpu_run(tmp_path: Path, conf: str) -> tuple[Path, dict[str, int]]:
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "workload.py"
+    script.write_text(_GPU_SCRIPT)
+    out = tmp_path / f"snap-{len(conf)}.pickle"
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
+    done = subprocess.run([sys.executable, str(script), str(out)], env=env, check=True,
+                          capture_output=True, text=True)
+    return out, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.cuda
+def test_a_real_gpu_run_under_the_other_settings_matches_the_whatif(tmp_path: Path) -> None:
+    snap_path, default = _gpu_run(tmp_path, "")
+    _, expandable = _gpu_run(tmp_path, "expandable_segments:True")
+    snap = load_snapshot(snap_path)
+    d = whatif(snap).devices[0]
+    assert d.identical and d.replay_exact
+    assert d.recorded.peak_reserved_bytes == default["reserved"]
+    assert d.recorded.peak_allocated_bytes == default["allocated"]
+    e = whatif(snap, "expandable_segments:True").devices[0]
+    assert e.whatif.peak_reserved_bytes == expandable["reserved"]
+    assert e.whatif.peak_allocated_bytes == expandable["allocated"]
+    assert e.whatif.alloc_retries == expandable["retries"]
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 
 
