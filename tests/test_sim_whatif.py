@@ -325,6 +325,13 @@ def test_gc_settings_need_a_capacity() -> None:
         whatif("snap.pickle")
 
 
+def test_device_selection() -> None:
+    snap = load_snapshot(DATA / "DeComFL__memory.pickle")
+    assert [d.device for d in whatif(snap, device=0).devices] == [0]
+    with pytest.raises(InvalidInputError, match="device 3 is not in .*it has devices \\[0\\]"):
+        whatif(snap, device=3)
+
+
 def test_conf_string_round_trips() -> None:
     for text in ("", "expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
                  "roundup_power2_divisions:[256:1,512:2,>:4]", "large_segment_size_mb:64",
@@ -367,6 +374,17 @@ def test_the_whatif_equals_the_program_run_under_those_settings(conf: str) -> No
     assert d.whatif.fragmentation_bytes is not None
     # each of these settings changes the run (so the comparison above is not the recorded one)
     assert not d.identical
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:64",
+                                  "roundup_power2_divisions:4"])
+def test_a_run_recorded_under_any_settings_replays_to_itself(conf: str) -> None:
+    a = _program(CachingAllocator(config=conf))
+    d = whatif(a.snapshot()).devices[0]
+    assert d.recorded.alloc_conf == conf and d.identical and d.replay_exact
+    # the recorded column, from the trace's entries, is the allocator's own counters
+    assert (d.recorded.peak_reserved_bytes, d.recorded.peak_allocated_bytes) == (
+        a.max_reserved_bytes, a.max_allocated_bytes)
 
 
 # -- a real GPU: the what-if against the real allocator under the other settings -------------

@@ -38,7 +38,10 @@ maps and unmaps count too), allocation retries and out-of-memory errors.
 The limit, stated in every result (:data:`LIMIT`): a what-if keeps the program's requests fixed.
 
 :func:`suggest` tries :data:`SUGGESTED_CONFIGS` on top of the recorded settings and ranks them by
-OOM avoided, then peak reserved bytes, then cudaMalloc calls.
+OOM avoided, then peak reserved bytes, then cudaMalloc calls. To explain an OOM: a setting that
+would have fit the failed request is ``suggest(snap).devices[k].best`` when its ``avoids_oom``
+is true (every :class:`Suggestion` says ``avoids_oom``); ``whatif(snap, conf)`` answers for one
+setting (:attr:`DeviceWhatIf.recorded_oom_avoided`).
 
 Example:
     >>> from torchmem.sim import CachingAllocator
@@ -488,7 +491,7 @@ def _device_whatif(d: _Device, cfg: AllocatorConfig | None, with_baseline: bool)
             baseline, _ = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start, state=False)
     identical = figs.same_as(d.recorded)
     notes = list(d.notes)
-    if cfg is None and d.source != "trace":
+    if (cfg is None or cfg == d.cfg) and d.source != "trace":
         if identical:
             notes.append("the what-if equals the recorded run exactly (same settings, same "
                          "requests): the replay proof")
