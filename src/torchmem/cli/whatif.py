@@ -81,8 +81,9 @@ def _device_lines(d: dict[str, Any]) -> list[str]:
     if wi["alloc_conf"] == rec["alloc_conf"]:
         out = [f"{d['name']}: the recorded settings replayed: PYTORCH_CUDA_ALLOC_CONF={conf}"]
     else:
+        was = "recorded" if d["source"] != "trace" else "simulated beside it"
         out = [f"{d['name']}: what if PYTORCH_CUDA_ALLOC_CONF={conf} "
-               f"(recorded: {rec['alloc_conf'] or '(default settings)'})"]
+               f"({was}: {rec['alloc_conf'] or '(default settings)'})"]
     cap = "unlimited" if d["capacity_bytes"] is None else (
         f"{format_bytes(d['capacity_bytes'])} ({d['capacity_source']})")
     out.append(f"  capacity                 {cap}")
