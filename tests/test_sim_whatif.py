@@ -387,6 +387,31 @@ def test_a_run_recorded_under_any_settings_replays_to_itself(conf: str) -> None:
         a.max_reserved_bytes, a.max_allocated_bytes)
 
 
+@pytest.mark.parametrize(("seed", "conf"), [
+    (4, "expandable_segments:True"), (5, "expandable_segments:True"),
+    (4, "max_split_size_mb:64,roundup_power2_divisions:4"), (5, "large_segment_size_mb:32"),
+])
+def test_mid_run_traces_under_any_settings(seed: int, conf: str) -> None:
+    """Runs recorded under each setting and cut mid-way (test_sim_replay's): the identity holds
+    (best fit breaks ties by address, so the recorded settings keep the real addresses), and
+    every other setting replays from the rebuilt start (expandable ranges become plain segments
+    without expandable segments)."""
+    from test_sim_replay import _run_conf
+
+    snap, _ = _run_conf(seed, conf)
+    d = whatif(snap).devices[0]
+    assert d.start == "rebuilt" and d.replay_exact and d.identical
+    for other in ("", "expandable_segments:True", "max_split_size_mb:128"):
+        w = whatif(snap, other).devices[0]
+        f = w.whatif
+        assert f.complete and f.oom is None
+        assert f.peak_reserved_bytes >= f.peak_allocated_bytes > 0
+        if AllocatorConfig.parse(other) == AllocatorConfig.parse(conf):
+            assert w.identical
+        if conf.startswith("expandable") and not other.startswith("expandable"):
+            assert any("seeded as plain segments" in n for n in w.notes)
+
+
 # -- a real GPU: the what-if against the real allocator under the other settings -------------
 
 _GPU_SCRIPT = """

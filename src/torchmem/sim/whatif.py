@@ -279,19 +279,26 @@ def _oom_dict(snap: Snapshot, dev: int, i: int, sim: CachingAllocator, allocated
 
 
 def _walk(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
-          start: list[StartSegment], stop: tuple[int, bool] | None = None) -> _Run:
+          start: list[StartSegment], stop: tuple[int, bool] | None = None,
+          real: bool = False) -> _Run:
     """Replay under ``cfg``: the trace's entries, and each recorded OOM's request tried again.
 
     ``stop`` ``(entry, at_retried_oom)`` ends the walk right after that entry (or after the
     retried request of the recorded OOM at that entry) with the state there: the second pass,
-    which reads the state at the peak of allocated bytes."""
+    which reads the state at the peak of allocated bytes. ``real``: new segments take the
+    trace's addresses in order (only for the recorded settings on the recorded device: best fit
+    breaks ties between equal free blocks by address); otherwise simulated ones, as cudaMalloc's
+    are unknowable. A start state in expandable segments is seeded as plain segments of the
+    mapped sizes when ``cfg`` has none."""
     fraction = cfg.per_process_memory_fraction
     if fraction is not None and capacity is None:
         raise InvalidInputError(
             f"the settings {conf_string(cfg)!r} set per_process_memory_fraction, which needs the "
             "device's capacity: pass capacity=... (torchmem whatif --gpu NAME|SIZE)"
         )
-    tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, start=start, real_addresses=False)
+    if not cfg.expandable_segments and any(seg.expandable for seg in start):
+        start = [replace(seg, expandable=False) for seg in start]
+    tr = TraceReplay(snap, dev, config=cfg, capacity=capacity, start=start, real_addresses=real)
     run = _Run(tr, tr.peak_reserved_bytes, tr.peak_allocated_bytes)
     t = snap.trace(dev)
     end = len(t) if stop is None else stop[0] + 1
@@ -355,10 +362,11 @@ def _state(run: _Run) -> tuple[int, dict[str, int], int]:
 
 
 def _figures(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | None,
-             start: list[StartSegment], state: bool = True) -> tuple[RunFigures, _Run]:
+             start: list[StartSegment], state: bool = True, real: bool = False,
+             ) -> tuple[RunFigures, _Run]:
     """Run the what-if, then (``state``) again up to its peak of allocated bytes for the state
     there."""
-    run = _walk(snap, dev, cfg, capacity, start)
+    run = _walk(snap, dev, cfg, capacity, start, real=real)
     sim = run.tr.allocator
     ups = sum(1 for e in sim.events if e[0] in _SEG_UP)
     downs = sum(1 for e in sim.events if e[0] in _SEG_DOWN)
@@ -367,7 +375,8 @@ def _figures(snap: Snapshot, dev: int, cfg: AllocatorConfig, capacity: int | Non
     largest: dict[str, int] | None = None
     split: int | None = None
     if state:
-        at = _walk(snap, dev, cfg, capacity, start, stop=(run.peak_entry, run.peak_at_attempt))
+        at = _walk(snap, dev, cfg, capacity, start, stop=(run.peak_entry, run.peak_at_attempt),
+                   real=real)
         frag, largest, split = _state(at)
     figs = RunFigures(
         conf_string(cfg), run.peak_reserved, run.peak_allocated, frag, largest, split, ups, downs,
@@ -482,15 +491,28 @@ def _device_whatif(d: _Device, cfg: AllocatorConfig | None, with_baseline: bool)
     """The what-if under ``cfg`` (``None``: the recorded settings) and, when asked for or the
     same, the recorded settings replayed on the same device (the baseline of suggestions)."""
     baseline: RunFigures | None = None
+    real = d.capacity_source != "given"  # the recorded settings on the recorded device
     if cfg is None or cfg == d.cfg:
-        figs, run = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start)
+        figs, run = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start, real=real)
         baseline = figs
     else:
         figs, run = _figures(d.snap, d.dev, cfg, d.capacity, d.start)
         if with_baseline:
-            baseline, _ = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start, state=False)
+            baseline, _ = _figures(d.snap, d.dev, d.cfg, d.capacity, d.start, state=False,
+                                   real=real)
     identical = figs.same_as(d.recorded)
     notes = list(d.notes)
+    if cfg is not None and cfg != d.cfg:
+        notes.append(
+            "under other settings new segments get simulated addresses (cudaMalloc's cannot be "
+            "known), so where two free blocks are equally good the choice may differ from the "
+            "real allocator's"
+        )
+        if not cfg.expandable_segments and any(seg.expandable for seg in d.start):
+            notes.append(
+                "the state at the trace's start is in expandable segments; without them it is "
+                "seeded as plain segments of the mapped sizes"
+            )
     if (cfg is None or cfg == d.cfg) and d.source != "trace":
         if identical:
             notes.append("the what-if equals the recorded run exactly (same settings, same "
