@@ -10,8 +10,8 @@ which is how an estimate's run looks), times, best of ``--reps``:
 - ``replay``: ``torchmem.sim.replay(snapshot)``, what ``torchmem replay`` runs, the baseline: one
   pass of the trace through the simulator (plus the start-state rebuild of a mid-run trace);
 - ``whatif``: ``whatif(snapshot)``, the recorded settings: the recorded run's figures (the trace
-  tallied, the exact replay and a pass up to its peak) and the what-if's (its own replay at fresh
-  addresses and a pass up to its peak), compared figure for figure;
+  tallied, the exact replay and a pass up to its peak) and the what-if's (its own walk, recorded
+  OOMs retried, and a pass up to its peak), compared figure for figure;
 - ``whatif exp``: ``whatif(snapshot, "expandable_segments:True")``;
 - ``suggest``: ``suggest(snapshot)``, the nine documented settings (real snapshots only, unless
   ``--suggest-generated``).

@@ -514,9 +514,12 @@ def _device_whatif(d: _Device, cfg: AllocatorConfig | None, with_baseline: bool)
                 "seeded as plain segments of the mapped sizes"
             )
     if (cfg is None or cfg == d.cfg) and d.source != "trace":
-        if identical:
+        if identical and d.replay_exact:
             notes.append("the what-if equals the recorded run exactly (same settings, same "
                          "requests): the replay proof")
+        elif identical:
+            notes.append("the what-if's figures equal the recorded run's, but the replay does "
+                         "not reproduce every decision (see above): no proof")
         elif d.capacity_source == "given":
             notes.append("the recorded settings on the device given: the figures differ from the "
                          "recorded run's because the device does (no identity is claimed)")
