@@ -518,6 +518,7 @@ def test_cli_oom_avoided_and_gpu_size(capsys: pytest.CaptureFixture[str], tmp_pa
     code, out, _ = _cli(capsys, str(DATA / "DeComFL__memory.pickle"), "--gpu", "1GiB", "--json")
     dev = json.loads(out)["devices"][0]
     assert dev["whatif"]["oom"] is not None and not dev["whatif"]["oom"]["recorded"]
+    assert "DeComFL" in dev["whatif"]["oom"]["where"]  # the program's frame, not torch's
     assert dev["capacity_bytes"] < 1 << 30 and "--gpu" in dev["capacity_source"]
 
 

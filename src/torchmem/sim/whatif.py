@@ -271,8 +271,10 @@ def _oom_dict(snap: Snapshot, dev: int, i: int, sim: CachingAllocator, allocated
               recorded: bool) -> dict[str, Any]:
     t = snap.trace(dev)
     frames = snap.stacks[t.stack_ids[i]] if t.stack_ids[i] < len(snap.stacks) else ()
-    where = next((f"{f.filename}:{f.line} {f.name}" for f in frames
-                  if not f.filename.startswith("<") and f.filename != "??"), None)
+    real = [f for f in frames if not f.filename.startswith("<") and f.filename != "??"]
+    mine = [f for f in real if "torch" not in f.filename.replace("\\", "/").split("/")]
+    pick = mine or real  # the innermost frame outside torch, else the innermost
+    where = f"{pick[0].filename}:{pick[0].line} {pick[0].name}" if pick else None
     return {"entry": i, "request_bytes": int(t.sizes[i]), "stream": int(t.streams[i]),
             "recorded": recorded, "reserved_bytes": sim.reserved_bytes,
             "allocated_bytes": allocated, "where": where}
