@@ -57,17 +57,24 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim._start import StartSegment
+from torchmem.sim._whatif_inputs import (
+    HISTORY_HINT,
+    Input,
+    parse_capacity,
+    replay_devices,
+    what_to_replay,
+)
 from torchmem.sim._whatif_model import LIMIT, DeviceWhatIf, RunFigures, Suggestion, WhatIf
 from torchmem.sim.allocator import CachingAllocator
 from torchmem.sim.config import AllocatorConfig
 from torchmem.sim.replay import TraceReplay
-from torchmem.units import format_bytes, parse_bytes
+from torchmem.units import format_bytes
 
 __all__ = [
     "LIMIT",
@@ -96,16 +103,8 @@ SUGGESTED_CONFIGS: tuple[str, ...] = (
     "garbage_collection_threshold:0.8,per_process_memory_fraction:1.0",
 )
 
-_REQUESTS = ("alloc", "free_requested", "free_completed")
 _SEG_UP = ("segment_alloc", "segment_map")
 _SEG_DOWN = ("segment_free", "segment_unmap")
-_HISTORY_HINT = (
-    "record with torch.cuda.memory._record_memory_history(max_entries=1000000) (or "
-    "torchmem.record_history()) before the run and dump the snapshot after it "
-    "(torch.cuda.memory._dump_snapshot)"
-)
-
-
 # -- configurations as strings ----------------------------------------------------------------
 
 
@@ -150,104 +149,6 @@ def _parse_conf(alloc_conf: AllocatorConfig | str) -> AllocatorConfig:
             f"'expandable_segments:True' or an AllocatorConfig, got {type(alloc_conf).__name__}"
         )
     return AllocatorConfig.parse(alloc_conf)
-
-
-# -- inputs -----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Input:
-    snapshot: Snapshot
-    source: str
-    capacity: int | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def _requests_only(snap: Snapshot) -> Snapshot:
-    """A torchmem trace's snapshot with only its requests (no one-segment-per-storage entries)."""
-    out = Snapshot()
-    out.source = snap.source
-    out.device_names = dict(snap.device_names)
-    out.stacks = snap.stacks
-    for dev, t in snap.traces.items():
-        nt = out.new_trace(dev)
-        names = t.action_names
-        keep = {names.index(a) for a in _REQUESTS if a in names}
-        for i in range(len(t)):
-            if t.actions[i] in keep:
-                nt.append(names[t.actions[i]], t.addrs[i], t.sizes[i], t.streams[i],
-                          t.times[i] if t.has_time else None, t.stack_ids[i])
-    return out
-
-
-def _input(obj: Any) -> _Input:
-    """A snapshot, a torchmem trace, or an estimate, as what the what-if replays."""
-    from torchmem.model.trace import Trace
-
-    if isinstance(obj, Trace):
-        from torchmem.io.convert import snapshot_from_trace
-
-        obj = snapshot_from_trace(obj)
-    if isinstance(obj, Snapshot):
-        if obj.source.format != "torchmem-events":
-            return _Input(obj, "snapshot")
-        notes = [n for n in obj.notes if "left out" in n]
-        notes.insert(0, (
-            "a torchmem trace: its storage allocations and frees are the requests (stream 0), fed "
-            "to the simulated CUDA caching allocator; no caching allocator was recorded, so the "
-            "'recorded' column is the default settings, simulated"
-        ))
-        return _Input(_requests_only(obj), "trace", notes=notes)
-    if hasattr(obj, "snapshot") and hasattr(obj, "usable_bytes"):  # torchmem.fit.Estimate
-        if obj.snapshot is None:
-            raise InvalidInputError(
-                "the estimate holds no simulated run; make it with "
-                "torchmem.estimate(..., keep_snapshot=True) and pass that estimate"
-            )
-        return _Input(obj.snapshot, "estimate", capacity=int(obj.usable_bytes),
-                      notes=[f"an estimate on {getattr(obj, 'gpu', '?')}: its simulated run"])
-    raise InvalidInputError(
-        f"what-if replays a Snapshot (torchmem.io.load_snapshot), a torchmem Trace or an Estimate "
-        f"made with keep_snapshot=True, got {type(obj).__name__}"
-    )
-
-
-def _capacity(capacity: int | str | None) -> int | None:
-    if capacity is None:
-        return None
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, str)):
-        raise InvalidInputError(
-            f"capacity must be bytes (an int > 0) or a size such as '24 GiB', got "
-            f"{type(capacity).__name__} {capacity!r}"
-        )
-    n = parse_bytes(capacity) if isinstance(capacity, str) else capacity
-    if n <= 0:
-        raise InvalidInputError(f"capacity must be > 0 bytes, got {capacity!r}")
-    return n
-
-
-def _devices(snap: Snapshot, device: int | None) -> list[int]:
-    with_history = [d for d in sorted(snap.traces) if snap.trace(d).count("alloc")]
-    where = snap.source.path or "the snapshot"
-    if device is not None:
-        if device not in snap.devices and device not in snap.traces:
-            raise InvalidInputError(
-                f"device {device} is not in {where}; it has devices {snap.devices or '(none)'}"
-            )
-        if device not in with_history:
-            raise InvalidInputError(
-                f"what-if needs the allocator history: {where} has no alloc entries in the trace "
-                f"of device {device}; {_HISTORY_HINT}"
-            )
-        return [device]
-    if not with_history:
-        n_seg = len(snap.segments)
-        n_ent = sum(len(t) for t in snap.traces.values())
-        raise InvalidInputError(
-            f"what-if needs the allocator history: {where} has {n_seg} segments and "
-            f"{n_ent} trace entries but no alloc entry on any device; {_HISTORY_HINT}"
-        )
-    return with_history
 
 
 # -- the replays ------------------------------------------------------------------------------
@@ -396,7 +297,7 @@ def _recorded(snap: Snapshot, dev: int, cfg: AllocatorConfig) -> tuple[RunFigure
         raise InvalidInputError(
             f"device {dev}: the trace is cut short (entries were dropped) and cannot be replayed "
             f"from any state the snapshot records, so a what-if would not be complete: {e}. Fix: "
-            f"{_HISTORY_HINT}, with max_entries large enough for the whole run"
+            f"{HISTORY_HINT}, with max_entries large enough for the whole run"
         ) from None
     t = snap.trace(dev)
     names = t.action_names
@@ -446,7 +347,7 @@ class _Device:
     notes: list[str]
 
 
-def _prepare(inp: _Input, dev: int, capacity: int | None) -> _Device:
+def _prepare(inp: Input, dev: int, capacity: int | None) -> _Device:
     snap = inp.snapshot
     notes = list(inp.notes)
     cap, cap_source = capacity, "given" if capacity is not None else None
@@ -570,10 +471,10 @@ def whatif(
         torchmem.errors.InvalidInputError: unrecognized allocator option 'expandable_segment' in 'expandable_segment:True'; known options: ...
     """
     cfg = None if alloc_conf is None else _parse_conf(alloc_conf)
-    cap = _capacity(capacity)
-    inp = _input(snapshot)
+    cap = parse_capacity(capacity)
+    inp = what_to_replay(snapshot)
     out = []
-    for dev in _devices(inp.snapshot, device):
+    for dev in replay_devices(inp.snapshot, device):
         out.append(_device_whatif(_prepare(inp, dev, cap), cfg, with_baseline=False))
     return WhatIf(tuple(out))
 
@@ -664,10 +565,10 @@ def suggest(
             "['expandable_segments:True']"
         )
     cfg = None if alloc_conf is None else _parse_conf(alloc_conf)
-    cap = _capacity(capacity)
-    inp = _input(snapshot)
+    cap = parse_capacity(capacity)
+    inp = what_to_replay(snapshot)
     out = []
-    for dev in _devices(inp.snapshot, device):
+    for dev in replay_devices(inp.snapshot, device):
         d = _prepare(inp, dev, cap)
         w = _device_whatif(d, cfg, with_baseline=True)
         base = w.baseline
