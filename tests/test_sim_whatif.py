@@ -295,8 +295,11 @@ def test_unknown_option_is_named_with_the_valid_ones() -> None:
     snap = _fragmented_oom()
     with pytest.raises(InvalidInputError, match="'expandable_segment'.*known options:.*expandable_segments"):
         whatif(snap, "expandable_segment:True")
-    with pytest.raises(InvalidInputError, match="max_split_size_mb: got 'lots'"):
+    with pytest.raises(InvalidInputError, match="max_split_size_mb: got 'lots'.*valid options: .*"
+                                                "max_split_size_mb"):
         whatif(snap, "max_split_size_mb:lots")
+    with pytest.raises(InvalidInputError, match="option expandable_segments: expected ':'.*valid"):
+        whatif(snap, "expandable_segments")
     with pytest.raises(InvalidInputError, match="capacity must be > 0"):
         whatif(snap, capacity=0)
 

@@ -153,6 +153,7 @@ def replay_devices(snap: Snapshot, device: int | None) -> list[int]:
         n_ent = sum(len(t) for t in snap.traces.values())
         raise InvalidInputError(
             f"what-if needs the allocator history: {where} has {n_seg} segments and "
-            f"{n_ent} trace entries but no alloc entry on any device; {HISTORY_HINT}"
+            f"{n_ent} trace entr{'y' if n_ent == 1 else 'ies'} but no alloc entry on any device; "
+            f"{HISTORY_HINT}"
         )
     return with_history

@@ -72,7 +72,7 @@ from torchmem.sim._whatif_inputs import (
 )
 from torchmem.sim._whatif_model import LIMIT, DeviceWhatIf, RunFigures, Suggestion, WhatIf
 from torchmem.sim.allocator import CachingAllocator
-from torchmem.sim.config import AllocatorConfig
+from torchmem.sim.config import _BOOL_KEYS, _FLOAT_KEYS, _INT_KEYS, AllocatorConfig
 from torchmem.sim.replay import TraceReplay
 from torchmem.units import format_bytes
 
@@ -141,6 +141,7 @@ def conf_string(config: AllocatorConfig) -> str:
 
 
 def _parse_conf(alloc_conf: AllocatorConfig | str) -> AllocatorConfig:
+    """Parse ``alloc_conf``; every error names the option and lists the valid ones."""
     if isinstance(alloc_conf, AllocatorConfig):
         return alloc_conf
     if not isinstance(alloc_conf, str):
@@ -148,7 +149,13 @@ def _parse_conf(alloc_conf: AllocatorConfig | str) -> AllocatorConfig:
             f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
             f"'expandable_segments:True' or an AllocatorConfig, got {type(alloc_conf).__name__}"
         )
-    return AllocatorConfig.parse(alloc_conf)
+    try:
+        return AllocatorConfig.parse(alloc_conf)
+    except InvalidInputError as e:
+        if "known options" in str(e):
+            raise
+        known = sorted({*_BOOL_KEYS, *_INT_KEYS, *_FLOAT_KEYS, "backend", "roundup_power2_divisions"})
+        raise InvalidInputError(f"{e}; valid options: {', '.join(known)}") from None
 
 
 # -- the replays ------------------------------------------------------------------------------
