@@ -134,8 +134,8 @@ NAMESPACES: dict[str, list[str]] = {
         "build_payload", "encode_payload", "render_html", "write_viewer",
     ],
     "torchmem.sim": [
-        "AllocatorConfig", "CachingAllocator", "ReplayResult", "replay", "round_size",
-        "segment_size",
+        "AllocatorConfig", "CachingAllocator", "ReplayResult", "WhatIf", "replay", "round_size",
+        "segment_size", "suggest", "whatif",
     ],
     "torchmem.transfer": [
         "Chain", "DEFAULT_CHUNK_BYTES", "DeviceSpec", "Identity", "LinearOp", "OffloadResult",

@@ -43,6 +43,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "flame": ("torchmem.cli.flame", "folded stacks of a snapshot for flame-graph tools"),
     "oom": ("torchmem.cli.oom", "why a snapshot ran out of memory (or how close it came), with the fix"),
     "replay": ("torchmem.cli.replay", "replay a snapshot's trace through the allocator simulator and compare"),
+    "whatif": ("torchmem.cli.whatif", "replay a snapshot's requests under other allocator settings or GPU"),
     "view": ("torchmem.cli.view", "write a self-contained offline HTML viewer for a snapshot or trace"),
     "ledger": ("torchmem.cli.ledger", "device usage and ledger figures"),
     "gpu": ("torchmem.cli.gpu", "the gap between nvidia-smi and PyTorch, line by line, per GPU"),

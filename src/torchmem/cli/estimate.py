@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default=None, metavar="PICKLE",
                         help="also write the simulated run as a PyTorch memory snapshot")
     parser.add_argument("--list-gpus", action="store_true", help="list the GPU catalog and exit")
+    parser.add_argument("--suggest", action="store_true",
+                        help="also replay the estimated run under the documented allocator "
+                             "settings and print the best PYTORCH_CUDA_ALLOC_CONF (torchmem whatif)")
 
 
 def _fmt(n: int) -> str:
@@ -200,16 +203,26 @@ def run(args: argparse.Namespace) -> int:
 
     est = estimate(
         build, card, args.batch_size, max_batch_size=args.max_batch_size, steps=args.steps,
-        alloc_conf=args.alloc_conf, progress=say, keep_snapshot=bool(args.output),
+        alloc_conf=args.alloc_conf, progress=say,
+        keep_snapshot=bool(args.output) or getattr(args, "suggest", False),
     )
     if args.output:
         if est.snapshot is None:
             raise InvalidInputError("the simulator returned no snapshot; nothing was written")
         _write_atomic(args.output, est.snapshot)
+    whatif = None
+    if getattr(args, "suggest", False):
+        from torchmem.cli.whatif import render as render_whatif
+        from torchmem.cli.whatif import suggest_estimate
+
+        whatif = suggest_estimate(est)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        print(json.dumps({**est.to_dict(), **({"whatif": whatif.to_dict()} if whatif else {})},
+                         indent=2))
     else:
         render_text(est)
+        if whatif is not None:
+            sys.stdout.write(render_whatif(whatif))
     if args.max_batch_size:
         return 0 if est.max_batch_size else 3
     return 0 if est.fits else 3

@@ -12,6 +12,9 @@
   trace's start (rebuilt from the end state when the trace starts mid-run; see
   :mod:`torchmem.sim.replay`, which also has :class:`~torchmem.sim.replay.TraceReplay` for
   stepping), and check that it makes the same decisions as the real allocator.
+- :func:`whatif` / :func:`suggest`: replay a snapshot's recorded requests under other settings
+  (and another capacity) and compare with the recorded run; rank the documented alternatives
+  (:mod:`torchmem.sim.whatif`, result :class:`WhatIf`).
 
 Example:
     >>> from torchmem.sim import AllocatorConfig, CachingAllocator
@@ -28,12 +31,16 @@ from __future__ import annotations
 from torchmem.sim.allocator import CachingAllocator, round_size, segment_size
 from torchmem.sim.config import AllocatorConfig
 from torchmem.sim.replay import ReplayResult, replay
+from torchmem.sim.whatif import WhatIf, suggest, whatif
 
 __all__ = [
     "AllocatorConfig",
     "CachingAllocator",
     "ReplayResult",
+    "WhatIf",
     "replay",
     "round_size",
     "segment_size",
+    "suggest",
+    "whatif",
 ]

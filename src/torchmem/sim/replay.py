@@ -232,6 +232,9 @@ class TraceReplay:
         self.peak_allocated_bytes = allocated
         self.peak_requested_bytes = requested
         self.peak_reserved_bytes = sim.reserved_bytes
+        #: The ``alloc`` entry after which the allocated bytes first reached their peak (-1: the
+        #: start state, before any entry).
+        self.peak_allocated_entry = -1
         self._expected: list[tuple[int, int, int]] = []  # (entry, size, stream)
         self._got: list[tuple[int, int, int, int]] = []  # (entry, size, stream, address)
         self._allocs = 0
@@ -246,6 +249,17 @@ class TraceReplay:
         #: segment_free that is not a whole empty_cache, and the addresses it released
         self._retry: tuple[int, set[int]] | None = None
         self._halt = stop_at_divergence  # stop at the first alloc that lands elsewhere
+
+    def skip(self, stop: int) -> None:
+        """Pass over the entries up to (not including) ``stop`` without applying them (the
+        what-if skips the allocator's own release before a recorded OOM: the simulator does
+        what it needs itself when the request is tried again).
+
+        Example:
+            >>> r = TraceReplay(Snapshot()); r.skip(3); r.position
+            3
+        """
+        self.position = self._at = max(self.position, stop)
 
     def run(self, stop: int | None = None) -> None:
         """Apply the trace's entries up to (not including) entry ``stop`` (default: all).
@@ -282,6 +296,7 @@ class TraceReplay:
             self.peak_allocated_bytes, self.peak_requested_bytes, self.peak_reserved_bytes
         )
         n_allocs, matched, last = self._allocs, self._allocs_matched, self._last
+        peak_at = self.peak_allocated_entry
         i = first
         try:
             for i in range(first, stop):
@@ -316,6 +331,7 @@ class TraceReplay:
                     requested += size
                     if allocated > peak_a:
                         peak_a = allocated
+                        peak_at = i
                     if requested > peak_q:
                         peak_q = requested
                     if sim.reserved_bytes > peak_r:
@@ -365,6 +381,7 @@ class TraceReplay:
             self.allocated_bytes, self.requested_bytes = allocated, requested
             self.peak_allocated_bytes, self.peak_requested_bytes = peak_a, peak_q
             self.peak_reserved_bytes = peak_r
+            self.peak_allocated_entry = peak_at
             self._allocs, self._allocs_matched, self._last = n_allocs, matched, last
 
     def _free_run(self, i: int) -> tuple[set[int], int]:
