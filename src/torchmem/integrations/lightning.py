@@ -6,8 +6,11 @@ and ``pytorch_lightning``, versions :data:`SUPPORTED` (2.0 and later).
 Per training step (``on_train_batch_start`` to ``on_train_batch_end``) it logs
 ``memory/peak_bytes`` (the peak of live tensor memory on the model's device during the step,
 from torchmem's tracker), ``memory/live_at_start_bytes`` and ``memory/<phase>_peak_bytes`` for
-each phase the step went through, plus ``memory/allocator_peak_so_far_bytes`` on CUDA (the
-allocator's own peak, never reset: see :mod:`torchmem.integrations._meter`). Under DDP each
+each phase the step went through; on CUDA also ``memory/allocator_peak_bytes`` (the caching
+allocator's peak during the step, followed without resetting PyTorch's counters),
+``memory/allocator_unseen_bytes`` (what the allocator holds that no tensor showed) and
+``memory/allocator_peak_so_far_bytes`` (its running peak): see
+:mod:`torchmem.integrations._meter`. Under DDP each
 figure is the maximum across ranks. When a step raises an out-of-memory error, the trace of the
 run is written per rank to ``oom_dir`` (default: the trainer's ``default_root_dir``) as
 ``torchmem-oom-rank<r>-step<s>.tmtrace`` before the error goes on. ``callback.history`` keeps

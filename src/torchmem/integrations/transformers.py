@@ -4,8 +4,9 @@ Install with ``pip install torchmem[transformers]``; transformers versions :data
 
 Per optimizer step (``on_step_begin`` to ``on_step_end``) it measures the peak of live tensor
 memory and the peak of each phase (forward, backward, optimizer, other) with torchmem's
-tracker, the maximum across ranks under DDP (see :mod:`torchmem.integrations._meter`, which
-also says how peak counters are kept without resetting PyTorch's). ``on_log`` adds the figures
+tracker, on CUDA the caching allocator's peak of the step (``memory/allocator_peak_bytes``), and
+the maximum across ranks under DDP (see :mod:`torchmem.integrations._meter`, which also says how
+peaks are followed without resetting PyTorch's counters). ``on_log`` adds the figures
 to the ``logs`` the trainer hands its reporters (``memory/peak_bytes``, ...; the maximum over
 the steps since the previous log) and to ``state.log_history``; the callback moves itself in
 front of the reporting callbacks at ``on_train_begin`` so that they see them. ``history`` keeps
