@@ -10,48 +10,22 @@ surface as a tensor, so the two agree to within :data:`SLACK` bytes.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from _step_census import StepProfile, census, outside
+
 pl = pytest.importorskip("lightning.pytorch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from torchmem.capture import inspect_memory  # noqa: E402
 from torchmem.errors import InvalidInputError  # noqa: E402
 from torchmem.integrations.lightning import MemoryCallback, check_version  # noqa: E402
 
 SLACK = 128
-
-
-def _outside(model: torch.nn.Module) -> int:
-    """Bytes of the tensors alive before training that the callback's tracker does not count:
-    every live tensor (the dataset, what earlier tests left) but the model's parameters."""
-    gc.collect()
-    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    return int(inspect_memory(all_live=True).unique_bytes["cpu"]) - params
-
-
-def _profiler_rise(prof: Any) -> int:
-    from torch._C._profiler import _EventType
-
-    rows = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
-        stack.extend(e.children)
-    rows.sort()
-    cur = best = 0
-    for _, size in rows:
-        cur += size
-        best = max(best, cur)
-    return best
 
 
 class Census(pl.Callback):  # type: ignore[misc]
@@ -63,15 +37,11 @@ class Census(pl.Callback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
-        self.starts.append(inspect_memory(all_live=True).unique_bytes["cpu"] - self.outside)
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self.prof.__enter__()
+        self.starts.append(census() - self.outside)
+        self.prof = StepProfile()
 
     def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, idx: int) -> None:
-        self.prof.__exit__(None, None, None)
-        self.rises.append(_profiler_rise(self.prof))
+        self.rises.append(self.prof.rise())
 
 
 class Recorder(pl.loggers.Logger):  # type: ignore[misc]
@@ -126,7 +96,7 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
     model = Tiny()
-    census, cb, rec = Census(_outside(model)), MemoryCallback(), Recorder()
+    census, cb, rec = Census(outside(model)), MemoryCallback(), Recorder()
     _trainer(tmp_path, [census, cb], logger=rec).fit(model, DataLoader(data, batch_size=16))
     assert len(cb.history) == 3
     for peaks, start, rise in zip(cb.history, census.starts, census.rises):

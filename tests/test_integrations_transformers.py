@@ -9,47 +9,21 @@ it also sees the few-byte scalars kernels wrap internally, hence :data:`SLACK`).
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from _step_census import StepProfile, census, outside
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from torchmem.capture import inspect_memory  # noqa: E402
 from torchmem.errors import InvalidInputError  # noqa: E402
 from torchmem.integrations.transformers import MemoryCallback, check_version  # noqa: E402
 
 SLACK = 128
-
-
-def _outside(model: torch.nn.Module) -> int:
-    """Bytes of the tensors alive before training that the callback's tracker does not count:
-    every live tensor (the dataset, what earlier tests left) but the model's parameters."""
-    gc.collect()
-    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    return int(inspect_memory(all_live=True).unique_bytes["cpu"]) - params
-
-
-def _profiler_rise(prof: Any) -> int:
-    from torch._C._profiler import _EventType
-
-    rows = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
-        stack.extend(e.children)
-    rows.sort()
-    cur = best = 0
-    for _, size in rows:
-        cur += size
-        best = max(best, cur)
-    return best
 
 
 class Census(transformers.TrainerCallback):  # type: ignore[misc]
@@ -59,15 +33,11 @@ class Census(transformers.TrainerCallback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.starts.append(inspect_memory(all_live=True).unique_bytes["cpu"] - self.outside)
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self.prof.__enter__()
+        self.starts.append(census() - self.outside)
+        self.prof = StepProfile()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.prof.__exit__(None, None, None)
-        self.rises.append(_profiler_rise(self.prof))
+        self.rises.append(self.prof.rise())
 
 
 class Tiny(torch.nn.Module):
@@ -104,7 +74,7 @@ def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[
 def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     data = _data()
     model = Tiny()
-    census, cb = Census(_outside(model)), MemoryCallback()
+    census, cb = Census(outside(model)), MemoryCallback()
     trainer = _trainer(tmp_path, model, data, [census, cb])
     trainer.train()
     assert len(cb.history) == 3

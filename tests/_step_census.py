@@ -1,0 +1,57 @@
+"""Independent ground truth for the trainer callbacks' step figures (shared by their tests).
+
+- :func:`outside`: the bytes of every live tensor that a tracker started with ``model`` does not
+  count (a census of all live tensors minus the model's parameters).
+- :class:`StepProfile`: PyTorch's profiler over one step; ``rise()`` sums every allocation and
+  free the CPU allocator reported, in time order, and returns the highest point above the start.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from torchmem.capture import inspect_memory
+
+
+def census() -> int:
+    """Bytes of every live CPU tensor's storage, each storage once."""
+    return int(inspect_memory(all_live=True).unique_bytes["cpu"])
+
+
+def outside(model: torch.nn.Module) -> int:
+    """Bytes alive now that the callback's tracker does not count: all but the parameters."""
+    gc.collect()
+    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    return census() - params
+
+
+class StepProfile:
+    """The profiler's memory events over one step."""
+
+    def __init__(self) -> None:
+        self.prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self.prof.__enter__()
+
+    def rise(self) -> int:
+        """Stop; the highest point of the summed allocations above the step's start."""
+        from torch._C._profiler import _EventType
+
+        self.prof.__exit__(None, None, None)
+        rows = []
+        stack: list[Any] = list(self.prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            if e.tag == _EventType.Allocation:
+                rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+            stack.extend(e.children)
+        rows.sort()
+        cur = best = 0
+        for _, size in rows:
+            cur += size
+            best = max(best, cur)
+        return best

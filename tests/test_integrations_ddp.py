@@ -1,0 +1,112 @@
+"""Under DDP the logged figures are the maximum across ranks: 2 gloo ranks on CPU.
+
+Lightning's own ``strategy="ddp"`` launches the second rank (it runs the script again with
+``LOCAL_RANK=1``). The ranks differ on purpose: rank 1 makes an extra 1 MiB temporary in each
+``training_step``, alive through the forward, so its peak is higher. Ground truth per rank and step, as in
+``test_integrations_lightning``: a census of every live tensor at the step's start (minus what
+was alive at train start other than the model: the data, DDP's gradient buckets) and PyTorch's
+profiler for the step's rise. What every rank logs must equal the maximum of the ranks' censuses.
+
+``find_unused_parameters=True`` keeps DDP from rebuilding its gradient bucket after the first
+step: the rebuild allocates the new bucket and frees the old one inside one C++ call, which the
+dispatch-level tracker records free-first (it sees an operator's output when the operator
+returns), so the profiler's rise of that step is one bucket (8,708 bytes here) higher than the
+tracker's. A known limit of the tracker, measured while writing this test, not of the max.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning.pytorch")
+
+ROOT = Path(__file__).resolve().parents[1]
+SLACK = 128
+EXTRA = 1 << 20
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+    from _step_census import StepProfile, census, outside
+    from torchmem.integrations.lightning import MemoryCallback
+
+    OUT = sys.argv[1]
+
+    class Census(pl.Callback):
+        def __init__(self):
+            self.starts, self.rises = [], []
+
+        def on_train_start(self, trainer, module):
+            self.outside = outside(module)   # after DDP made its buckets
+
+        def on_train_batch_start(self, trainer, module, batch, idx):
+            self.starts.append(census() - self.outside)
+            self.prof = StepProfile()
+
+        def on_train_batch_end(self, trainer, module, out, batch, idx):
+            self.rises.append(self.prof.rise())
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+        def training_step(self, batch, idx):
+            x, y = batch
+            extra = torch.ones(EXTRA // 4) if self.global_rank == 1 else None
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            del extra   # rank 1's temporary lives through the forward
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(96, 32), torch.randn(96, 1))
+        census_cb, cb = Census(), MemoryCallback()
+        trainer = pl.Trainer(
+            max_steps=3, callbacks=[census_cb, cb], accelerator="cpu", devices=2,
+            strategy="ddp_find_unused_parameters_true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT)
+        trainer.fit(Tiny(), DataLoader(data, batch_size=16))
+        with open(os.path.join(OUT, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"starts": census_cb.starts, "rises": census_cb.rises,
+                       "logged": [p.metrics() for p in cb.history]}, f)
+    """
+).replace("EXTRA // 4", str(EXTRA // 4))
+
+
+@pytest.mark.slow
+def test_logged_figures_are_the_max_over_two_gloo_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]),
+               MASTER_ADDR="127.0.0.1", PL_DISABLE_FORK="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # both ranks logged the same figures, three steps each
+    assert ranks[0]["logged"] == ranks[1]["logged"]
+    assert len(ranks[0]["logged"]) == 3
+    for step, logged in enumerate(ranks[0]["logged"]):
+        peaks = [r["starts"][step] + r["rises"][step] for r in ranks]
+        starts = [r["starts"][step] for r in ranks]
+        # the ranks really differ: rank 1's extra temporary raises its peak (by 1 MiB less
+        # the few KiB rank 0's backward and optimizer step rise above its forward)
+        assert peaks[1] - peaks[0] >= EXTRA - 64 * 1024
+        assert abs(logged["memory/live_at_start_bytes"] - max(starts)) <= SLACK
+        assert 0 <= max(peaks) - logged["memory/peak_bytes"] <= 2 * SLACK, (step, logged, peaks)
