@@ -55,3 +55,40 @@ class StepProfile:
             cur += size
             best = max(best, cur)
         return best
+
+
+def raise_oom(kind: str) -> None:
+    """Raise a real PyTorch out-of-memory error: ``"torch"`` constructs ``torch.OutOfMemoryError``
+    (what CUDA raises); ``"cpu-allocator"`` asks PyTorch's CPU allocator for 1 PiB, which fails
+    with its ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``."""
+    if kind == "torch":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (in a test)")
+    torch.empty(1 << 50, dtype=torch.uint8)
+    raise AssertionError("the CPU allocator gave 1 PiB")
+
+
+class FailingAdam(torch.optim.Adam):
+    """Adam whose ``fail_at``-th ``step`` call (1-based) raises :func:`raise_oom` of ``kind``."""
+
+    def __init__(self, params: Any, fail_at: int, kind: str) -> None:
+        super().__init__(params, lr=1e-3)
+        self.calls, self.fail_at, self.kind = 0, fail_at, kind
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if closure is not None:
+                closure()   # Lightning runs the forward and backward inside the closure
+            raise_oom(self.kind)
+        return super().step(closure)
+
+
+def fail_in_backward(out: torch.Tensor, kind: str) -> torch.Tensor:
+    """``out`` with a gradient hook that raises :func:`raise_oom` of ``kind`` in backward."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        raise_oom(kind)
+        return grad
+
+    out.register_hook(hook)
+    return out

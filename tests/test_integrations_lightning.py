@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from _step_census import StepProfile, census, outside
+from _step_census import FailingAdam, StepProfile, census, fail_in_backward, outside, raise_oom
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -67,20 +67,34 @@ class Recorder(pl.loggers.Logger):  # type: ignore[misc]
 
 
 class Tiny(pl.LightningModule):  # type: ignore[misc]
-    def __init__(self, fail_at: int = -1) -> None:
+    """Fails at batch ``fail_at`` in ``fail_in`` (forward, backward, clip or optimizer)."""
+
+    def __init__(self, fail_at: int = -1, fail_in: str = "forward", kind: str = "torch") -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
         )
-        self.fail_at = fail_at
+        self.fail_at, self.fail_in, self.kind = fail_at, fail_in, kind
 
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
-        if idx == self.fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated in the test)")
+        failing = idx == self.fail_at
+        if failing and self.fail_in == "forward":
+            raise_oom(self.kind)
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if failing and self.fail_in == "backward":
+            out = fail_in_backward(out, self.kind)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.fail_in == "clip" and self.global_step == self.fail_at:
+            raise_oom(self.kind)
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fail_in == "optimizer":
+            return FailingAdam(self.parameters(), self.fail_at + 1, self.kind)
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
@@ -88,7 +102,7 @@ def _trainer(tmp_path: Path, callbacks: list[Any], logger: Any = False) -> Any:
     return pl.Trainer(
         max_steps=3, callbacks=callbacks, accelerator="cpu", logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        log_every_n_steps=1, default_root_dir=str(tmp_path),
+        log_every_n_steps=1, default_root_dir=str(tmp_path), gradient_clip_val=1.0,
     )
 
 
@@ -117,17 +131,44 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     ]
 
 
-def test_out_of_memory_in_a_step_writes_a_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("part", "kind"), [
+    ("forward", "torch"),
+    ("backward", "cpu-allocator"),
+    ("clip", "torch"),
+    ("optimizer", "torch"),
+    ("optimizer", "cpu-allocator"),
+])
+def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
+    tmp_path: Path, part: str, kind: str
+) -> None:
+    """The third step fails: in its forward, backward, gradient clipping or optimizer step."""
     import torchmem
 
     data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    model = Tiny(fail_at=2, fail_in=part, kind=kind)
     cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
-    with pytest.raises(torch.OutOfMemoryError):
-        _trainer(tmp_path, [cb]).fit(Tiny(fail_at=2), DataLoader(data, batch_size=16))
+    error = torch.OutOfMemoryError if kind == "torch" else RuntimeError
+    with pytest.raises(error, match="out of memory|can't allocate memory"):
+        _trainer(tmp_path, [cb]).fit(model, DataLoader(data, batch_size=16))
     assert cb.oom_file == str(tmp_path / "oom" / "torchmem-oom-rank0-step2.tmtrace")
     trace = torchmem.load_trace(cb.oom_file)
     assert sum(1 for e in trace.events() if e.op == "step") == 2  # two steps completed
     assert len(cb.history) == 2
+    # parameters, gradients and Adam's two moments are live where the error was raised
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert trace.live_bytes()["cpu"] >= 3 * params
+
+
+def test_an_error_that_is_not_out_of_memory_writes_nothing(tmp_path: Path) -> None:
+    class Buggy(Tiny):
+        def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+            raise ValueError("a bug in the user's code")
+
+    data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
+    with pytest.raises(ValueError, match="a bug"):
+        _trainer(tmp_path, [cb]).fit(Buggy(), DataLoader(data, batch_size=16))
+    assert cb.oom_file is None and not (tmp_path / "oom").exists()
 
 
 def test_unsupported_version_says_which_are_supported() -> None:

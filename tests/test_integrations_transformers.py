@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from _step_census import StepProfile, census, outside
+from _step_census import FailingAdam, StepProfile, census, fail_in_backward, outside, raise_oom
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -41,19 +41,23 @@ class Census(transformers.TrainerCallback):  # type: ignore[misc]
 
 
 class Tiny(torch.nn.Module):
-    def __init__(self, fail_at_call: int = -1) -> None:
+    def __init__(self, fail_at_call: int = -1, fail_in: str = "forward", kind: str = "torch") -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
         )
         self.calls = 0
-        self.fail_at_call = fail_at_call
+        self.fail_at_call, self.fail_in, self.kind = fail_at_call, fail_in, kind
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         self.calls += 1
-        if self.calls == self.fail_at_call:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated in the test)")
-        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+        failing = self.calls == self.fail_at_call
+        if failing and self.fail_in == "forward":
+            raise_oom(self.kind)
+        out = self.net(x)
+        if failing and self.fail_in == "backward":
+            out = fail_in_backward(out, self.kind)
+        return {"loss": torch.nn.functional.mse_loss(out, labels)}
 
 
 def _data() -> list[dict[str, torch.Tensor]]:
@@ -62,13 +66,15 @@ def _data() -> list[dict[str, torch.Tensor]]:
             for _ in range(48)]
 
 
-def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[Any]) -> Any:
+def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[Any],
+             optimizer: Any = None) -> Any:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=16,
         logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, learning_rate=1e-3,
     )
-    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks,
+                                optimizers=(optimizer, None))
 
 
 def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
@@ -96,17 +102,57 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     assert trainer.callback_handler.callbacks[0] is cb
 
 
-def test_out_of_memory_in_a_step_writes_a_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("part", "kind"), [
+    ("forward", "torch"),
+    ("backward", "cpu-allocator"),
+    ("clip", "torch"),
+    ("optimizer", "torch"),
+    ("optimizer", "cpu-allocator"),
+])
+def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
+    tmp_path: Path, part: str, kind: str
+) -> None:
+    """The third step fails: in its forward, backward, gradient clipping or optimizer step."""
     import torchmem
 
+    model = Tiny(fail_at_call=3 if part in ("forward", "backward") else -1, fail_in=part, kind=kind)
+    optimizer = FailingAdam(model.parameters(), 3, kind) if part == "optimizer" else None
     cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
-    trainer = _trainer(tmp_path, Tiny(fail_at_call=3), _data(), [cb])
-    with pytest.raises(torch.OutOfMemoryError):
+    trainer = _trainer(tmp_path, model, _data(), [cb], optimizer)
+    if part == "clip":
+        clip, calls = trainer.accelerator.clip_grad_norm_, []
+
+        def failing_clip(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise_oom(kind)
+            return clip(*args, **kwargs)
+
+        trainer.accelerator.clip_grad_norm_ = failing_clip
+    error = torch.OutOfMemoryError if kind == "torch" else RuntimeError
+    with pytest.raises(error, match="out of memory|can't allocate memory"):
         trainer.train()
     assert cb.oom_file == str(tmp_path / "oom" / "torchmem-oom-rank0-step2.tmtrace")
     trace = torchmem.load_trace(cb.oom_file)
     assert sum(1 for e in trace.events() if e.op == "step") == 2
     assert len(cb.history) == 2
+    # the trace ends where the error was raised: the failing step's parameters and the
+    # optimizer state of the two steps before are still live in it
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert trace.live_bytes()["cpu"] >= 3 * params
+
+
+def test_an_error_that_is_not_out_of_memory_writes_nothing(tmp_path: Path) -> None:
+    model = Tiny()
+    cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
+    trainer = _trainer(tmp_path, model, _data(), [cb])
+    def bad(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a bug in the user's code")
+
+    trainer.accelerator.clip_grad_norm_ = bad
+    with pytest.raises(ValueError, match="a bug"):
+        trainer.train()
+    assert cb.oom_file is None and not (tmp_path / "oom").exists()
 
 
 def test_unsupported_version_says_which_are_supported() -> None:

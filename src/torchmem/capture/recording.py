@@ -335,11 +335,14 @@ def snapshot(device: Any = None) -> Snapshot:
 
 def is_oom_error(exc: BaseException) -> bool:
     """True for out-of-memory errors: ``torch.OutOfMemoryError`` (and CUDA's), ``MemoryError``,
-    and ``RuntimeError`` whose message says "out of memory".
+    and ``RuntimeError`` whose message says "out of memory" or, from PyTorch's CPU allocator,
+    "can't allocate memory".
 
     Example:
         >>> is_oom_error(MemoryError()), is_oom_error(RuntimeError("CUDA out of memory")), is_oom_error(ValueError())
         (True, True, False)
+        >>> is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
+        True
     """
     oom_types: tuple[type[BaseException], ...] = (MemoryError,)
     for name in ("OutOfMemoryError",):
@@ -348,7 +351,8 @@ def is_oom_error(exc: BaseException) -> bool:
             oom_types += (t,)
     if isinstance(exc, oom_types):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    return "out of memory" in text or "can't allocate memory" in text
 
 
 class oom_guard:

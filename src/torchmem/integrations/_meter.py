@@ -214,6 +214,29 @@ class StepMeter:
             self._active = False
             self.tracker.__exit__(None, None, None)
 
+    def fail(self, exc: BaseException, folder: Optional[str], step: int) -> Optional[str]:
+        """Stop after ``exc`` ended training; on an out-of-memory error write the run's trace
+        to :func:`oom_path` in ``folder`` (default: the working directory) and return its path.
+
+        Example:
+            >>> import tempfile
+            >>> m = StepMeter().start()
+            >>> m.fail(ValueError("not memory"), None, 0) is None
+            True
+            >>> StepMeter().start().fail(MemoryError(), tempfile.mkdtemp(), 3).endswith("step3.tmtrace")
+            True
+        """
+        from torchmem.capture.recording import is_oom_error
+
+        self.stop()
+        if not is_oom_error(exc):
+            return None
+        folder = folder or os.getcwd()
+        os.makedirs(folder, exist_ok=True)
+        path = oom_path(folder, step)
+        self.tracker.save(path)
+        return path
+
     def begin_step(self) -> None:
         """Reset this meter's step counters to the bytes live now.
 
