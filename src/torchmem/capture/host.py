@@ -289,6 +289,22 @@ class HostSampler:
                 self._series.setdefault(m.pid, []).append((now, m))
         return procs
 
+    def latest(self) -> list[tuple[ProcessMemory, int]]:
+        """The latest sample: each process with its USS growth since it was first sampled
+        (empty before the first sample); main first, then by pid.
+
+        Example:
+            >>> s = HostSampler(); _ = s.sample()
+            >>> [(m.role, growth >= 0) for m, growth in s.latest()][:1]
+            [('main', True)]
+        """
+        with self._lock:
+            last = {pid: (pts[-1], pts[0][1].uss) for pid, pts in self._series.items()}
+            newest = max((t for (t, _), _ in last.values()), default=None)
+        rows = [(m, m.uss - first) for (t, m), first in last.values() if t == newest]
+        rows.sort(key=lambda r: (r[0].role != "main", r[0].pid))
+        return rows
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
