@@ -195,3 +195,42 @@ def test_ctrl_c_stops_the_script_and_still_writes_the_trace(tmp_path: Path) -> N
     summary = _torchmem("summary", "--json", "t.tmtrace", cwd=tmp_path)
     assert summary.returncode == 0, summary.stderr
     assert json.loads(summary.stdout)["steps"] >= 4
+
+
+WORKERS = textwrap.dedent(
+    """
+    import os, time, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            time.sleep(0.1)
+            return torch.full((4,), float(i))
+
+    def init(_):
+        print("worker pid", os.getpid(), flush=True)
+
+    if __name__ == "__main__":
+        total = sum(float(b.sum()) for b in DataLoader(Slow(), batch_size=2, num_workers=2,
+                                                       worker_init_fn=init))
+        print("total", total)
+    """
+)
+
+
+def test_panel_lists_the_dataloader_workers(tmp_path: Path) -> None:
+    (tmp_path / "load.py").write_text(WORKERS)
+    res = _torchmem("run", "--live", "--host-interval", "0.05", "-o", "t.tmtrace", "load.py",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "total 480.0" in res.stdout   # 4 * (0 + 1 + ... + 15)
+    pids = sorted(int(line.split()[-1]) for line in res.stdout.splitlines()
+                  if line.startswith("worker pid"))
+    assert len(pids) == 2
+    panel = res.stderr[res.stderr.index("torchmem run --live: load.py"):]
+    listed = sorted(int(m.group(1)) for m in re.finditer(r"│ (\d+)\s+worker\s", panel))
+    assert listed == pids
+    assert len(re.findall(r"│ \d+\s+main\s", panel)) == 1

@@ -289,9 +289,10 @@ class HostSampler:
                 self._series.setdefault(m.pid, []).append((now, m))
         return procs
 
-    def latest(self) -> list[tuple[ProcessMemory, int]]:
-        """The latest sample: each process with its USS growth since it was first sampled
-        (empty before the first sample); main first, then by pid.
+    def latest(self, all_seen: bool = False) -> list[tuple[ProcessMemory, int]]:
+        """The processes of the latest sample (with ``all_seen``, every process ever sampled,
+        as last seen), each with its USS growth since it was first sampled; main first, then
+        by pid.
 
         Example:
             >>> s = HostSampler(); _ = s.sample()
@@ -301,7 +302,7 @@ class HostSampler:
         with self._lock:
             last = {pid: (pts[-1], pts[0][1].uss) for pid, pts in self._series.items()}
             newest = max((t for (t, _), _ in last.values()), default=None)
-        rows = [(m, m.uss - first) for (t, m), first in last.values() if t == newest]
+        rows = [(m, m.uss - first) for (t, m), first in last.values() if all_seen or t == newest]
         rows.sort(key=lambda r: (r[0].role != "main", r[0].pid))
         return rows
 

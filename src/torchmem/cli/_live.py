@@ -192,19 +192,22 @@ class LiveView:
         """
         self.counter.on_event(event, storage)
 
-    def _host(self) -> list[HostRow]:
+    def _host(self, all_seen: bool) -> list[HostRow]:
         if self.sampler is None:
             return []
-        return [HostRow(m.pid, m.role, m.rss, m.uss, growth) for m, growth in self.sampler.latest()]
+        return [HostRow(m.pid, m.role, m.rss, m.uss, growth)
+                for m, growth in self.sampler.latest(all_seen)]
 
     def state(self, final: bool = False) -> LiveState:
-        """What the panel shows now.
+        """What the panel shows now; the final panel lists every process sampled (DataLoader
+        workers that have exited too, as last seen), a live one those running.
 
         Example:
             >>> LiveView("x").state().label
             'x'
         """
-        return self.counter.state(self.label, time.monotonic() - self._t0, self._host(), final)
+        return self.counter.state(self.label, time.monotonic() - self._t0, self._host(final),
+                                  final)
 
     def __rich__(self) -> Any:  # rich's refresh thread calls this at each redraw
         return live_panel(self.state())
