@@ -102,15 +102,16 @@ def time_variant(step: Callable[[], None], factory: Any, kind: Any, n: int) -> f
 
 
 def bench_workload(name: str, build: Any, rounds: int, n: int) -> dict[str, float]:
-    instances = {}
-    for k in variants(*build()[1:]):
+    def fresh(k: str) -> tuple[Any, ...]:  # each variant its own model (same seed and shapes)
         torch.manual_seed(0)
         step, net, opt = build()
-        instances[k] = (step, *variants(net, opt)[k])
-    best = {k: float("inf") for k in instances}
+        return (step, *variants(net, opt)[k])
+
+    instances = {k: fresh(k) for k in variants(*build()[1:])}
+    best = dict.fromkeys(instances, float("inf"))
     for r in range(rounds):
-        for k, (step, factory, kind) in instances.items():
-            best[k] = min(best[k], time_variant(step, factory, kind, n))
+        for k, instance in instances.items():
+            best[k] = min(best[k], time_variant(*instance, n))
         print(f"  {name}: round {r + 1}/{rounds} done", file=sys.stderr)
     return best
 

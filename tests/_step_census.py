@@ -57,6 +57,16 @@ class StepProfile:
         return best
 
 
+#: (part of the step that fails, kind of error) for the callbacks' out-of-memory tests.
+OOM_CASES = [
+    ("forward", "torch"),
+    ("backward", "cpu-allocator"),
+    ("clip", "torch"),
+    ("optimizer", "torch"),
+    ("optimizer", "cpu-allocator"),
+]
+
+
 def raise_oom(kind: str) -> None:
     """Raise a real PyTorch out-of-memory error: ``"torch"`` constructs ``torch.OutOfMemoryError``
     (what CUDA raises); ``"cpu-allocator"`` asks PyTorch's CPU allocator for 1 PiB, which fails

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from _step_census import FailingAdam, StepProfile, census, fail_in_backward, outside, raise_oom
+import _step_census as sc
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -37,8 +37,8 @@ class Census(pl.Callback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
-        self.starts.append(census() - self.outside)
-        self.prof = StepProfile()
+        self.starts.append(sc.census() - self.outside)
+        self.prof = sc.StepProfile()
 
     def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, idx: int) -> None:
         self.rises.append(self.prof.rise())
@@ -79,22 +79,22 @@ class Tiny(pl.LightningModule):  # type: ignore[misc]
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
         failing = idx == self.fail_at
         if failing and self.fail_in == "forward":
-            raise_oom(self.kind)
+            sc.raise_oom(self.kind)
         x, y = batch
         out = self.net(x)
         if failing and self.fail_in == "backward":
-            out = fail_in_backward(out, self.kind)
+            out = sc.fail_in_backward(out, self.kind)
         return torch.nn.functional.mse_loss(out, y)
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:
         if self.fail_in == "clip" and self.global_step == self.fail_at:
-            raise_oom(self.kind)
+            sc.raise_oom(self.kind)
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.fail_in == "optimizer":
-            return FailingAdam(self.parameters(), self.fail_at + 1, self.kind)
+            return sc.FailingAdam(self.parameters(), self.fail_at + 1, self.kind)
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
@@ -110,7 +110,7 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
     model = Tiny()
-    census, cb, rec = Census(outside(model)), MemoryCallback(), Recorder()
+    census, cb, rec = Census(sc.outside(model)), MemoryCallback(), Recorder()
     _trainer(tmp_path, [census, cb], logger=rec).fit(model, DataLoader(data, batch_size=16))
     assert len(cb.history) == 3
     for peaks, start, rise in zip(cb.history, census.starts, census.rises):
@@ -131,13 +131,7 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize(("part", "kind"), [
-    ("forward", "torch"),
-    ("backward", "cpu-allocator"),
-    ("clip", "torch"),
-    ("optimizer", "torch"),
-    ("optimizer", "cpu-allocator"),
-])
+@pytest.mark.parametrize(("part", "kind"), sc.OOM_CASES)
 def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
     tmp_path: Path, part: str, kind: str
 ) -> None:

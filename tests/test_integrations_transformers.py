@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from _step_census import FailingAdam, StepProfile, census, fail_in_backward, outside, raise_oom
+import _step_census as sc
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -33,8 +33,8 @@ class Census(transformers.TrainerCallback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.starts.append(census() - self.outside)
-        self.prof = StepProfile()
+        self.starts.append(sc.census() - self.outside)
+        self.prof = sc.StepProfile()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.rises.append(self.prof.rise())
@@ -53,10 +53,10 @@ class Tiny(torch.nn.Module):
         self.calls += 1
         failing = self.calls == self.fail_at_call
         if failing and self.fail_in == "forward":
-            raise_oom(self.kind)
+            sc.raise_oom(self.kind)
         out = self.net(x)
         if failing and self.fail_in == "backward":
-            out = fail_in_backward(out, self.kind)
+            out = sc.fail_in_backward(out, self.kind)
         return {"loss": torch.nn.functional.mse_loss(out, labels)}
 
 
@@ -80,7 +80,7 @@ def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[
 def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     data = _data()
     model = Tiny()
-    census, cb = Census(outside(model)), MemoryCallback()
+    census, cb = Census(sc.outside(model)), MemoryCallback()
     trainer = _trainer(tmp_path, model, data, [census, cb])
     trainer.train()
     assert len(cb.history) == 3
@@ -102,13 +102,7 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     assert trainer.callback_handler.callbacks[0] is cb
 
 
-@pytest.mark.parametrize(("part", "kind"), [
-    ("forward", "torch"),
-    ("backward", "cpu-allocator"),
-    ("clip", "torch"),
-    ("optimizer", "torch"),
-    ("optimizer", "cpu-allocator"),
-])
+@pytest.mark.parametrize(("part", "kind"), sc.OOM_CASES)
 def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
     tmp_path: Path, part: str, kind: str
 ) -> None:
@@ -116,7 +110,7 @@ def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
     import torchmem
 
     model = Tiny(fail_at_call=3 if part in ("forward", "backward") else -1, fail_in=part, kind=kind)
-    optimizer = FailingAdam(model.parameters(), 3, kind) if part == "optimizer" else None
+    optimizer = sc.FailingAdam(model.parameters(), 3, kind) if part == "optimizer" else None
     cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
     trainer = _trainer(tmp_path, model, _data(), [cb], optimizer)
     if part == "clip":
@@ -125,7 +119,7 @@ def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
         def failing_clip(*args: Any, **kwargs: Any) -> Any:
             calls.append(1)
             if len(calls) == 3:
-                raise_oom(kind)
+                sc.raise_oom(kind)
             return clip(*args, **kwargs)
 
         trainer.accelerator.clip_grad_norm_ = failing_clip
