@@ -110,3 +110,57 @@ def test_logged_figures_are_the_max_over_two_gloo_ranks(tmp_path: Path) -> None:
         assert peaks[1] - peaks[0] >= EXTRA - 64 * 1024
         assert abs(logged["memory/live_at_start_bytes"] - max(starts)) <= SLACK
         assert 0 <= max(peaks) - logged["memory/peak_bytes"] <= 2 * SLACK, (step, logged, peaks)
+
+
+MISMATCH = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torchmem.integrations._meter import StepMeter
+
+    def rank_main(rank, out, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        net = torch.nn.Linear(64, 64)
+        meter = StepMeter(net).start()
+        meter.begin_step()
+        if rank == 0:
+            x = torch.ones(1024)            # 4 KiB, outside any module: phase "other" only
+            del x
+        else:
+            y = net(torch.ones(32, 64))     # a forward phase only rank 1 has
+            del y
+        peaks = meter.end_step()
+        meter.stop()
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(peaks.metrics(), f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import socket
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        mp.spawn(rank_main, args=(sys.argv[1], port), nprocs=2)
+    """
+)
+
+
+def test_ranks_that_saw_different_phases_still_agree(tmp_path: Path) -> None:
+    """Rank 0's step has only an "other" phase, rank 1's a forward: a fixed-length all_reduce
+    would hang or mix figures; matched by name, each figure is the max of the ranks that had it."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    params = 64 * 64 * 4 + 64 * 4
+    # live at start: the parameters on both ranks; rank 0's peak: + 4 KiB; rank 1's: + input
+    # 8 KiB + output 8 KiB
+    assert r0["memory/live_at_start_bytes"] == r1["memory/live_at_start_bytes"] == params
+    assert r0["memory/peak_bytes"] == r1["memory/peak_bytes"] == params + 2 * 8192
+    assert r0["memory/other_peak_bytes"] == params + 8192   # rank 1's input, made outside a module
+    assert "memory/forward_peak_bytes" not in r0
+    assert r1["memory/forward_peak_bytes"] == params + 2 * 8192

@@ -19,8 +19,9 @@ called (it would restart ``max_memory_allocated`` for every reader in the proces
   blocks, which no tensor shows). The allocator's running peak
   (``torch.cuda.max_memory_allocated``, never reset) is logged beside it.
 
-Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks
-(one ``all_reduce(MAX)`` per step).
+Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks, matched
+by name (one ``all_gather_object`` of a small dict per step; rank r's ``cuda:r`` figures are
+the unprefixed ones on every rank).
 
 Example:
     >>> import torch
@@ -79,6 +80,18 @@ class StepPeaks:
             ("allocator_peak_so_far_bytes", self.allocator_peak),
         ]
 
+    def _cells(self, prefix: str) -> list[tuple[str, dict[str, int], str]]:
+        """(metric key, per-device dict, device) for every figure metrics() lists, in order."""
+        cells = []
+        slots = self._slots()
+        devices = sorted(self.peak, key=lambda d: not d.startswith("cuda"))  # stable
+        for i, dev in enumerate(devices):
+            p = prefix if i == 0 else f"{prefix}{dev}/"
+            for name, per_dev in slots:
+                if dev in per_dev or name == "live_at_start_bytes":
+                    cells.append((f"{p}{name}", per_dev, dev))
+        return cells
+
     def metrics(self, prefix: str = "memory/") -> dict[str, int]:
         """Flat names for a logger; a device other than the first is named in the key (CUDA
         devices come first, so on a GPU run the unnamed figures are the GPU's).
@@ -90,15 +103,7 @@ class StepPeaks:
             ...           allocator_unseen={"cuda:0": 0}).metrics()["memory/allocator_peak_bytes"]
             1024
         """
-        out: dict[str, int] = {}
-        slots = self._slots()
-        devices = sorted(self.peak, key=lambda d: not d.startswith("cuda"))  # stable
-        for i, dev in enumerate(devices):
-            p = prefix if i == 0 else f"{prefix}{dev}/"
-            for name, per_dev in slots:
-                if dev in per_dev or name == "live_at_start_bytes":
-                    out[f"{p}{name}"] = per_dev.get(dev, 0)
-        return out
+        return {key: per_dev.get(dev, 0) for key, per_dev, dev in self._cells(prefix)}
 
 
 def check_min_version(
@@ -281,16 +286,20 @@ class StepMeter:
 
 
 def _max_across_ranks(peaks: StepPeaks) -> StepPeaks:
+    """Each figure set to its maximum over the ranks, matched by metric name: every rank's GPU
+    figures are the unprefixed ones (rank r's ``cuda:r``), and a rank that saw a phase or a
+    device the others did not still takes part (``all_gather_object``, not a fixed-length
+    ``all_reduce``, which would hang on such a mismatch)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return peaks
-    # every rank lists the same figures in the same order (same model, same step)
-    cells = [(per_dev, dev) for _, per_dev in peaks._slots() for dev in sorted(per_dev)]
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.get_backend() == "nccl") else torch.device("cpu")
-    values = torch.tensor([per_dev[dev] for per_dev, dev in cells], dtype=torch.float64,
-                          device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    for (per_dev, dev), v in zip(cells, values.tolist()):
-        per_dev[dev] = int(v)
+    cells = peaks._cells("memory/")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {key: per_dev.get(dev, 0) for key, per_dev, dev in cells})
+    merged: dict[str, int] = {}
+    for figures in gathered:
+        for key, value in figures.items():
+            merged[key] = max(merged.get(key, value), value)
+    for key, per_dev, dev in cells:
+        per_dev[dev] = merged[key]
     return peaks
