@@ -1,4 +1,5 @@
-"""Under DDP the logged figures are the maximum across ranks: 2 gloo ranks on CPU.
+"""Under DDP the logged figures are the maximum across ranks: 2 gloo ranks on CPU, with
+Lightning (``strategy="ddp"``) and with transformers' ``Trainer`` under ``torchrun``.
 
 Lightning's own ``strategy="ddp"`` launches the second rank (it runs the script again with
 ``LOCAL_RANK=1``). The ranks differ on purpose: rank 1 makes an extra 1 MiB temporary in each
@@ -164,3 +165,78 @@ def test_ranks_that_saw_different_phases_still_agree(tmp_path: Path) -> None:
     assert r0["memory/other_peak_bytes"] == params + 8192   # rank 1's input, made outside a module
     assert "memory/forward_peak_bytes" not in r0
     assert r1["memory/forward_peak_bytes"] == params + 2 * 8192
+
+
+TRANSFORMERS_DDP = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, transformers
+    from _step_census import StepProfile, census, outside
+    from torchmem.integrations.transformers import MemoryCallback
+    EXTRA = 1 << 20
+
+    class Census(transformers.TrainerCallback):
+        def __init__(self):
+            self.starts, self.rises = [], []
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.outside = outside(model)
+        def on_step_begin(self, args, state, control, **kw):
+            self.starts.append(census() - self.outside)
+            self.prof = StepProfile()
+        def on_step_end(self, args, state, control, **kw):
+            self.rises.append(self.prof.rise())
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        def forward(self, x, labels):
+            extra = torch.ones(EXTRA // 4) if int(os.environ["RANK"]) == 1 else None
+            loss = torch.nn.functional.mse_loss(self.net(x), labels)
+            del extra
+            return {"loss": loss}
+
+    if __name__ == "__main__":
+        out = sys.argv[1]
+        g = torch.Generator().manual_seed(0)
+        data = [{"x": torch.randn(32, generator=g), "labels": torch.randn(1, generator=g)} for _ in range(96)]
+        args = transformers.TrainingArguments(output_dir=os.path.join(out, "o"), max_steps=3, per_device_train_batch_size=16,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+            dataloader_num_workers=0, learning_rate=1e-3, ddp_find_unused_parameters=True)
+        model = Tiny()
+        c, cb = Census(), MemoryCallback()
+        tr = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[c, cb])
+        tr.train()
+        rank = int(os.environ["RANK"])
+        logged = [{k: v for k, v in row.items() if k.startswith("memory/")} for row in tr.state.log_history if "memory/peak_bytes" in row]
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"starts": c.starts, "rises": c.rises, "logged": logged,
+                       "world": torch.distributed.get_world_size()}, f)
+    """
+)
+
+
+@pytest.mark.slow
+def test_transformers_under_torchrun_logs_the_max_over_two_gloo_ranks(tmp_path: Path) -> None:
+    """transformers' ``Trainer`` under ``torchrun --nproc_per_node 2`` on CPU (gloo); rank 1
+    keeps an extra 1 MiB through its forward. What both ranks log (``state.log_history``) is
+    the maximum of the two ranks' censuses."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    (tmp_path / "hf_train.py").write_text(TRANSFORMERS_DDP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(tmp_path / "hf_train.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world"] == 2
+    assert ranks[0]["logged"] == ranks[1]["logged"]
+    assert len(ranks[0]["logged"]) == 3
+    for step, logged in enumerate(ranks[0]["logged"]):
+        peaks = [r["starts"][step] + r["rises"][step] for r in ranks]
+        starts = [r["starts"][step] for r in ranks]
+        assert peaks[1] - peaks[0] >= EXTRA - 64 * 1024
+        assert abs(logged["memory/live_at_start_bytes"] - max(starts)) <= SLACK
+        assert 0 <= max(peaks) - logged["memory/peak_bytes"] <= 2 * SLACK, (step, logged, peaks)
