@@ -153,6 +153,7 @@ def _pty_run(args: list[str], cwd: Path) -> bytes:
     return out
 
 
+@pytest.mark.skipif(os.name != "posix", reason="needs a pseudo-terminal (POSIX)")
 def test_on_a_terminal_the_panel_redraws_at_most_twice_a_second(tmp_path: Path) -> None:
     slow = LEAKY.replace('print(f"step {i}", flush=True)',
                          'print(f"step {i}", flush=True); __import__("time").sleep(0.5)')

@@ -3,7 +3,8 @@
 The script runs like ``python script.py args`` (``__name__ == "__main__"``, ``sys.argv`` set,
 the script's folder first on ``sys.path``). The trace is written even when the script raises;
 the script's exit code is passed on (an exception prints the script's traceback and exits 1).
-``torchmem run --example`` runs a built-in training example instead.
+``torchmem run --example`` runs a built-in training example instead. ``--live`` shows a live
+panel on stderr while it runs (:mod:`torchmem.cli._live`).
 
 Example:
     >>> from torchmem.cli import main
