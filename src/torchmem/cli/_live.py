@@ -8,7 +8,10 @@ iteration's retained growth; O(1) per event. :class:`LiveView` draws
 in a rich ``Live`` on stderr, redrawn twice a second (rich's refresh thread reads the counters; a
 dict copy under the GIL needs no lock). On a terminal the script's own ``print`` output and
 stderr are shown above the panel (rich's redirection; stdout only when it is the terminal too,
-so ``> out.txt`` still gets it); otherwise nothing is drawn until the final panel.
+so ``> out.txt`` still gets it); otherwise nothing is drawn until the final panel. Output that
+bypasses Python's ``sys.stdout``/``sys.stderr`` (C extensions writing to the file descriptors,
+child processes started with their own streams) is not redirected and can leave stray lines in
+the panel's area until the next redraw.
 
 When the run ends (also on Ctrl-C) the panel is drawn once more from the whole trace, with its
 final categories (while the run goes, an allocation's category is the tracker's provisional one,
