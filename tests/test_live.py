@@ -235,3 +235,26 @@ def test_panel_lists_the_dataloader_workers(tmp_path: Path) -> None:
     listed = sorted(int(m.group(1)) for m in re.finditer(r"│ (\d+)\s+worker\s", panel))
     assert listed == pids
     assert len(re.findall(r"│ \d+\s+main\s", panel)) == 1
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs a pseudo-terminal (POSIX)")
+def test_a_script_with_its_own_rich_progress_bar_still_runs(tmp_path: Path) -> None:
+    """Lightning's RichProgressBar and many scripts draw their own rich Live: the panel is on a
+    console of its own (stderr), so the script's bar neither fails nor is swallowed."""
+    (tmp_path / "bar.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from rich.progress import Progress
+        with Progress() as bar:
+            task = bar.add_task("train", total=5)
+            for _ in range(5):
+                x = torch.zeros(1000)
+                bar.advance(task)
+        print("bar done", x.numel())
+        """
+    ))
+    text = _pty_run(["run", "--live", "--quiet", "-o", "t.tmtrace", "bar.py"],
+                    tmp_path).decode(errors="replace")
+    assert "bar done 1000" in text
+    assert "train" in text and "torchmem run --live: bar.py" in text
+    assert torchmem.load_trace(tmp_path / "t.tmtrace").peak()["cpu"] >= 4000
