@@ -258,3 +258,27 @@ def test_a_script_with_its_own_rich_progress_bar_still_runs(tmp_path: Path) -> N
     assert "bar done 1000" in text
     assert "train" in text and "torchmem run --live: bar.py" in text
     assert torchmem.load_trace(tmp_path / "t.tmtrace").peak()["cpu"] >= 4000
+
+
+def test_a_cuda_device_shows_the_allocators_allocated_and_reserved_bytes() -> None:
+    """The allocator reading comes from torchmem's simulator of the caching allocator fed the
+    same storages: 1 MiB and 512 KiB share one 2 MiB small-pool segment."""
+    import io
+
+    from rich.console import Console
+
+    from torchmem.cli._live import LiveView
+    from torchmem.model.events import Event, EventKind
+    from torchmem.sim import CachingAllocator
+
+    sim = CachingAllocator()
+    view = LiveView("gpu.py", console=Console(file=io.StringIO(), width=100),
+                    allocator=lambda dev: (sim.allocated_bytes, sim.reserved_bytes))
+    for sid, nbytes in ((1, 1 << 20), (2, 512 << 10)):
+        sim.malloc(nbytes)
+        view.on_event(Event(sid, EventKind.ALLOC, sid, "cuda:0", nbytes, sid))
+    view.on_event(Event(3, EventKind.ALLOC, 3, "cpu", 64, 3))
+    text = live_text(view.state())
+    assert "cuda:0: live 1.50 MiB   peak 1.50 MiB" in text
+    assert "allocator: allocated 1.50 MiB, reserved 2.00 MiB" in text
+    assert text.count("allocator:") == 1   # not for the CPU

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torchmem.model.events import Category, Event, EventKind
 from torchmem.model.trace import Trace
 from torchmem.render.live import DeviceLive, HostRow, LiveState, live_panel
 
-__all__ = ["LiveCounter", "LiveView"]
+__all__ = ["LiveCounter", "LiveView", "cuda_reading"]
 
 #: The panel is redrawn at most this many times a second.
 REFRESH_PER_SECOND = 2
@@ -156,12 +156,30 @@ class LiveCounter:
         return LiveState(label, elapsed_s, devices, list(host or []), final)
 
 
+def cuda_reading(device: str) -> Optional[tuple[int, int]]:
+    """``(memory_allocated, memory_reserved)`` of a CUDA device, read without initialising CUDA
+    (``None`` before the script has used it, or without CUDA).
+
+    Example:
+        >>> import torch
+        >>> torch.cuda.is_initialized() or cuda_reading("cuda:0") is None
+        True
+    """
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    dev = torch.device(device)
+    return int(torch.cuda.memory_allocated(dev)), int(torch.cuda.memory_reserved(dev))
+
+
 class LiveView:
     """The rich ``Live`` panel of a run (a context manager); ``finish(summary)`` draws the
     final panel once.
 
     ``console`` defaults to stderr; ``sampler`` is the run's
-    :class:`~torchmem.capture.host.HostSampler` (or ``None``).
+    :class:`~torchmem.capture.host.HostSampler` (or ``None``); ``allocator(device)`` reads a
+    CUDA device's allocated and reserved bytes (default :func:`cuda_reading`).
 
     Example:
         >>> import io
@@ -174,9 +192,11 @@ class LiveView:
         True
     """
 
-    def __init__(self, label: str, sampler: Any = None, console: Any = None) -> None:
+    def __init__(self, label: str, sampler: Any = None, console: Any = None,
+                 allocator: Optional[Callable[[str], Optional[tuple[int, int]]]] = None) -> None:
         from rich.console import Console
 
+        self.allocator = allocator or cuda_reading
         self.label = label
         self.sampler = sampler
         self.counter = LiveCounter()
@@ -209,8 +229,12 @@ class LiveView:
             >>> LiveView("x").state().label
             'x'
         """
-        return self.counter.state(self.label, time.monotonic() - self._t0, self._host(final),
-                                  final)
+        state = self.counter.state(self.label, time.monotonic() - self._t0, self._host(final),
+                                   final)
+        for dev in state.devices:
+            if dev.device.startswith("cuda"):
+                dev.allocator = self.allocator(dev.device)
+        return state
 
     def __rich__(self) -> Any:  # rich's refresh thread calls this at each redraw
         return live_panel(self.state())

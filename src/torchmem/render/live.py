@@ -8,7 +8,8 @@ Per device: live and peak bytes, by category (live now, and live at the peak), t
 count (step markers), the growth of the last iterations and a leak warning when live bytes grew
 in every iteration after the first (three or more complete iterations, as
 :func:`torchmem.analysis.summarize` judges it); then host memory per process (the script and its
-DataLoader workers). While the run goes, categories are the tracker's provisional ones (by phase:
+DataLoader workers); on a CUDA device also the caching allocator's allocated and reserved
+bytes (what ``nvidia-smi`` counts, less the CUDA context). While the run goes, categories are the tracker's provisional ones (by phase:
 forward -> activation, backward and optimizer -> temporary); the final panel has the final ones.
 
 Example:
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from torchmem.units import format_bytes
 
@@ -62,6 +63,7 @@ class DeviceLive:
     peak_by_category: dict[str, int]
     iterations: int
     growth: list[int] = field(default_factory=list)
+    allocator: Optional[tuple[int, int]] = None  # CUDA: the allocator's (allocated, reserved)
 
     @property
     def leak(self) -> bool:
@@ -130,6 +132,10 @@ def live_panel(state: LiveState) -> Any:
         head = (f"{dev.device}: live {format_bytes(dev.live)}   peak {format_bytes(dev.peak)}   "
                 f"iterations {dev.iterations}")
         parts.append(Text(head, style="bold"))
+        if dev.allocator is not None:
+            allocated, reserved = dev.allocator
+            parts.append(Text(f"allocator: allocated {format_bytes(allocated)}, reserved "
+                              f"{format_bytes(reserved)} (tensors, workspaces and cache)"))
         if dev.growth:
             shown = ", ".join(_signed(g) for g in dev.growth[-GROWTH_SHOWN:])
             parts.append(Text(f"growth per iteration (latest last): {shown}"))
