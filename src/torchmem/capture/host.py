@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -91,6 +92,8 @@ def _read(proc: psutil.Process, role: str) -> Optional[ProcessMemory]:
         except psutil.Error:
             return None
         return ProcessMemory(proc.pid, role, "?", rss, rss, None)
+    if not info.rss:  # exiting: its memory is already gone (and its executable unreadable)
+        return None
     pss = getattr(info, "pss", None)
     return ProcessMemory(proc.pid, role, name, int(info.rss), int(getattr(info, "uss", info.rss)),
                          None if pss is None else int(pss))
@@ -300,9 +303,12 @@ class HostSampler:
             [('main', True)]
         """
         with self._lock:
-            last = {pid: (pts[-1], pts[0][1].uss) for pid, pts in self._series.items()}
+            last = {pid: (pts[-1], pts[0][1]) for pid, pts in self._series.items()}
             newest = max((t for (t, _), _ in last.values()), default=None)
-        rows = [(m, m.uss - first) for (t, m), first in last.values() if all_seen or t == newest]
+        # the role a process had when first seen (a process's role is read from its executable,
+        # which an exiting process no longer shows), as summary() keeps it
+        rows = [(dataclasses.replace(m, role=first.role), m.uss - first.uss)
+                for (t, m), first in last.values() if all_seen or t == newest]
         rows.sort(key=lambda r: (r[0].role != "main", r[0].pid))
         return rows
 
