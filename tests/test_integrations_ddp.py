@@ -99,8 +99,12 @@ def test_logged_figures_are_the_max_over_two_gloo_ranks(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    # both ranks logged the same figures, three steps each
+    _check_logged_max(tmp_path)
+
+
+def _check_logged_max(folder: Path) -> None:
+    """Both ranks logged the same three steps, each the max of the two ranks' censuses."""
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["logged"] == ranks[1]["logged"]
     assert len(ranks[0]["logged"]) == 3
     for step, logged in enumerate(ranks[0]["logged"]):
@@ -230,13 +234,5 @@ def test_transformers_under_torchrun_logs_the_max_over_two_gloo_ranks(tmp_path: 
          str(tmp_path / "hf_train.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["world"] == 2
-    assert ranks[0]["logged"] == ranks[1]["logged"]
-    assert len(ranks[0]["logged"]) == 3
-    for step, logged in enumerate(ranks[0]["logged"]):
-        peaks = [r["starts"][step] + r["rises"][step] for r in ranks]
-        starts = [r["starts"][step] for r in ranks]
-        assert peaks[1] - peaks[0] >= EXTRA - 64 * 1024
-        assert abs(logged["memory/live_at_start_bytes"] - max(starts)) <= SLACK
-        assert 0 <= max(peaks) - logged["memory/peak_bytes"] <= 2 * SLACK, (step, logged, peaks)
+    assert json.loads((tmp_path / "rank0.json").read_text())["world"] == 2
+    _check_logged_max(tmp_path)
