@@ -151,6 +151,7 @@ MISMATCH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ranks_that_saw_different_phases_still_agree(tmp_path: Path) -> None:
     """Rank 0's step has only an "other" phase, rank 1's a forward: a fixed-length all_reduce
     would hang or mix figures; matched by name, each figure is the max of the ranks that had it."""
