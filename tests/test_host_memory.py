@@ -109,6 +109,43 @@ def test_sampler_sees_growth_of_this_process() -> None:
     del block
 
 
+def test_latest_sample_lists_running_processes_and_all_seen_adds_exited_ones() -> None:
+    """A child that writes 48 MiB of its own and then waits: the latest sample shows it with
+    that growth; once it has exited, only ``all_seen`` still lists it (as last seen)."""
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; print('up', flush=True); sys.stdin.readline()\n"
+         "b = bytearray(48 << 20)\n"
+         "for i in range(0, len(b), 4096): b[i] = 1\n"
+         "print('ready', flush=True); time.sleep(30)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    s = HostSampler(interval=0.05)
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline() == "up\n"
+        _ = s.sample()                              # the child before it writes its pages
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ready\n"
+        _ = s.sample()
+        rows = {m.pid: (m, growth) for m, growth in s.latest()}
+        mem, growth = rows[child.pid]
+        assert mem.role == "worker"
+        truth = psutil.Process(child.pid).memory_full_info().uss
+        assert abs(mem.uss - truth) < 4 * MiB
+        assert growth >= 40 * MiB
+        assert list(rows)[0] == os.getpid()         # main first
+    finally:
+        child.kill()
+        child.wait()
+    time.sleep(0.05)
+    _ = s.sample()
+    assert child.pid not in {m.pid for m, _ in s.latest()}
+    assert child.pid in {m.pid for m, _ in s.latest(all_seen=True)}
+
+
 def _run_loader(kind: str, tmp_path: Path) -> tuple[dict, dict[int, int]]:
     script = tmp_path / "loader.py"
     script.write_text(DATALOADER)

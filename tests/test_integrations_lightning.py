@@ -10,48 +10,22 @@ surface as a tensor, so the two agree to within :data:`SLACK` bytes.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import _step_census as sc
+
 pl = pytest.importorskip("lightning.pytorch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from torchmem.capture import inspect_memory  # noqa: E402
 from torchmem.errors import InvalidInputError  # noqa: E402
 from torchmem.integrations.lightning import MemoryCallback, check_version  # noqa: E402
 
 SLACK = 128
-
-
-def _outside(model: torch.nn.Module) -> int:
-    """Bytes of the tensors alive before training that the callback's tracker does not count:
-    every live tensor (the dataset, what earlier tests left) but the model's parameters."""
-    gc.collect()
-    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    return int(inspect_memory(all_live=True).unique_bytes["cpu"]) - params
-
-
-def _profiler_rise(prof: Any) -> int:
-    from torch._C._profiler import _EventType
-
-    rows = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
-        stack.extend(e.children)
-    rows.sort()
-    cur = best = 0
-    for _, size in rows:
-        cur += size
-        best = max(best, cur)
-    return best
 
 
 class Census(pl.Callback):  # type: ignore[misc]
@@ -63,15 +37,11 @@ class Census(pl.Callback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
-        self.starts.append(inspect_memory(all_live=True).unique_bytes["cpu"] - self.outside)
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self.prof.__enter__()
+        self.starts.append(sc.census() - self.outside)
+        self.prof = sc.StepProfile()
 
     def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, idx: int) -> None:
-        self.prof.__exit__(None, None, None)
-        self.rises.append(_profiler_rise(self.prof))
+        self.rises.append(self.prof.rise())
 
 
 class Recorder(pl.loggers.Logger):  # type: ignore[misc]
@@ -97,20 +67,34 @@ class Recorder(pl.loggers.Logger):  # type: ignore[misc]
 
 
 class Tiny(pl.LightningModule):  # type: ignore[misc]
-    def __init__(self, fail_at: int = -1) -> None:
+    """Fails at batch ``fail_at`` in ``fail_in`` (forward, backward, clip or optimizer)."""
+
+    def __init__(self, fail_at: int = -1, fail_in: str = "forward", kind: str = "torch") -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
         )
-        self.fail_at = fail_at
+        self.fail_at, self.fail_in, self.kind = fail_at, fail_in, kind
 
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
-        if idx == self.fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated in the test)")
+        failing = idx == self.fail_at
+        if failing and self.fail_in == "forward":
+            sc.raise_oom(self.kind)
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if failing and self.fail_in == "backward":
+            out = sc.fail_in_backward(out, self.kind)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.fail_in == "clip" and self.global_step == self.fail_at:
+            sc.raise_oom(self.kind)
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fail_in == "optimizer":
+            return sc.FailingAdam(self.parameters(), self.fail_at + 1, self.kind)
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
@@ -118,7 +102,7 @@ def _trainer(tmp_path: Path, callbacks: list[Any], logger: Any = False) -> Any:
     return pl.Trainer(
         max_steps=3, callbacks=callbacks, accelerator="cpu", logger=logger,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        log_every_n_steps=1, default_root_dir=str(tmp_path),
+        log_every_n_steps=1, default_root_dir=str(tmp_path), gradient_clip_val=1.0,
     )
 
 
@@ -126,7 +110,7 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
     model = Tiny()
-    census, cb, rec = Census(_outside(model)), MemoryCallback(), Recorder()
+    census, cb, rec = Census(sc.outside(model)), MemoryCallback(), Recorder()
     _trainer(tmp_path, [census, cb], logger=rec).fit(model, DataLoader(data, batch_size=16))
     assert len(cb.history) == 3
     for peaks, start, rise in zip(cb.history, census.starts, census.rises):
@@ -147,17 +131,38 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     ]
 
 
-def test_out_of_memory_in_a_step_writes_a_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("part", "kind"), sc.OOM_CASES)
+def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
+    tmp_path: Path, part: str, kind: str
+) -> None:
+    """The third step fails: in its forward, backward, gradient clipping or optimizer step."""
     import torchmem
 
     data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    model = Tiny(fail_at=2, fail_in=part, kind=kind)
     cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
-    with pytest.raises(torch.OutOfMemoryError):
-        _trainer(tmp_path, [cb]).fit(Tiny(fail_at=2), DataLoader(data, batch_size=16))
+    error = torch.OutOfMemoryError if kind == "torch" else RuntimeError
+    with pytest.raises(error, match="out of memory|can't allocate memory"):
+        _trainer(tmp_path, [cb]).fit(model, DataLoader(data, batch_size=16))
     assert cb.oom_file == str(tmp_path / "oom" / "torchmem-oom-rank0-step2.tmtrace")
     trace = torchmem.load_trace(cb.oom_file)
     assert sum(1 for e in trace.events() if e.op == "step") == 2  # two steps completed
     assert len(cb.history) == 2
+    # parameters, gradients and Adam's two moments are live where the error was raised
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert trace.live_bytes()["cpu"] >= 3 * params
+
+
+def test_an_error_that_is_not_out_of_memory_writes_nothing(tmp_path: Path) -> None:
+    class Buggy(Tiny):
+        def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+            raise ValueError("a bug in the user's code")
+
+    data = TensorDataset(torch.randn(48, 32), torch.randn(48, 1))
+    cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
+    with pytest.raises(ValueError, match="a bug"):
+        _trainer(tmp_path, [cb]).fit(Buggy(), DataLoader(data, batch_size=16))
+    assert cb.oom_file is None and not (tmp_path / "oom").exists()
 
 
 def test_unsupported_version_says_which_are_supported() -> None:

@@ -9,47 +9,21 @@ it also sees the few-byte scalars kernels wrap internally, hence :data:`SLACK`).
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import _step_census as sc
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from torchmem.capture import inspect_memory  # noqa: E402
 from torchmem.errors import InvalidInputError  # noqa: E402
 from torchmem.integrations.transformers import MemoryCallback, check_version  # noqa: E402
 
 SLACK = 128
-
-
-def _outside(model: torch.nn.Module) -> int:
-    """Bytes of the tensors alive before training that the callback's tracker does not count:
-    every live tensor (the dataset, what earlier tests left) but the model's parameters."""
-    gc.collect()
-    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    return int(inspect_memory(all_live=True).unique_bytes["cpu"]) - params
-
-
-def _profiler_rise(prof: Any) -> int:
-    from torch._C._profiler import _EventType
-
-    rows = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            rows.append((e.start_time_ns, int(e.extra_fields.alloc_size)))
-        stack.extend(e.children)
-    rows.sort()
-    cur = best = 0
-    for _, size in rows:
-        cur += size
-        best = max(best, cur)
-    return best
 
 
 class Census(transformers.TrainerCallback):  # type: ignore[misc]
@@ -59,31 +33,31 @@ class Census(transformers.TrainerCallback):  # type: ignore[misc]
         self.rises: list[int] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.starts.append(inspect_memory(all_live=True).unique_bytes["cpu"] - self.outside)
-        self.prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        )
-        self.prof.__enter__()
+        self.starts.append(sc.census() - self.outside)
+        self.prof = sc.StepProfile()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.prof.__exit__(None, None, None)
-        self.rises.append(_profiler_rise(self.prof))
+        self.rises.append(self.prof.rise())
 
 
 class Tiny(torch.nn.Module):
-    def __init__(self, fail_at_call: int = -1) -> None:
+    def __init__(self, fail_at_call: int = -1, fail_in: str = "forward", kind: str = "torch") -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
         )
         self.calls = 0
-        self.fail_at_call = fail_at_call
+        self.fail_at_call, self.fail_in, self.kind = fail_at_call, fail_in, kind
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         self.calls += 1
-        if self.calls == self.fail_at_call:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated in the test)")
-        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+        failing = self.calls == self.fail_at_call
+        if failing and self.fail_in == "forward":
+            sc.raise_oom(self.kind)
+        out = self.net(x)
+        if failing and self.fail_in == "backward":
+            out = sc.fail_in_backward(out, self.kind)
+        return {"loss": torch.nn.functional.mse_loss(out, labels)}
 
 
 def _data() -> list[dict[str, torch.Tensor]]:
@@ -92,19 +66,21 @@ def _data() -> list[dict[str, torch.Tensor]]:
             for _ in range(48)]
 
 
-def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[Any]) -> Any:
+def _trainer(tmp_path: Path, model: torch.nn.Module, data: Any, callbacks: list[Any],
+             optimizer: Any = None) -> Any:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=16,
         logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, learning_rate=1e-3,
     )
-    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks,
+                                optimizers=(optimizer, None))
 
 
 def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     data = _data()
     model = Tiny()
-    census, cb = Census(_outside(model)), MemoryCallback()
+    census, cb = Census(sc.outside(model)), MemoryCallback()
     trainer = _trainer(tmp_path, model, data, [census, cb])
     trainer.train()
     assert len(cb.history) == 3
@@ -126,17 +102,51 @@ def test_logged_peaks_equal_an_independent_census(tmp_path: Path) -> None:
     assert trainer.callback_handler.callbacks[0] is cb
 
 
-def test_out_of_memory_in_a_step_writes_a_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("part", "kind"), sc.OOM_CASES)
+def test_out_of_memory_in_any_part_of_a_step_writes_a_trace(
+    tmp_path: Path, part: str, kind: str
+) -> None:
+    """The third step fails: in its forward, backward, gradient clipping or optimizer step."""
     import torchmem
 
+    model = Tiny(fail_at_call=3 if part in ("forward", "backward") else -1, fail_in=part, kind=kind)
+    optimizer = sc.FailingAdam(model.parameters(), 3, kind) if part == "optimizer" else None
     cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
-    trainer = _trainer(tmp_path, Tiny(fail_at_call=3), _data(), [cb])
-    with pytest.raises(torch.OutOfMemoryError):
+    trainer = _trainer(tmp_path, model, _data(), [cb], optimizer)
+    if part == "clip":
+        clip, calls = trainer.accelerator.clip_grad_norm_, []
+
+        def failing_clip(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                sc.raise_oom(kind)
+            return clip(*args, **kwargs)
+
+        trainer.accelerator.clip_grad_norm_ = failing_clip
+    error = torch.OutOfMemoryError if kind == "torch" else RuntimeError
+    with pytest.raises(error, match="out of memory|can't allocate memory"):
         trainer.train()
     assert cb.oom_file == str(tmp_path / "oom" / "torchmem-oom-rank0-step2.tmtrace")
     trace = torchmem.load_trace(cb.oom_file)
     assert sum(1 for e in trace.events() if e.op == "step") == 2
     assert len(cb.history) == 2
+    # the trace ends where the error was raised: the failing step's parameters and the
+    # optimizer state of the two steps before are still live in it
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert trace.live_bytes()["cpu"] >= 3 * params
+
+
+def test_an_error_that_is_not_out_of_memory_writes_nothing(tmp_path: Path) -> None:
+    model = Tiny()
+    cb = MemoryCallback(oom_dir=str(tmp_path / "oom"))
+    trainer = _trainer(tmp_path, model, _data(), [cb])
+    def bad(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a bug in the user's code")
+
+    trainer.accelerator.clip_grad_norm_ = bad
+    with pytest.raises(ValueError, match="a bug"):
+        trainer.train()
+    assert cb.oom_file is None and not (tmp_path / "oom").exists()
 
 
 def test_unsupported_version_says_which_are_supported() -> None:

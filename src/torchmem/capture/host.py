@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -91,6 +92,8 @@ def _read(proc: psutil.Process, role: str) -> Optional[ProcessMemory]:
         except psutil.Error:
             return None
         return ProcessMemory(proc.pid, role, "?", rss, rss, None)
+    if not info.rss:  # exiting: its memory is already gone (and its executable unreadable)
+        return None
     pss = getattr(info, "pss", None)
     return ProcessMemory(proc.pid, role, name, int(info.rss), int(getattr(info, "uss", info.rss)),
                          None if pss is None else int(pss))
@@ -288,6 +291,26 @@ class HostSampler:
             for m in procs:
                 self._series.setdefault(m.pid, []).append((now, m))
         return procs
+
+    def latest(self, all_seen: bool = False) -> list[tuple[ProcessMemory, int]]:
+        """The processes of the latest sample (with ``all_seen``, every process ever sampled,
+        as last seen), each with its USS growth since it was first sampled; main first, then
+        by pid.
+
+        Example:
+            >>> s = HostSampler(); _ = s.sample()
+            >>> [(m.role, growth >= 0) for m, growth in s.latest()][:1]
+            [('main', True)]
+        """
+        with self._lock:
+            last = {pid: (pts[-1], pts[0][1]) for pid, pts in self._series.items()}
+            newest = max((t for (t, _), _ in last.values()), default=None)
+        # the role a process had when first seen (a process's role is read from its executable,
+        # which an exiting process no longer shows), as summary() keeps it
+        rows = [(dataclasses.replace(m, role=first.role), m.uss - first.uss)
+                for (t, m), first in last.values() if all_seen or t == newest]
+        rows.sort(key=lambda r: (r[0].role != "main", r[0].pid))
+        return rows
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

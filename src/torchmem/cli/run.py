@@ -15,6 +15,7 @@ error).
 runs, its standard output (``print``, and everything written to file descriptor 1, by child
 processes too) goes to stderr, so ``torchmem run --json train.py > summary.json`` stays
 parseable. torchmem's own messages always go to stderr with ``--json``.
+``--live`` shows a live panel on stderr while it runs (:mod:`torchmem.cli._live`).
 
 Example:
     >>> from torchmem.cli import main
@@ -85,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between samples of the process tree's host memory (default 0.2)",
     )
     parser.add_argument("--no-host", action="store_true", help="do not sample host memory")
+    parser.add_argument(
+        "--live", action="store_true",
+        help="show a live panel on stderr (live and peak bytes by category, iterations, growth, "
+             "leak warning, host memory per process), redrawn twice a second",
+    )
     parser.add_argument(
         "--why", type=int, default=3, metavar="N",
         help="when memory leaks, explain what holds the N largest leaked storages (default 3; 0: "
@@ -292,16 +298,24 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.cli._leaks import LeakWatch
 
     watch = LeakWatch() if why_n else None
-    tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
-                    listeners=[watch.on_event] if watch else ())
     sampler = None
     if not getattr(args, "no_host", False):
         from torchmem.capture.host import HostSampler
 
-        sampler = HostSampler(interval=host_interval).start()
+        sampler = HostSampler(interval=host_interval)
+    live = None
+    if getattr(args, "live", False):
+        from torchmem.cli._live import LiveView
+
+        live = LiveView(label, sampler)
+    listeners = [f.on_event for f in (watch, live) if f is not None]
+    tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
+                    listeners=listeners)
+    if sampler is not None:
+        sampler.start()
     namespace: dict[str, Any] = {}
     try:
-        with tracker:
+        with tracker, (live if live is not None else contextlib.nullcontext()):
             if args.example:
                 from torchmem._example_train import main as example_main
 
@@ -324,6 +338,8 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)
+    if live is not None:
+        live.finish(tracker.trace)
     host = sampler.summary() if sampler is not None else None
     leaks = []
     if watch is not None and summary.leak_suspect:

@@ -6,14 +6,22 @@ device, the live bytes, the step's peak and the peak of each phase (forward, bac
 optimizer, other) in O(1) per event. The tracker keeps its events (compactly, column-wise) so
 that an out-of-memory error can be dumped as a trace of the whole run.
 
-Peak counters: the step peak is this meter's own counter, reset at each step start to the
-bytes live then. PyTorch's ``max_memory_allocated`` / ``reset_peak_memory_stats`` are never
-called to reset anything, so other readers of the allocator's peak see it undisturbed; on
-CUDA the allocator's running peak (``torch.cuda.max_memory_allocated``, never reset) is logged
-beside the step peak.
+Peaks are read without disturbing anyone else's: PyTorch's ``reset_peak_memory_stats`` is never
+called (it would restart ``max_memory_allocated`` for every reader in the process).
 
-Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks
-(one ``all_reduce(MAX)`` per step).
+- The tensor peak (every device; the one figure on CPU) is this meter's own counter, restarted
+  at each step start at the bytes live then.
+- On CUDA, the allocator's peak of the step is *followed*
+  (:class:`~torchmem.integrations._allocator.AllocatorFollower`): ``memory_allocated()`` read at
+  the step's start, plus each storage the tracker sees allocated, rounded as the allocator rounds
+  it, minus each one freed; checked against ``memory_allocated()`` at the step's end, the
+  difference logged as ``allocator_unseen_bytes`` (library workspaces and the slack of reused
+  blocks, which no tensor shows). The allocator's running peak
+  (``torch.cuda.max_memory_allocated``, never reset) is logged beside it.
+
+Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks, matched
+by name (one ``all_gather_object`` of a small dict per step; rank r's ``cuda:r`` figures are
+the unprefixed ones on every rank).
 
 Example:
     >>> import torch
@@ -36,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from torchmem.errors import InvalidInputError
+from torchmem.integrations._allocator import AllocatorFollower
 from torchmem.model.events import Event, EventKind
 
 __all__ = ["StepMeter", "StepPeaks", "check_min_version", "oom_path"]
@@ -43,7 +52,9 @@ __all__ = ["StepMeter", "StepPeaks", "check_min_version", "oom_path"]
 
 @dataclass
 class StepPeaks:
-    """One step's figures per device (bytes): live at the start, peak, peak per phase.
+    """One step's figures per device (bytes): live at the start, peak, peak per phase; on CUDA
+    also the allocator's step peak, the bytes it holds that no tensor showed, and its running
+    peak (see the module docstring).
 
     Example:
         >>> StepPeaks({"cpu": 10}, {"cpu": 30}, {"forward": {"cpu": 30}}).metrics()
@@ -54,26 +65,45 @@ class StepPeaks:
     peak: dict[str, int]
     by_phase: dict[str, dict[str, int]] = field(default_factory=dict)
     allocator_peak: dict[str, int] = field(default_factory=dict)
+    allocator_step_peak: dict[str, int] = field(default_factory=dict)
+    allocator_unseen: dict[str, int] = field(default_factory=dict)
+
+    def _slots(self) -> list[tuple[str, dict[str, int]]]:
+        """(metric name, per-device dict) for every figure, in the order metrics() lists them."""
+        slots: list[tuple[str, dict[str, int]]] = [
+            ("peak_bytes", self.peak), ("live_at_start_bytes", self.live_at_start)
+        ]
+        slots += [(f"{phase}_peak_bytes", per_dev) for phase, per_dev in self.by_phase.items()]
+        return slots + [
+            ("allocator_peak_bytes", self.allocator_step_peak),
+            ("allocator_unseen_bytes", self.allocator_unseen),
+            ("allocator_peak_so_far_bytes", self.allocator_peak),
+        ]
+
+    def _cells(self, prefix: str) -> list[tuple[str, dict[str, int], str]]:
+        """(metric key, per-device dict, device) for every figure metrics() lists, in order."""
+        cells = []
+        slots = self._slots()
+        devices = sorted(self.peak, key=lambda d: not d.startswith("cuda"))  # stable
+        for i, dev in enumerate(devices):
+            p = prefix if i == 0 else f"{prefix}{dev}/"
+            for name, per_dev in slots:
+                if dev in per_dev or name == "live_at_start_bytes":
+                    cells.append((f"{p}{name}", per_dev, dev))
+        return cells
 
     def metrics(self, prefix: str = "memory/") -> dict[str, int]:
-        """Flat names for a logger; a device other than the first is named in the key.
+        """Flat names for a logger; a device other than the first is named in the key (CUDA
+        devices come first, so on a GPU run the unnamed figures are the GPU's).
 
         Example:
             >>> StepPeaks({"cpu": 1, "cuda:0": 5}, {"cpu": 2, "cuda:0": 9}).metrics()
-            {'memory/peak_bytes': 2, 'memory/live_at_start_bytes': 1, 'memory/cuda:0/peak_bytes': 9, 'memory/cuda:0/live_at_start_bytes': 5}
+            {'memory/peak_bytes': 9, 'memory/live_at_start_bytes': 5, 'memory/cpu/peak_bytes': 2, 'memory/cpu/live_at_start_bytes': 1}
+            >>> StepPeaks({"cuda:0": 0}, {"cuda:0": 9}, allocator_step_peak={"cuda:0": 1024},
+            ...           allocator_unseen={"cuda:0": 0}).metrics()["memory/allocator_peak_bytes"]
+            1024
         """
-        out: dict[str, int] = {}
-        devices = list(self.peak)
-        for i, dev in enumerate(devices):
-            p = prefix if i == 0 else f"{prefix}{dev}/"
-            out[f"{p}peak_bytes"] = self.peak[dev]
-            out[f"{p}live_at_start_bytes"] = self.live_at_start.get(dev, 0)
-            for phase, per_dev in self.by_phase.items():
-                if dev in per_dev:
-                    out[f"{p}{phase}_peak_bytes"] = per_dev[dev]
-            if dev in self.allocator_peak:
-                out[f"{p}allocator_peak_so_far_bytes"] = self.allocator_peak[dev]
-        return out
+        return {key: per_dev.get(dev, 0) for key, per_dev, dev in self._cells(prefix)}
 
 
 def check_min_version(
@@ -118,30 +148,49 @@ def oom_path(directory: str, step: int) -> str:
 class StepMeter:
     """Per-step peaks of the tensors of a training run (see the module docstring).
 
+    ``follower`` follows the CUDA allocator's step peak (default: one reading
+    ``torch.cuda.memory_allocated``; tests pass one reading a simulated allocator).
+
     Example:
         >>> m = StepMeter().start(); m.begin_step(); _ = m.end_step(); m.stop()
         >>> m.steps
         1
     """
 
-    def __init__(self, *objects: Any) -> None:
+    def __init__(self, *objects: Any, follower: Optional[AllocatorFollower] = None) -> None:
         from torchmem.capture.tracker import track
 
+        self.follower = follower if follower is not None else AllocatorFollower()
+        self._in_step = False
         self.live: dict[str, int] = {}
         self._peak: dict[str, int] = {}
         self._phase_peak: dict[tuple[str, str], int] = {}
         self._start: dict[str, int] = {}
         self.steps = 0
         self.tracker = track(*objects, stacks=False, step_marker="manual",
-                             listeners=[self._on_event])
+                             listeners=[self.on_event])
         self._active = False
 
-    def _on_event(self, event: Event, storage: Optional[torch.UntypedStorage]) -> None:
+    def on_event(self, event: Event, storage: Optional[torch.UntypedStorage] = None) -> None:
+        """The tracker's listener: one allocation, free or marker.
+
+        Example:
+            >>> from torchmem.model.events import Event, EventKind
+            >>> m = StepMeter(); m.begin_step()
+            >>> m.on_event(Event(0, EventKind.ALLOC, 0, "cpu", 100, 1)); m.end_step().peak
+            {'cpu': 100}
+        """
         kind = event.kind
         if kind is EventKind.MARK:
             return
         dev = event.device
-        now = self.live.get(dev, 0) + (event.nbytes if kind is EventKind.ALLOC else -event.nbytes)
+        alloc = kind is EventKind.ALLOC
+        if self._in_step and dev.startswith("cuda"):
+            if alloc:
+                self.follower.alloc(dev, event.nbytes)
+            else:
+                self.follower.free(dev, event.nbytes)
+        now = self.live.get(dev, 0) + (event.nbytes if alloc else -event.nbytes)
         self.live[dev] = now
         if now > self._peak.get(dev, 0):
             self._peak[dev] = now
@@ -170,6 +219,29 @@ class StepMeter:
             self._active = False
             self.tracker.__exit__(None, None, None)
 
+    def fail(self, exc: BaseException, folder: Optional[str], step: int) -> Optional[str]:
+        """Stop after ``exc`` ended training; on an out-of-memory error write the run's trace
+        to :func:`oom_path` in ``folder`` (default: the working directory) and return its path.
+
+        Example:
+            >>> import tempfile
+            >>> m = StepMeter().start()
+            >>> m.fail(ValueError("not memory"), None, 0) is None
+            True
+            >>> StepMeter().start().fail(MemoryError(), tempfile.mkdtemp(), 3).endswith("step3.tmtrace")
+            True
+        """
+        from torchmem.capture.recording import is_oom_error
+
+        self.stop()
+        if not is_oom_error(exc):
+            return None
+        folder = folder or os.getcwd()
+        os.makedirs(folder, exist_ok=True)
+        path = oom_path(folder, step)
+        self.tracker.save(path)
+        return path
+
     def begin_step(self) -> None:
         """Reset this meter's step counters to the bytes live now.
 
@@ -180,6 +252,11 @@ class StepMeter:
         self._start = dict(self.live)
         self._peak = dict(self.live)
         self._phase_peak = {}
+        cuda = {d for d in self.live if d.startswith("cuda")}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda.add(f"cuda:{torch.cuda.current_device()}")
+        self.follower.begin(sorted(cuda))
+        self._in_step = True
 
     def end_step(self) -> StepPeaks:
         """The step's figures (max across ranks under DDP); adds a step marker to the trace.
@@ -191,36 +268,38 @@ class StepMeter:
         by_phase: dict[str, dict[str, int]] = {}
         for (dev, phase), value in self._phase_peak.items():
             by_phase.setdefault(phase, {})[dev] = value
-        alloc: dict[str, int] = {}
-        for dev in self._peak:
-            if dev.startswith("cuda") and torch.cuda.is_available():
-                alloc[dev] = int(torch.cuda.max_memory_allocated(torch.device(dev)))
-        peaks = StepPeaks(dict(self._start), dict(self._peak), by_phase, alloc)
+        self._in_step = False
+        followed = self.follower.end()
+        so_far: dict[str, int] = {}
+        for dev in followed:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                so_far[dev] = int(torch.cuda.max_memory_allocated(torch.device(dev)))
+        peak = dict(self._peak)
+        for dev in followed:  # a device only the allocator saw still gets a row
+            peak.setdefault(dev, 0)
+        peaks = StepPeaks(dict(self._start), peak, by_phase, so_far,
+                          {d: s.peak for d, s in followed.items()},
+                          {d: s.unseen for d, s in followed.items()})
         self.steps += 1
         self.tracker.mark("step")
         return _max_across_ranks(peaks)
 
 
 def _max_across_ranks(peaks: StepPeaks) -> StepPeaks:
+    """Each figure set to its maximum over the ranks, matched by metric name: every rank's GPU
+    figures are the unprefixed ones (rank r's ``cuda:r``), and a rank that saw a phase or a
+    device the others did not still takes part (``all_gather_object``, not a fixed-length
+    ``all_reduce``, which would hang on such a mismatch)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return peaks
-    metrics = peaks.metrics()
-    keys = sorted(metrics)
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.get_backend() == "nccl") else torch.device("cpu")
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    reduced = dict(zip(keys, (int(v) for v in values.tolist())))
-    first = next(iter(peaks.peak), None)
-    out = StepPeaks({}, {}, {}, {})
-    for dev in peaks.peak:
-        p = "memory/" if dev == first else f"memory/{dev}/"
-        out.peak[dev] = reduced[f"{p}peak_bytes"]
-        out.live_at_start[dev] = reduced[f"{p}live_at_start_bytes"]
-        for phase, per_dev in peaks.by_phase.items():
-            if dev in per_dev:
-                out.by_phase.setdefault(phase, {})[dev] = reduced[f"{p}{phase}_peak_bytes"]
-        if dev in peaks.allocator_peak:
-            out.allocator_peak[dev] = reduced[f"{p}allocator_peak_so_far_bytes"]
-    return out
+    cells = peaks._cells("memory/")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {key: per_dev.get(dev, 0) for key, per_dev, dev in cells})
+    merged: dict[str, int] = {}
+    for figures in gathered:
+        for key, value in figures.items():
+            merged[key] = max(merged.get(key, value), value)
+    for key, per_dev, dev in cells:
+        per_dev[dev] = merged[key]
+    return peaks

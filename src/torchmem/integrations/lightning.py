@@ -6,10 +6,14 @@ and ``pytorch_lightning``, versions :data:`SUPPORTED` (2.0 and later).
 Per training step (``on_train_batch_start`` to ``on_train_batch_end``) it logs
 ``memory/peak_bytes`` (the peak of live tensor memory on the model's device during the step,
 from torchmem's tracker), ``memory/live_at_start_bytes`` and ``memory/<phase>_peak_bytes`` for
-each phase the step went through, plus ``memory/allocator_peak_so_far_bytes`` on CUDA (the
-allocator's own peak, never reset: see :mod:`torchmem.integrations._meter`). Under DDP each
-figure is the maximum across ranks. When a step raises an out-of-memory error, the trace of the
-run is written per rank to ``oom_dir`` (default: the trainer's ``default_root_dir``) as
+each phase the step went through; on CUDA also ``memory/allocator_peak_bytes`` (the caching
+allocator's peak during the step, followed without resetting PyTorch's counters),
+``memory/allocator_unseen_bytes`` (what the allocator holds that no tensor showed) and
+``memory/allocator_peak_so_far_bytes`` (its running peak): see
+:mod:`torchmem.integrations._meter`. Under DDP each
+figure is the maximum across ranks. When training raises an out-of-memory error anywhere in a
+step (``training_step``, backward, gradient clipping, the optimizer step: Lightning hands every
+error escaping ``fit`` to ``on_exception``), the trace of the run is written per rank to ``oom_dir`` (default: the trainer's ``default_root_dir``) as
 ``torchmem-oom-rank<r>-step<s>.tmtrace`` before the error goes on. ``callback.history`` keeps
 each step's :class:`~torchmem.integrations._meter.StepPeaks`.
 
@@ -21,10 +25,9 @@ Example:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
-from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version, oom_path
+from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version
 
 try:  # the unified package first, then the standalone one
     import lightning.pytorch as pl
@@ -96,14 +99,8 @@ class MemoryCallback(pl.Callback):  # type: ignore[misc,name-defined]
             self._meter = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from torchmem.capture.recording import is_oom_error
-
         meter, self._meter = self._meter, None
-        if meter is None:
-            return
-        meter.stop()
-        if is_oom_error(exception):
-            folder = self.oom_dir or getattr(trainer, "default_root_dir", None) or os.getcwd()
-            os.makedirs(folder, exist_ok=True)
-            self.oom_file = oom_path(folder, int(getattr(trainer, "global_step", meter.steps)))
-            meter.tracker.save(self.oom_file)
+        if meter is not None:
+            folder = self.oom_dir or getattr(trainer, "default_root_dir", None)
+            step = int(getattr(trainer, "global_step", meter.steps))
+            self.oom_file = meter.fail(exception, folder, step) or self.oom_file

@@ -4,18 +4,25 @@ Install with ``pip install torchmem[transformers]``; transformers versions :data
 
 Per optimizer step (``on_step_begin`` to ``on_step_end``) it measures the peak of live tensor
 memory and the peak of each phase (forward, backward, optimizer, other) with torchmem's
-tracker, the maximum across ranks under DDP (see :mod:`torchmem.integrations._meter`, which
-also says how peak counters are kept without resetting PyTorch's). ``on_log`` adds the figures
+tracker, on CUDA the caching allocator's peak of the step (``memory/allocator_peak_bytes``), and
+the maximum across ranks under DDP (see :mod:`torchmem.integrations._meter`, which also says how
+peaks are followed without resetting PyTorch's counters). ``on_log`` adds the figures
 to the ``logs`` the trainer hands its reporters (``memory/peak_bytes``, ...; the maximum over
 the steps since the previous log) and to ``state.log_history``; the callback moves itself in
 front of the reporting callbacks at ``on_train_begin`` so that they see them. ``history`` keeps
 every step's :class:`~torchmem.integrations._meter.StepPeaks`.
 
-Out of memory: ``Trainer`` has no exception hook for callbacks, so at ``on_train_begin`` the
-callback finds the running ``Trainer`` (the caller of the callback handler) and wraps its
-``training_step``: an out-of-memory error there writes the run's trace, per rank, to
-``oom_dir`` (default ``args.output_dir``) as ``torchmem-oom-rank<r>-step<s>.tmtrace``, then
-goes on. Use :meth:`MemoryCallback.attach` to do this explicitly.
+Out of memory, in any part of a step: ``Trainer`` has no exception hook for callbacks, so the
+callback finds the ``Trainer`` that calls it (the caller of its callback handler) and guards,
+on that instance, every call a step makes: ``training_step`` (forward and backward),
+``_clip_grad_norm`` (gradient clipping), the optimizer's and the LR scheduler's ``step``, and
+``train`` itself (an error anywhere else: evaluation, ``zero_grad``, saving). It does so at
+``on_init_end`` when it is passed to ``Trainer(callbacks=[...])``, else at ``on_train_begin``
+(then ``train`` of that run is not guarded; the step's parts are). An out-of-memory error
+(:func:`torchmem.capture.is_oom_error`: ``torch.OutOfMemoryError``, the CPU allocator's "can't
+allocate memory", ``MemoryError``) writes the run's trace, per rank, to ``oom_dir`` (default
+``args.output_dir``) as ``torchmem-oom-rank<r>-step<s>.tmtrace`` where it was raised, then goes
+on. Use :meth:`MemoryCallback.attach` to do this explicitly.
 
 Example:
     >>> from torchmem.integrations.transformers import MemoryCallback
@@ -25,12 +32,12 @@ Example:
 
 from __future__ import annotations
 
-import os
+import functools
 import sys
 from typing import Any, Optional
 
 from torchmem.errors import InvalidInputError
-from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version, oom_path
+from torchmem.integrations._meter import StepMeter, StepPeaks, check_min_version
 
 try:
     import transformers
@@ -90,8 +97,9 @@ class MemoryCallback(TrainerCallback):  # type: ignore[misc]
         self._attached: Any = None
 
     def attach(self, trainer: Any) -> MemoryCallback:
-        """Put this callback first among ``trainer``'s callbacks and guard its
-        ``training_step`` for out-of-memory errors (done automatically at train begin).
+        """Put this callback first among ``trainer``'s callbacks and guard its ``train``,
+        ``training_step`` and ``_clip_grad_norm`` for out-of-memory errors (done automatically,
+        see the module docstring).
 
         Example:
             >>> cb = MemoryCallback()
@@ -112,36 +120,46 @@ class MemoryCallback(TrainerCallback):  # type: ignore[misc]
         if self in handler.callbacks:
             handler.callbacks.remove(self)
         handler.callbacks.insert(0, self)
-        step_fn = trainer.training_step
+        for name in ("train", "training_step", "_clip_grad_norm"):
+            self._guard(trainer, name, trainer)
+        return self
+
+    def _guard(self, obj: Any, name: str, trainer: Any) -> None:
+        """Replace ``obj.name`` (on the instance) by a call that dumps the trace on an OOM."""
+        fn = getattr(obj, name, None)
+        if fn is None or getattr(fn, "_torchmem_guard", None) is self:
+            return
         callback = self
 
-        def training_step(*args: Any, **kwargs: Any) -> Any:
+        @functools.wraps(fn)  # keeps the marks others put on it (the LR scheduler's on step)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             try:
-                return step_fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except BaseException as e:
                 callback._failed(e, trainer)
                 raise
 
-        trainer.training_step = training_step  # type: ignore[method-assign]
-        return self
+        guarded._torchmem_guard = self  # type: ignore[attr-defined]
+        setattr(obj, name, guarded)
 
     def _failed(self, exc: BaseException, trainer: Any) -> None:
-        from torchmem.capture.recording import is_oom_error
-
         meter, self._meter = self._meter, None
-        if meter is None:
-            return
-        meter.stop()
-        if is_oom_error(exc):
-            folder = self.oom_dir or getattr(trainer.args, "output_dir", None) or os.getcwd()
-            os.makedirs(folder, exist_ok=True)
-            self.oom_file = oom_path(folder, int(trainer.state.global_step))
-            meter.tracker.save(self.oom_file)
+        if meter is not None:
+            folder = self.oom_dir or getattr(trainer.args, "output_dir", None)
+            self.oom_file = meter.fail(exc, folder, int(trainer.state.global_step)) or self.oom_file
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _running_trainer()
         if trainer is not None:
             self.attach(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._attached if self._attached is not None else _running_trainer()
+        if trainer is not None:
+            self.attach(trainer)
+            for part in (kwargs.get("optimizer"), kwargs.get("lr_scheduler")):
+                if part is not None:
+                    self._guard(part, "step", trainer)
         objects = [o for o in (kwargs.get("model"), kwargs.get("optimizer")) if o is not None]
         self._meter = StepMeter(*objects).start()
 
