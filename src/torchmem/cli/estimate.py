@@ -27,7 +27,7 @@ from typing import Any
 
 from torchmem.errors import InvalidInputError
 
-__all__ = ["add_arguments", "run", "render_text"]
+__all__ = ["add_arguments", "run", "render_text", "parse_value", "parse_sets", "parse_range"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=None, metavar="N",
                        help="the batch size passed to build (default 1)")
     group.add_argument("--max-batch-size", action="store_true",
-                       help="search for the largest batch size that fits")
+                       help="search for the largest batch size that fits (= --max batch_size)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        dest="set_params",
+                        help="a keyword for build(batch_size, NAME=VALUE), repeatable; VALUE is "
+                             "read as an int (32768, 32_768), a float (0.5, 1e-3), a bool "
+                             "(true/false) or none, else kept as a string; "
+                             "--set batch_size=8 sets the batch size")
+    parser.add_argument("--max", default=None, metavar="NAME", dest="maximize",
+                        help="search for the largest integer value of build's parameter NAME "
+                             "that fits (seq_len, batch_size, ...): doubling, then bisection")
+    parser.add_argument("--range", default=None, metavar="LO:HI", dest="search_range",
+                        help="bounds for --max: start at LO, never probe above HI "
+                             "(e.g. 1024:131072); an error when LO does not fit")
+    parser.add_argument("--margin", default=None, metavar="M",
+                        help="error margin kept free for a FITS verdict: a size ('1 GiB'), a "
+                             "share of the peak reserved ('2%%') or 0; default 1%% of the peak "
+                             "reserved + 256 MiB for the CUDA context's uncertainty")
     parser.add_argument("--steps", type=int, default=2, metavar="N",
                         help="training steps to run (default 2: the second sees optimizer "
                              "state and cached blocks)")
@@ -85,10 +101,15 @@ def render_text(est: Any, file: Any = None) -> None:
     con = Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
     verdict = "FITS" if est.fits else "DOES NOT FIT"
     batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
+    batch += "".join(f", {k} {v}" for k, v in est.params.items())
+    kept = f"; margin {_fmt(est.margin_bytes)} kept free" if est.margin_bytes else ""
     con.print(f"{est.gpu}{batch}: {verdict} (headroom {_fmt(est.headroom_bytes)} of "
-              f"{_fmt(est.usable_bytes)} usable)")
+              f"{_fmt(est.usable_bytes)} usable{kept})")
     if est.searched:
-        con.print(f"largest batch that fits: {est.max_batch_size} "
+        name = est.maximized or "batch_size"
+        label = "batch" if name == "batch_size" else name
+        answer = est.max_value if est.maximized else est.max_batch_size
+        con.print(f"largest {label} that fits: {answer} "
                   f"({len(est.probes)} probes: "
                   + ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes) + ")")
     t = Table(title="memory", show_header=True)
@@ -107,6 +128,10 @@ def render_text(est: Any, file: Any = None) -> None:
               "reserved but unallocated at the peak of allocated")
     t.add_row("cuBLAS workspaces", _fmt(est.workspace_bytes),
               "one block per (thread, stream) doing GEMMs; inside allocated")
+    t.add_row("error margin", _fmt(est.margin_bytes),
+              f"kept free for a FITS verdict ({est.margin_rule or 'none'})")
+    t.add_row("headroom after margin", _fmt(est.headroom_after_margin_bytes),
+              "usable - peak reserved - margin (negative: short by that much)")
     con.print(t)
     c = Table(title="live at the peak, by category", show_header=True)
     c.add_column("category")
@@ -131,6 +156,69 @@ def render_text(est: Any, file: Any = None) -> None:
             con.print(f"    {line}")
     for note in est.notes:
         con.print(f"note: {note}")
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: int, then float, then bool or none, else the string itself.
+
+    Example:
+        >>> [parse_value(t) for t in ["32768", "32_768", "0.5", "True", "none", "static"]]
+        [32768, 32768, 0.5, True, None, 'static']
+    """
+    t = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(t)
+        except ValueError:
+            pass
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    return t
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set NAME=VALUE`` options as keyword arguments (the last one wins for a name).
+
+    Example:
+        >>> parse_sets(["seq_len=4096", "cache=static", "batch_size=8"])
+        {'seq_len': 4096, 'cache': 'static', 'batch_size': 8}
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier() or not value.strip():
+            raise InvalidInputError(
+                f"--set {item!r}: expected NAME=VALUE with NAME a Python identifier, e.g. "
+                "--set seq_len=32768 (values: int, float, true/false, none, or a string)"
+            )
+        out[name] = parse_value(value)
+    return out
+
+
+def parse_range(text: str | None) -> tuple[int, int] | None:
+    """``--range LO:HI`` as ``(lo, hi)``.
+
+    Example:
+        >>> parse_range("1024:131072"), parse_range(None)
+        ((1024, 131072), None)
+    """
+    if text is None:
+        return None
+    lo, colon, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi)) if colon else None
+    except ValueError:
+        pair = None
+    if pair is None or not 1 <= pair[0] <= pair[1]:
+        raise InvalidInputError(
+            f"--range {text!r}: expected LO:HI, two integers with 1 <= LO <= HI, "
+            "e.g. --range 1024:131072"
+        )
+    return pair
 
 
 def _check_output(path: str) -> None:
@@ -185,6 +273,35 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.output:
         _check_output(args.output)
+    params = parse_sets(getattr(args, "set_params", None) or [])
+    maximize = getattr(args, "maximize", None)
+    if args.max_batch_size:
+        if maximize not in (None, "batch_size"):
+            raise InvalidInputError(
+                f"--max-batch-size and --max {maximize} both ask for a search; one parameter "
+                "is maximized at a time"
+            )
+        maximize = "batch_size"
+    search_range = parse_range(getattr(args, "search_range", None))
+    if search_range is not None and maximize is None:
+        raise InvalidInputError(
+            "--range bounds a search; fix: add --max NAME (e.g. --max seq_len) or drop --range"
+        )
+    if maximize is not None and maximize in params:
+        raise InvalidInputError(
+            f"--set {maximize}=... and --max {maximize}: a parameter is either set or searched; "
+            "fix: drop one"
+        )
+    if maximize == "batch_size" and args.batch_size is not None:
+        raise InvalidInputError(
+            "--batch-size and --max batch_size: the batch size is either set or searched; "
+            "fix: drop one"
+        )
+    margin = getattr(args, "margin", None)
+    if margin is not None:
+        from torchmem.fit._margin import check_margin
+
+        margin = check_margin(margin.strip())
 
     from torchmem.cli._objects import load_object
 
@@ -199,8 +316,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"torchmem estimate: {msg}", file=sys.stderr, flush=True)
 
     est = estimate(
-        build, card, args.batch_size, max_batch_size=args.max_batch_size, steps=args.steps,
-        alloc_conf=args.alloc_conf, progress=say, keep_snapshot=bool(args.output),
+        build, card, args.batch_size, params=params, maximize=maximize,
+        search_range=search_range, steps=args.steps, alloc_conf=args.alloc_conf, progress=say,
+        keep_snapshot=bool(args.output), margin=margin,
     )
     if args.output:
         if est.snapshot is None:
@@ -210,6 +328,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(est.to_dict(), indent=2))
     else:
         render_text(est)
-    if args.max_batch_size:
-        return 0 if est.max_batch_size else 3
+    if maximize is not None:
+        return 0 if est.max_value else 3
     return 0 if est.fits else 3

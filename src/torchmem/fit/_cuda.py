@@ -318,6 +318,44 @@ def _sdpa_backend(
     return _MATH
 
 
+_SDPA_NAMES = {
+    _FLASH: "flash kernel (no S x S scores kept)",
+    _EFFICIENT: "memory-efficient kernel (no S x S scores kept)",
+    _MATH: "math fallback (keeps batch x heads x L x S scores)",
+}
+
+
+def _sdpa_inputs(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, backend: str,
+    cc: tuple[int, int],
+) -> str:
+    """What decided an SDPA call's backend, in words: dtype, head dim, mask, and why flash (or
+    both fused kernels) were not taken."""
+    dtype = str(q.dtype).removeprefix("torch.")
+    head = q.size(-1) if q.dim() else 0
+    masked = "causal" if causal else ("no mask" if mask is None else "explicit attn_mask")
+    why: list[str] = []
+    if backend != _FLASH:
+        low = "float16/bfloat16" if cc >= (8, 0) else "float16"
+        if not (8, 0) <= cc <= (12, 1):
+            why.append("flash needs compute capability 8.0-12.1")
+        elif q.dtype not in ({torch.float16, torch.bfloat16} if cc >= (8, 0) else {torch.float16}):
+            why.append(f"flash needs {low}")
+        elif mask is not None:
+            why.append("flash takes no attn_mask")
+        elif head > 256:
+            why.append("flash needs head dim <= 256")
+        elif causal and q.dim() >= 2 and k.dim() >= 2 and q.size(-2) != k.size(-2):
+            why.append("flash's causal mask needs as many queries as keys")
+        else:
+            why.append("flash's other checks (strides, shapes, backends enabled)")
+    if backend == _MATH:
+        why.append(f"memory-efficient needs head dim a multiple of {_gemm_alignment(q.dtype, cc)}"
+                   " and a supported dtype")
+    tail = f"; {', '.join(why)}" if why else ""
+    return f"{dtype}, head dim {head}, {masked}{tail}"
+
+
 def _flash_grad_head_dim_ok(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, cc: tuple[int, int]
 ) -> bool:
@@ -731,6 +769,8 @@ class CudaEmulation:
         self.max_threads_per_sm: int = _MAX_THREADS_PER_SM.get(major_minor, 2048)
         #: The backend the last ``scaled_dot_product_attention`` call used (``None`` before one).
         self.last_sdpa_backend: str | None = None
+        #: Every ``scaled_dot_product_attention`` call: (backend, inputs and why) -> count.
+        self.sdpa_calls: dict[tuple[str, str], int] = {}
         self._cache = _CastCache()
         self._lib: Any = None
         self._undo: list[Callable[[], None]] = []
@@ -996,17 +1036,47 @@ class CudaEmulation:
         p = dict(zip(names, args))
         p.update(kwargs)
         mask = p.get("attn_mask")
-        self.last_sdpa_backend = _sdpa_backend(
-            p["query"],
-            p["key"],
-            p["value"],
-            mask,
-            float(p.get("dropout_p", 0.0) or 0.0),
-            bool(p.get("is_causal", False)),
-            bool(p.get("enable_gqa", False)),
-            self.compute_capability,
-        )
+        q, k, v = p["query"], p["key"], p["value"]
+        dropout = float(p.get("dropout_p", 0.0) or 0.0)
+        causal = bool(p.get("is_causal", False))
+        backend = _sdpa_backend(q, k, v, mask, dropout, causal, bool(p.get("enable_gqa", False)),
+                                self.compute_capability)
+        self.last_sdpa_backend = backend
+        key = (backend, _sdpa_inputs(q, k, mask, causal, backend, self.compute_capability))
+        self.sdpa_calls[key] = self.sdpa_calls.get(key, 0) + 1
         return _sdpa(self.compute_capability, *args, **kwargs)
+
+    def attention_report(self) -> tuple[str | None, list[str]]:
+        """The attention kernel(s) ``scaled_dot_product_attention`` ran, and one note per kind
+        of call (the inputs that decided it); ``(None, [])`` when it was never called.
+
+        The kernel is ``"flash"``, ``"efficient"`` (memory-efficient) or ``"math"``, or several
+        joined by ``+`` (most calls first) when calls differed.
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((7, 5))                   # a T4: no flash kernel
+            >>> with FakeTensorMode(), emu:
+            ...     q = torch.empty(1, 4, 128, 64, dtype=torch.float16)
+            ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            >>> kernel, notes = emu.attention_report()
+            >>> kernel, "float16, head dim 64, no mask; flash needs compute capability" in notes[0]
+            ('efficient', True)
+        """
+        if not self.sdpa_calls:
+            return None, []
+        per_backend: dict[str, int] = {}
+        for (backend, _), n in self.sdpa_calls.items():
+            per_backend[backend] = per_backend.get(backend, 0) + n
+        kernel = "+".join(sorted(per_backend, key=lambda b: -per_backend[b]))
+        notes = [
+            f"attention: {_SDPA_NAMES[backend]} for {n} scaled_dot_product_attention "
+            f"call{'s' if n > 1 else ''} ({inputs}; CUDA's choice on "
+            f"sm_{self.compute_capability[0]}{self.compute_capability[1]})"
+            for (backend, inputs), n in self.sdpa_calls.items()
+        ]
+        return kernel, notes
 
     # -- torch.autocast("cuda") on a CPU-only build ---------------------------------------------
 

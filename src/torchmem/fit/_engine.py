@@ -33,7 +33,7 @@ import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ from torchmem.sim import CachingAllocator
 
 __all__ = ["run_once", "BuildFn"]
 
-BuildFn = Callable[[int], Callable[[], Any]]
+BuildFn = Callable[..., Callable[[], Any]]
 
 _ALLOC, _FREE = EventKind.ALLOC, EventKind.FREE
 
@@ -329,9 +329,12 @@ def run_once(
     steps: int = 2,
     alloc_conf: str | None = None,
     keep_snapshot: bool = False,
+    params: Mapping[str, Any] | None = None,
     kv_cache_attr: Sequence[str] | None = None,
 ) -> Estimate:
-    """Build and run ``steps`` steps of ``build(batch_size)`` on a fake ``gpu``; one estimate.
+    """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
+    estimate (``params`` are keyword arguments passed to ``build``, recorded in
+    ``Estimate.params``).
 
     The KV cache (``Estimate.kv_cache``, ``by_category["kv_cache"]``) is found in
     transformers' cache objects and in the module attributes named by ``kv_cache_attr``
@@ -355,6 +358,8 @@ def run_once(
         raise InvalidInputError(f"steps must be an int >= 1, got {steps!r}")
     card = _gpu(gpu)
     attrs = check_attrs(kv_cache_attr)
+    kw = dict(params or {})
+    call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
 
     sim = _make_sim(card.usable_bytes, alloc_conf)
@@ -380,18 +385,18 @@ def run_once(
                 try:
                     gen.install()
                     try:
-                        step = build(batch_size)
+                        step = build(batch_size, **kw)
                     except _Abort:
                         raise
                     except Exception as e:
                         if st.oom is None:
-                            failure = _user_error(e, f"build({batch_size})", [build])
+                            failure = _user_error(e, call, [build])
                             failure.__cause__ = e
                     if failure is None and st.oom is None and not callable(step):
                         file, line = _source_of(build)
                         at = f" (defined at {file}:{line})" if file else ""
                         failure = InvalidInputError(
-                            f"build({batch_size}){at} returned {type(step).__name__}, expected a "
+                            f"{call}{at} returned {type(step).__name__}, expected a "
                             "zero-argument step() callable that runs one training iteration; "
                             "fix: end build with `return step`"
                         )
@@ -423,7 +428,11 @@ def run_once(
         raise TorchmemError(
             f"internal error in the estimate's allocator feed: {tracker.listener_errors[0]!r}"
         )
-    return _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
+    est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
+    est.params = kw
+    est.attention_kernel, attention_notes = emu.attention_report()
+    est.notes.extend(attention_notes)
+    return est
 
 
 class _Null:

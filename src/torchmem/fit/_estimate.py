@@ -116,6 +116,15 @@ class Estimate:
     (:class:`KVCache`, ``None`` when the run had none) describes the KV cache; ``to_dict``
     gives it as the ``kv_cache_*`` keys.
 
+    ``fits`` keeps the estimator's error margin free: it is true only when the run did not run
+    out of memory *and* ``headroom_bytes >= margin_bytes``; ``fits_without_margin`` is the
+    verdict of the simulated run alone (``None``: no margin was applied, same as ``fits``).
+    ``params`` are the keyword arguments ``build`` was called with. A search sets
+    ``maximized`` (the parameter's name), ``max_value`` (the largest value that fits; 0 when
+    none does) and, for the batch size, ``max_batch_size``. ``attention_kernel`` names the
+    kernel(s) ``scaled_dot_product_attention`` ran (``"flash"``, ``"efficient"``, ``"math"``;
+    ``None`` when it was not called).
+
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
         ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
@@ -146,6 +155,13 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     snapshot: Any = field(default=None, repr=False)
     kv_cache: KVCache | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    maximized: str | None = None
+    max_value: int | None = None
+    margin_bytes: int = 0
+    margin_rule: str = ""
+    fits_without_margin: bool | None = None
+    attention_kernel: str | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -166,6 +182,16 @@ class Estimate:
             20
         """
         return self.usable_bytes - self.peak_reserved_bytes
+
+    @property
+    def headroom_after_margin_bytes(self) -> int:
+        """Headroom left once the error margin is kept free (negative: short by that much).
+
+        Example:
+            >>> Estimate("x", 1, True, 100, 30, 0, 0, 50, margin_bytes=15).headroom_after_margin_bytes
+            5
+        """
+        return self.headroom_bytes - self.margin_bytes
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the verdict, the memory lines, what is live at the peak.
@@ -198,7 +224,20 @@ class Estimate:
             "oom": None if self.oom is None else self.oom.to_dict(),
         }
         if self.searched:
-            d["max_batch_size"] = self.max_batch_size
+            name = self.maximized or "batch_size"
+            d[f"max_{name}"] = self.max_value if self.maximized else self.max_batch_size
+            if name != "batch_size" and self.max_batch_size is not None:
+                d["max_batch_size"] = self.max_batch_size
+            d["maximized"] = name
+        d.update(
+            margin_bytes=self.margin_bytes,
+            fits_without_margin=self.fits if self.fits_without_margin is None
+            else self.fits_without_margin,
+            headroom_after_margin_bytes=self.headroom_after_margin_bytes,
+            margin_rule=self.margin_rule,
+            attention_kernel=self.attention_kernel,
+            params=dict(self.params),
+        )
         d.update(
             gpu=self.gpu,
             compute_capability=list(self.compute_capability),
@@ -213,7 +252,7 @@ class Estimate:
             by_module=dict(self.by_module),
         )
         if self.searched:
-            d["probes"] = [{"batch_size": b, "fits": f} for b, f in self.probes]
+            d["probes"] = [{self.maximized or "batch_size": v, "fits": f} for v, f in self.probes]
         if self.kv_cache is not None:
             d.update(self.kv_cache.to_dict())
         if self.notes:
