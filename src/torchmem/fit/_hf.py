@@ -45,6 +45,7 @@ import torch
 
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
+from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._engine import BuildError
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._search import estimate
@@ -386,7 +387,7 @@ def interpolation_search(
         >>> e.max_value, e.fits, len(e.probes) < 10
         (3032, True, True)
     """
-    from torchmem.fit._search import _describe
+    from torchmem.fit._search import _describe, _nothing_fits
 
     kw = dict(params or {})
     lo, hi = search_range if search_range is not None else (1, 1 << 24)
@@ -459,12 +460,7 @@ def interpolation_search(
         notes.append(f"the whole search range fits ({name} {hi} fits): the largest {name} "
                      "that fits may be higher; raise the range's high end")
     if good == 0 and search_range is not None:
-        raise InvalidInputError(
-            f"nothing fits for {name} in {lo}..{hi}: tried "
-            + "; ".join(_describe(name, x, seen[x]) for x in order)
-            + "; fix: lower the range's low end, the other parameters, or pick a GPU with "
-            "more memory"
-        )
+        raise _nothing_fits(_gpu(gpu).name, name, lo, hi, order, seen)
     if good == 0:
         best = seen[order[-1]]
         notes.append(f"not even {name} {lo} fits")

@@ -345,12 +345,7 @@ def _search(
                 break
             bad = v
         if good == 0 and lo is not None:
-            raise InvalidInputError(
-                f"nothing fits on {card.name} for {name} in {lo}..{hi}: tried "
-                + "; ".join(_describe(name, v, cache[v]) for v in order)
-                + "; fix: lower the range's low end, the other parameters, or pick a GPU "
-                "with more memory"
-            )
+            raise _nothing_fits(card.name, name, lo, hi, order, cache)
     if good and bad:
         while bad - good > 1:
             mid = (good + bad) // 2
@@ -384,6 +379,18 @@ def _search(
     best.probes = [(v, cache[v].fits) for v in order]
     best.notes.extend(notes)
     return best
+
+
+def _nothing_fits(
+    gpu: str, name: str, lo: int, hi: int | None, order: list[int], cache: dict[int, Estimate]
+) -> InvalidInputError:
+    """The error of a search range in which nothing fits, listing the probes."""
+    return InvalidInputError(
+        f"nothing fits on {gpu} for {name} in {lo}..{hi}: tried "
+        + "; ".join(_describe(name, v, cache[v]) for v in order)
+        + "; fix: lower the range's low end, the other parameters, or pick a GPU "
+        "with more memory"
+    )
 
 
 def _flat_note(name: str, order: list[int], cache: dict[int, Estimate]) -> str:
