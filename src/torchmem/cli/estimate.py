@@ -99,19 +99,9 @@ def render_text(est: Any, file: Any = None) -> None:
     from rich.table import Table
 
     con = Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
-    verdict = "FITS" if est.fits else "DOES NOT FIT"
-    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
-    batch += "".join(f", {k} {v}" for k, v in est.params.items())
-    kept = f"; margin {_fmt(est.margin_bytes)} kept free" if est.margin_bytes else ""
-    con.print(f"{est.gpu}{batch}: {verdict} (headroom {_fmt(est.headroom_bytes)} of "
-              f"{_fmt(est.usable_bytes)} usable{kept})")
+    con.print(est.verdict_line())
     if est.searched:
-        name = est.maximized or "batch_size"
-        label = "batch" if name == "batch_size" else name
-        answer = est.max_value if est.maximized else est.max_batch_size
-        con.print(f"largest {label} that fits: {answer} "
-                  f"({len(est.probes)} probes: "
-                  + ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes) + ")")
+        con.print(est.search_line())
     t = Table(title="memory", show_header=True)
     t.add_column("line")
     t.add_column("bytes", justify="right")
@@ -154,6 +144,8 @@ def render_text(est: Any, file: Any = None) -> None:
                   f"{_fmt(o.allocated_bytes)} allocated, {_fmt(o.reserved_bytes)} reserved")
         for line in o.stack:
             con.print(f"    {line}")
+    if est.attention_kernel:
+        con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for note in est.notes:
         con.print(f"note: {note}")
 

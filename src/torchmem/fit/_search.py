@@ -73,15 +73,41 @@ def _keywords(build: Any) -> tuple[dict[str, Any], bool] | None:
     return out, var_kw
 
 
-def _check_params(build: Any, names: list[str]) -> dict[str, Any]:
-    """Fail clearly when ``build`` does not take one of ``names``; the keywords it takes."""
+def _check_value(where: str, name: str, value: Any, default: Any) -> None:
+    """A value whose type does not match the default's (an int parameter given ``'abc'``)."""
+    if default is inspect.Parameter.empty or default is None or value is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = _is_int(value)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        return
+    if not ok:
+        kind = type(default).__name__
+        raise InvalidInputError(
+            f"{where}(): {name}={value!r} ({type(value).__name__}) does not fit the parameter: "
+            f"its default is {kind} {default!r}; fix: give a {kind}, e.g. {name}={default!r}"
+        )
+
+
+def _check_params(
+    build: Any, names: list[str], values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fail clearly when ``build`` does not take one of ``names`` (or a value does not match
+    its default's type); the keywords it takes."""
     info = _keywords(build)
     if info is None:
         return {}
     accepted, var_kw = info
+    where = getattr(build, "__qualname__", None) or type(build).__name__
+    for name, value in (values or {}).items():
+        if name in accepted:
+            _check_value(where, name, value, accepted[name])
     for name in names:
         if name not in accepted and not var_kw:
-            where = getattr(build, "__qualname__", None) or type(build).__name__
             takes = ", ".join(accepted) if accepted else "none besides the batch size"
             raise InvalidInputError(
                 f"{where}() takes no parameter {name!r}; its keyword parameters: {takes}; "
@@ -207,8 +233,8 @@ def estimate(
             f"build must be a function build(batch_size, **params) -> step, got "
             f"{type(build).__name__}"
         )
-    accepted = _check_params(build, [*kw, *([maximize] if maximize not in (None,
-                                                                          "batch_size") else [])])
+    searched = [maximize] if maximize not in (None, "batch_size") else []
+    accepted = _check_params(build, [*kw, *searched], kw)
     lo, hi = _check_range(search_range, maximize)
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
@@ -326,7 +352,7 @@ def _search(
                 break
             prev = cache[good]
             good = nxt
-            if e.peak_requested_bytes <= prev.peak_requested_bytes:
+            if e.peak_requested_bytes == prev.peak_requested_bytes:
                 notes.append(_flat_note(name, order, cache))
                 break
     else:
