@@ -90,6 +90,36 @@ def test_max_seq_len_is_a_true_boundary_with_the_margin():
     assert estimate(tokens, gpu=card, maximize="seq_len", steps=1, margin=0).max_value == 512
 
 
+def test_the_memory_curve_pins_the_boundary_in_few_probes():
+    """After doubling brackets the answer, the probes that ran to the end give the memory curve;
+    its prediction is probed, then the value above it: two probes here instead of bisection's
+    eight."""
+    e = estimate(tokens, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+    assert e.probes == [(16, True), (32, True), (64, True), (128, True), (256, True),
+                        (512, False), (506, True), (507, False)]
+
+
+def test_a_curve_that_mispredicts_still_gives_the_true_boundary():
+    """Memory jumps by 200 MiB above seq_len 300: the straight line through the small probes
+    predicts 506, which does not fit; bisection takes over and the boundary is exact."""
+    def build(batch, seq_len=16):
+        x = torch.zeros(seq_len + (200 if seq_len > 300 else 0), 1 << 18)
+        return lambda: x * 2
+
+    card = exact_gpu(1 << 30)
+
+    def fits(s):
+        r = reserved(s + (200 if s > 300 else 0))
+        return r + math.ceil(r / 100) <= card.usable_bytes
+
+    expected = max(s for s in range(10, 2000) if fits(s))
+    assert expected == 306
+    e = estimate(build, gpu=card, maximize="seq_len", steps=1)
+    assert e.max_value == expected
+    fit = dict(e.probes)
+    assert fit[expected] and not fit[expected + 1] and (506, False) in e.probes
+
+
 def test_search_starts_at_the_builds_default_and_halves_when_it_does_not_fit():
     def build(batch, seq_len=4096):
         return tokens(batch, seq_len)

@@ -1,13 +1,26 @@
-"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a training step fit?
+"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a step fit, and how big?
 
-``build(batch_size)`` (in a file or an importable module) builds the model, optimizer and data
-and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
+``build(batch_size, **params)`` (in a file or an importable module) builds the model, optimizer
+and data and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
 simulation of PyTorch's CUDA caching allocator (see :func:`torchmem.estimate`). Nothing is
-allocated and no GPU is needed. ``--max-batch-size`` searches for the largest batch that fits
-(progress on stderr). ``-o estimate.pickle`` writes the simulated run as a PyTorch memory
-snapshot (for ``torchmem view``/``stats``/``peak``; it ends at the out-of-memory point when the
-step does not fit), atomically, and never when the estimate fails with an error. Exit codes: 0
-fits, 3 does not fit (``--max-batch-size``: not even batch 1), 2 bad input.
+allocated and no GPU is needed.
+
+- ``--set NAME=VALUE`` (repeatable) passes a keyword to ``build``: the value is read as an int
+  (``32768``, ``32_768``), then a float (``0.5``), then ``true``/``false`` or ``none``, else kept
+  as a string; ``--set batch_size=8`` is ``--batch-size 8``.
+- ``--max NAME`` searches for the largest integer value of ``NAME`` that fits (doubling from
+  ``--range LO:HI``'s low end, or the build's default, then where the memory curve puts the
+  boundary; progress on stderr);
+  ``--max-batch-size`` is ``--max batch_size``. The JSON gives ``max_<NAME>``.
+- ``--margin`` sets the error margin a FITS verdict keeps free (default: 1 % of the peak
+  reserved bytes + 256 MiB for the CUDA context's uncertainty; ``0`` judges the simulation
+  alone). The report shows the margin and the attention kernel assumed.
+
+``-o estimate.pickle`` writes the simulated run as a PyTorch memory snapshot (for ``torchmem
+view``/``stats``/``peak``; it ends at the out-of-memory point when the step does not fit),
+atomically, and never when the estimate fails with an error. Exit codes: 0 fits, 3 does not
+fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the wrong type, a
+search range in which nothing fits, ...).
 
 Example:
     >>> from torchmem.cli import main
@@ -60,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--set batch_size=8 sets the batch size")
     parser.add_argument("--max", default=None, metavar="NAME", dest="maximize",
                         help="search for the largest integer value of build's parameter NAME "
-                             "that fits (seq_len, batch_size, ...): doubling, then bisection")
+                             "that fits (seq_len, batch_size, ...): doubling, then probes where "
+                             "the memory curve puts the boundary")
     parser.add_argument("--range", default=None, metavar="LO:HI", dest="search_range",
                         help="bounds for --max: start at LO, never probe above HI "
                              "(e.g. 1024:131072); an error when LO does not fit")

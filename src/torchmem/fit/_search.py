@@ -3,8 +3,11 @@
 ``build(batch_size, **params)`` is called; any integer parameter can be maximized (the batch
 size, ``seq_len``, ``max_new_tokens``, ...). The search starts from the search range's low end
 (or the build's default for that keyword, or 1), doubles until a run does not fit (halves
-first when the start does not fit), then bisects between the last value that fit and the
-first that did not. Every probe is a fresh fake run (a new simulated allocator, new fake
+first when the start does not fit), then narrows the bracket between the last value that fit
+and the first that did not: the probes that ran to the end give the memory curve (peak
+reserved bytes against the value), and the largest value the curve says fits is probed next,
+then the value above it; after a misprediction one bisection step follows, so the answer is
+always a true boundary (it fits; one more does not). Every probe is a fresh fake run (a new simulated allocator, new fake
 tensors), so nothing carries over between probes. A probe fits when it keeps the error margin
 free (:mod:`torchmem.fit._margin`), the rule of every answer.
 
@@ -164,8 +167,9 @@ def estimate(
     ``maximize="seq_len"`` searches for the largest integer value of that keyword that fits
     (``maximize="batch_size"`` or ``max_batch_size=True`` for the batch): from
     ``search_range``'s low end, or the build's default for it, or 1, doubling until a run does
-    not fit (halving first when the start does not fit), then bisection. ``search_range=(lo,
-    hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi`` does). The search
+    not fit (halving first when the start does not fit), then narrowing the bracket where the
+    memory curve of the probes so far says the boundary is (bisection after a misprediction).
+    ``search_range=(lo, hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi`` does). The search
     checks that memory grows with the parameter and says so in ``notes`` (and a
     ``RuntimeWarning``) when it does not. It returns the answer's estimate with ``maximized``,
     ``max_value`` (and ``max_batch_size`` for the batch) and ``probes``; ``max_value`` is 0
@@ -274,9 +278,14 @@ def estimate(
         def probe_run(v: int) -> Estimate:
             return run(fixed_batch, {maximize: v})
 
+    def fits_at(reserved: float) -> bool:
+        """The fits rule for a run peaking at ``reserved`` bytes (the margin kept free)."""
+        r = max(0, int(reserved))
+        return r + margin_for(margin, card, r) <= card.usable_bytes
+
     return _search(maximize, probe_run, start, lo, hi, card, progress, keep_snapshot,
                    lambda v: run(v, {}, True) if maximize == "batch_size"
-                   else run(batch_size or 1, {maximize: v}, True))
+                   else run(batch_size or 1, {maximize: v}, True), fits_at)
 
 
 def _check_range(
@@ -324,6 +333,7 @@ def _search(
     progress: Callable[[str], None] | None,
     keep_snapshot: bool,
     rerun: Callable[[int], Estimate],
+    fits_at: Callable[[float], bool],
 ) -> Estimate:
     say = progress or (lambda msg: None)
     label = "batch" if name == "batch_size" else name
@@ -372,9 +382,13 @@ def _search(
                 "with more memory"
             )
     if good and bad:
+        trust = True  # the memory curve guides the next probe until it mispredicts once
         while bad - good > 1:
-            mid = (good + bad) // 2
-            if probe(mid).fits:
+            guess = _predict(good, bad, cache, fits_at) if trust else None
+            mid = (good + bad) // 2 if guess is None else guess[0]
+            ok = probe(mid).fits
+            trust = guess is None or ok == guess[1]  # one misprediction: bisect once
+            if ok:
                 good = mid
             else:
                 bad = mid
@@ -406,6 +420,55 @@ def _search(
     return best
 
 
+def _predict(
+    good: int, bad: int, cache: dict[int, Estimate], fits_at: Callable[[float], bool]
+) -> tuple[int, bool] | None:
+    """The next probe in the bracket ``(good, bad)`` and whether it should fit, from the memory curve of the probes that
+    ran to the end (their peak reserved bytes are exact): the largest value the curve says fits
+    (expected to fit), or ``good + 1`` when it says nothing above ``good`` does (expected not
+    to). Between a fitting probe and an exact one above it the curve is a straight line
+    (regula falsi); beyond the last exact probe, the parabola through the three nearest (a line
+    when that bends down). ``None`` when fewer than two probes ran to the end."""
+    pts = sorted((v, float(e.peak_reserved_bytes)) for v, e in cache.items() if e.oom is None)
+    below = [p for p in pts if p[0] <= good]
+    above = [p for p in pts if good < p[0] < bad]
+    if not below or len(pts) < 2:
+        return None
+    if above:
+        (x0, y0), (x1, y1) = below[-1], above[0]
+        curve = _line(x0, y0, x1, y1)
+    elif len(below) >= 3:
+        curve = _parabola(below[-3:]) or _line(*below[-2], *below[-1])
+    elif len(below) == 2:
+        curve = _line(*below[0], *below[1])
+    else:
+        return None
+    lo_v, hi_v = good, bad - 1
+    if not fits_at(curve(lo_v + 1)):
+        return good + 1, False
+    while lo_v < hi_v:  # the largest v in (good, bad) the curve says fits
+        mid = (lo_v + hi_v + 1) // 2
+        if fits_at(curve(mid)):
+            lo_v = mid
+        else:
+            hi_v = mid - 1
+    return lo_v, True
+
+
+def _line(x0: float, y0: float, x1: float, y1: float) -> Callable[[float], float]:
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return lambda x: y0 + slope * (x - x0)
+
+
+def _parabola(p: list[tuple[int, float]]) -> Callable[[float], float] | None:
+    (x0, y0), (x1, y1), (x2, y2) = p
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    a = (d12 - d01) / (x2 - x0)
+    if a < 0:
+        return None
+    return lambda x: y0 + d01 * (x - x0) + a * (x - x0) * (x - x1)
+
+
 def _flat_note(name: str, order: list[int], cache: dict[int, Estimate]) -> str:
     a, b = order[-2], order[-1]
     return (f"memory does not grow with {name}: peak requested "
@@ -427,7 +490,7 @@ def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) ->
                 f"memory is not monotone in {name}: {name} {a} peaks at "
                 f"{ea.peak_requested_bytes:,} B requested ({'fits' if ea.fits else 'does not fit'})"
                 f", {name} {b} at {eb.peak_requested_bytes:,} B "
-                f"({'fits' if eb.fits else 'does not fit'}); the bisection assumes memory grows "
+                f"({'fits' if eb.fits else 'does not fit'}); the search assumes memory grows "
                 f"with {name}, so the answer may not be the largest that fits"
             )
             break
