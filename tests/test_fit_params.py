@@ -150,6 +150,18 @@ def test_search_range_bounds_the_probes():
     assert "fix:" in msg
 
 
+def test_a_step_searches_its_multiples_only():
+    card = exact_gpu(1 << 30)
+    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(64, 4096, 64), steps=1)
+    # multiples of 64 only: 448 fits (506 would), 512 does not
+    assert e.max_value == 448 and all(v % 64 == 0 for v, _ in e.probes)
+    fit = dict(e.probes)
+    assert fit[448] and not fit[512]
+    assert "searched in steps of 64: seq_len 448 fits, 512 does not" in e.notes
+    with pytest.raises(InvalidInputError, match="a multiple of step between them"):
+        estimate(tokens, gpu=card, maximize="seq_len", search_range=(65, 127, 64))
+
+
 def test_max_batch_size_is_maximize_batch_size():
     card = exact_gpu(1 << 30)
     a = estimate(tokens, gpu=card, max_batch_size=True, params={"seq_len": 2}, steps=1)
@@ -167,8 +179,27 @@ def test_memory_that_does_not_grow_is_reported():
 
     with pytest.warns(RuntimeWarning, match="memory does not grow with seq_len"):
         e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
-    assert len(e.probes) == 2 and e.max_value == 2
-    assert any("Does build use seq_len?" in n for n in e.notes)
+    # doubling from 1 to the search's cap, 2 ** 24, with the same peak (x and x * 2) each time
+    assert [v for v, _ in e.probes] == [1 << i for i in range(25)]
+    assert e.max_value == 1 << 24
+    assert f"the same peak ({128 * MiB:,} B requested) at every probe from seq_len 1 to " \
+           f"seq_len {1 << 24}" in " ".join(e.notes)
+    assert any("does build use seq_len?" in n for n in e.notes)
+
+
+def test_a_peak_that_does_not_move_at_first_does_not_stop_the_search():
+    """The peak is a build-time buffer (600 MiB, freed and its segment released before the
+    step) until the step's own tensors outgrow it: the search goes on doubling and finds the
+    true boundary."""
+    def build(batch, seq_len=16):
+        scratch = torch.zeros(600, 1 << 18, device="cuda")
+        del scratch
+        torch.cuda.empty_cache()
+        x = torch.zeros(seq_len, 1 << 18)
+        return lambda: x * 2
+
+    e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+    assert e.max_value == 506 and not any("does not grow" in n for n in e.notes)
 
 
 def test_memory_that_shrinks_is_reported():
@@ -368,7 +399,8 @@ def test_cli_nothing_fits_exits_3(train, capsys):
     (["--set", "heads=4"], "takes no parameter 'heads'; its keyword parameters: seq_len, "
                            "label, scale, flag"),
     (["--max", "label"], "cannot maximize 'label'"),
-    (["--max", "seq_len", "--range", "10"], "--range '10': expected LO:HI"),
+    (["--max", "seq_len", "--range", "10"], "--range '10': expected LO:HI or LO:HI:STEP"),
+    (["--max", "seq_len", "--range", "10:20:0"], "STEP >= 1"),
     (["--max", "seq_len", "--range", "9:3"], "1 <= LO <= HI"),
     (["--range", "1:9"], "--range bounds a search"),
     (["--max", "seq_len", "--set", "seq_len=4"], "a parameter is either set or searched"),

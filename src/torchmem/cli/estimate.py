@@ -75,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search for the largest integer value of build's parameter NAME "
                              "that fits (seq_len, batch_size, ...): doubling, then probes where "
                              "the memory curve puts the boundary")
-    parser.add_argument("--range", default=None, metavar="LO:HI", dest="search_range",
-                        help="bounds for --max: start at LO, never probe above HI "
-                             "(e.g. 1024:131072); an error when LO does not fit")
+    parser.add_argument("--range", default=None, metavar="LO:HI[:STEP]", dest="search_range",
+                        help="bounds for --max: start at LO, never probe above HI (e.g. "
+                             "1024:131072); an error when LO does not fit. STEP searches "
+                             "multiples of STEP only (the answer fits, answer + STEP does not)")
     parser.add_argument("--margin", default=None, metavar="M",
                         help="error margin kept free for a FITS verdict: a size ('1 GiB'), a "
                              "share of the peak reserved ('2%%') or 0; default 1%% of the peak "
@@ -205,26 +206,26 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def parse_range(text: str | None) -> tuple[int, int] | None:
-    """``--range LO:HI`` as ``(lo, hi)``.
+def parse_range(text: str | None) -> tuple[int, ...] | None:
+    """``--range LO:HI`` or ``LO:HI:STEP`` as a tuple of ints.
 
     Example:
-        >>> parse_range("1024:131072"), parse_range(None)
-        ((1024, 131072), None)
+        >>> parse_range("1024:131072"), parse_range("1024:131072:256"), parse_range(None)
+        ((1024, 131072), (1024, 131072, 256), None)
     """
     if text is None:
         return None
-    lo, colon, hi = text.partition(":")
+    parts = text.split(":")
     try:
-        pair = (int(lo), int(hi)) if colon else None
+        got = tuple(int(p) for p in parts) if len(parts) in (2, 3) else None
     except ValueError:
-        pair = None
-    if pair is None or not 1 <= pair[0] <= pair[1]:
+        got = None
+    if got is None or not 1 <= got[0] <= got[1] or (len(got) == 3 and got[2] < 1):
         raise InvalidInputError(
-            f"--range {text!r}: expected LO:HI, two integers with 1 <= LO <= HI, "
-            "e.g. --range 1024:131072"
+            f"--range {text!r}: expected LO:HI or LO:HI:STEP, integers with 1 <= LO <= HI and "
+            "STEP >= 1, e.g. --range 1024:131072 or --range 1024:131072:256"
         )
-    return pair
+    return got
 
 
 def _check_output(path: str) -> None:

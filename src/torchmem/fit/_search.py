@@ -142,7 +142,7 @@ def estimate(
     params: Mapping[str, Any] | None = None,
     maximize: str | None = None,
     max_batch_size: bool = False,
-    search_range: tuple[int, int] | None = None,
+    search_range: tuple[int, ...] | None = None,
     steps: int = 2,
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
@@ -169,7 +169,9 @@ def estimate(
     ``search_range``'s low end, or the build's default for it, or 1, doubling until a run does
     not fit (halving first when the start does not fit), then narrowing the bracket where the
     memory curve of the probes so far says the boundary is (bisection after a misprediction).
-    ``search_range=(lo, hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi`` does). The search
+    ``search_range=(lo, hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi``
+    does); ``(lo, hi, step)`` probes multiples of ``step`` only, so the answer fits and
+    ``answer + step`` does not (fewer probes for long contexts). The search
     checks that memory grows with the parameter and says so in ``notes`` (and a
     ``RuntimeWarning``) when it does not. It returns the answer's estimate with ``maximized``,
     ``max_value`` (and ``max_batch_size`` for the batch) and ``probes``; ``max_value`` is 0
@@ -239,7 +241,7 @@ def estimate(
         )
     searched = [maximize] if maximize not in (None, "batch_size") else []
     accepted = _check_params(build, [*kw, *searched], kw)
-    lo, hi = _check_range(search_range, maximize)
+    lo, hi, step = _check_range(search_range, maximize)
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
@@ -285,27 +287,32 @@ def estimate(
 
     return _search(maximize, probe_run, start, lo, hi, card, progress, keep_snapshot,
                    lambda v: run(v, {}, True) if maximize == "batch_size"
-                   else run(batch_size or 1, {maximize: v}, True), fits_at)
+                   else run(batch_size or 1, {maximize: v}, True), fits_at, step)
 
 
 def _check_range(
     search_range: object, maximize: str | None
-) -> tuple[int | None, int | None]:
+) -> tuple[int | None, int | None, int]:
     if search_range is None:
-        return None, None
+        return None, None, 1
     if maximize is None:
         raise InvalidInputError(
             "search_range is only used by a search; fix: also pass maximize='seq_len' (or "
             "max_batch_size=True), or drop search_range"
         )
-    pair: list[int] = []
-    if isinstance(search_range, (tuple, list)) and len(search_range) == 2:
-        pair = [x for x in search_range if _is_int(x)]
-    if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
+    got: list[int] = []
+    if isinstance(search_range, (tuple, list)) and len(search_range) in (2, 3):
+        got = [x for x in search_range if _is_int(x)]
+        if len(got) != len(search_range):
+            got = []
+    step = got[2] if len(got) == 3 else 1
+    ok = bool(got) and 1 <= got[0] <= got[1] and step >= 1
+    if not ok or got[1] // step < -(-got[0] // step):
         raise InvalidInputError(
-            f"search_range must be (low, high) ints with 1 <= low <= high, got {search_range!r}"
+            f"search_range must be (low, high) or (low, high, step) ints with 1 <= low <= high "
+            f"and a multiple of step between them, got {search_range!r}"
         )
-    return pair[0], pair[1]
+    return got[0], got[1], step
 
 
 def _describe(name: str, v: int, e: Estimate) -> str:
@@ -334,19 +341,22 @@ def _search(
     keep_snapshot: bool,
     rerun: Callable[[int], Estimate],
     fits_at: Callable[[float], bool],
+    step: int = 1,
 ) -> Estimate:
+    """The search, in units of ``step`` (values ``u * step``)."""
     say = progress or (lambda msg: None)
     label = "batch" if name == "batch_size" else name
-    top = hi if hi is not None else MAX_SEARCH_BATCH
-    floor = lo if lo is not None else 1
+    top = hi // step if hi is not None else max(1, MAX_SEARCH_BATCH // step)
+    floor = -(-lo // step) if lo is not None else 1
+    start = max(-(-start // step), floor)
     cache: dict[int, Estimate] = {}
     order: list[int] = []
 
-    def probe(v: int) -> Estimate:
-        e = run(v)
-        cache[v] = e
-        order.append(v)
-        say(_describe(label, v, e))
+    def probe(u: int) -> Estimate:
+        e = run(u * step)
+        cache[u] = e
+        order.append(u)
+        say(_describe(label, u * step, e))
         return e
 
     notes: list[str] = []
@@ -360,11 +370,7 @@ def _search(
             if not e.fits:
                 bad = nxt
                 break
-            prev = cache[good]
             good = nxt
-            if e.peak_requested_bytes == prev.peak_requested_bytes:
-                notes.append(_flat_note(name, order, cache))
-                break
     else:
         bad = start
         v = start
@@ -377,45 +383,59 @@ def _search(
         if good == 0 and lo is not None:
             raise InvalidInputError(
                 f"nothing fits on {card.name} for {name} in {lo}..{hi}: tried "
-                + "; ".join(_describe(name, v, cache[v]) for v in order)
+                + "; ".join(_describe(name, u * step, cache[u]) for u in order)
                 + "; fix: lower the range's low end, the other parameters, or pick a GPU "
                 "with more memory"
             )
     if good and bad:
-        trust = True  # the memory curve guides the next probe until it mispredicts once
+        # The memory curve guides the next probe; after a misprediction one bisection step
+        # follows, and after two (the curve is a staircase at this scale) bisection finishes.
+        trust, misses = True, 0
         while bad - good > 1:
-            guess = _predict(good, bad, cache, fits_at) if trust else None
+            guess = _predict(good, bad, cache, fits_at) if trust and misses < 2 else None
+            if guess is not None and guess[1] and guess[0] >= bad - 1 > good + 1:
+                guess = None  # "fits just below the miss" tells nothing a bisection would not
             mid = (good + bad) // 2 if guess is None else guess[0]
             ok = probe(mid).fits
-            trust = guess is None or ok == guess[1]  # one misprediction: bisect once
+            trust = guess is None or ok == guess[1]
+            misses += not trust
             if ok:
                 good = mid
             else:
                 bad = mid
-    elif good and not bad and not notes:
+    elif good and not bad:
         if hi is not None:
-            notes.append(f"the whole search range fits ({name} {hi} fits): the largest "
-                         f"{name} that fits may be higher; raise the range's high end")
+            notes.append(f"the whole search range fits ({name} {good * step} fits): the "
+                         f"largest {name} that fits may be higher; raise the range's high end")
         else:
-            notes.append(f"stopped searching at {name} {good}: does build use {name}?")
-    notes.extend(_monotonic_notes(name, order, cache))
+            notes.append(f"stopped searching at {name} {good * step}: does build use {name}?")
+        flat = {cache[u].peak_requested_bytes for u in order}
+        if len(order) > 1 and len(flat) == 1:
+            notes.append(_flat_note(name, [u * step for u in order],
+                                    {u * step: e for u, e in cache.items()}))
+    vcache = {u * step: e for u, e in cache.items()}
+    vorder = [u * step for u in order]
+    notes.extend(_monotonic_notes(name, vorder, vcache))
     for n in notes:
         if "does not grow" in n or "not monotone" in n:
             warnings.warn(n, RuntimeWarning, stacklevel=3)
     if good == 0:
         best = cache[floor] if floor in cache else cache[order[-1]]
     elif keep_snapshot:
-        best = rerun(good)
+        best = rerun(good * step)
     else:
         best = cache[good]
     best.searched = True
     best.maximized = name
-    best.max_value = good
+    best.max_value = good * step
     if name == "batch_size":
-        best.max_batch_size = good
+        best.max_batch_size = good * step
     if good == 0:
-        best.notes.append(f"not even {name} {floor} fits")
-    best.probes = [(v, cache[v].fits) for v in order]
+        best.notes.append(f"not even {name} {floor * step} fits")
+    elif step > 1 and bad:
+        best.notes.append(f"searched in steps of {step}: {name} {good * step} fits, "
+                          f"{(good + 1) * step} does not")
+    best.probes = [(v, vcache[v].fits) for v in vorder]
     best.notes.extend(notes)
     return best
 
@@ -470,11 +490,9 @@ def _parabola(p: list[tuple[int, float]]) -> Callable[[float], float] | None:
 
 
 def _flat_note(name: str, order: list[int], cache: dict[int, Estimate]) -> str:
-    a, b = order[-2], order[-1]
-    return (f"memory does not grow with {name}: peak requested "
-            f"{cache[a].peak_requested_bytes:,} B at {name} {a} and "
-            f"{cache[b].peak_requested_bytes:,} B at {name} {b}; the search stopped at {b}. "
-            f"Does build use {name}?")
+    a, b = min(order), max(order)
+    return (f"memory does not grow with {name}: the same peak ({cache[a].peak_requested_bytes:,}"
+            f" B requested) at every probe from {name} {a} to {name} {b}")
 
 
 def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) -> list[str]:
