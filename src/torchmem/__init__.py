@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         MissingFileError,
         TorchmemError,
     )
-    from torchmem.fit import Estimate, estimate
+    from torchmem.fit import Estimate, estimate, estimate_hf
     from torchmem.io import load_snapshot, load_trace, write_snapshot
     from torchmem.ledger import Ledger
     from torchmem.model import MemoryReport, Snapshot, Trace
@@ -119,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "write_viewer": "torchmem.render",
     # will it fit?
     "estimate": "torchmem.fit",
+    "estimate_hf": "torchmem.fit",
     "Estimate": "torchmem.fit",
     # the ledger and devices
     "Ledger": "torchmem.ledger",

@@ -20,7 +20,9 @@ allocated and no GPU is needed.
 view``/``stats``/``peak``; it ends at the out-of-memory point when the step does not fit),
 atomically, and never when the estimate fails with an error. Exit codes: 0 fits, 3 does not
 fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the wrong type, a
-search range in which nothing fits, ...).
+search range in which nothing fits, ...). ``--hf-config config.json --task
+forward|generate|train`` estimates a transformers model from its config alone instead of a
+build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there too.
 
 Example:
     >>> from torchmem.cli import main
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> import argparse; p = argparse.ArgumentParser(); add_arguments(p)
         >>> ns = p.parse_args(["train.py:build", "--gpu", "T4", "--batch-size", "8"])
         >>> ns.gpu, ns.batch_size, ns.steps
-        ('T4', 8, 2)
+        ('T4', 8, None)
     """
     parser.add_argument(
         "spec", nargs="?",
@@ -83,9 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="error margin kept free for a FITS verdict: a size ('1 GiB'), a "
                              "share of the peak reserved ('2%%') or 0; default 1%% of the peak "
                              "reserved + 256 MiB for the CUDA context's uncertainty")
-    parser.add_argument("--steps", type=int, default=2, metavar="N",
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps to run (default 2: the second sees optimizer "
-                             "state and cached blocks)")
+                             "state and cached blocks; --hf-config forward/generate: 1 call)")
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
@@ -93,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default=None, metavar="PICKLE",
                         help="also write the simulated run as a PyTorch memory snapshot")
     parser.add_argument("--list-gpus", action="store_true", help="list the GPU catalog and exit")
+    from torchmem.cli._estimate_hf import add_arguments as add_hf_arguments
+
+    add_hf_arguments(parser)
 
 
 def _fmt(n: int) -> str:
@@ -159,6 +164,10 @@ def render_text(est: Any, file: Any = None) -> None:
                   f"{_fmt(o.allocated_bytes)} allocated, {_fmt(o.reserved_bytes)} reserved")
         for line in o.stack:
             con.print(f"    {line}")
+    from torchmem.cli._estimate_hf import kv_lines
+
+    for line in kv_lines(est):
+        con.print(line)
     if est.attention_kernel:
         con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for note in est.notes:
@@ -268,13 +277,13 @@ def run(args: argparse.Namespace) -> int:
                   f"{g.usable_bytes / 2**30:7.2f} GiB usable  sm_{g.compute_capability[0]}"
                   f"{g.compute_capability[1]}  {g.marketed}; source: {g.source}")
         return 0
-    if not args.spec:
+    if not args.spec and not getattr(args, "hf_config", None):
         raise InvalidInputError(
             "expected a build function, e.g. 'torchmem estimate train.py:build --gpu H100-80GB'; "
             "build(batch_size) returns a zero-argument step()"
         )
     card = gpu(args.gpu)  # unknown names fail before the user's file runs
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise InvalidInputError(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
         raise InvalidInputError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -310,23 +319,30 @@ def run(args: argparse.Namespace) -> int:
 
         margin = check_margin(margin.strip())
 
-    from torchmem.cli._objects import load_object
-
-    build = load_object(args.spec, call=False)
-    if not callable(build):
-        raise InvalidInputError(
-            f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
-            "returning a zero-argument step()"
-        )
-
     def say(msg: str) -> None:
         print(f"torchmem estimate: {msg}", file=sys.stderr, flush=True)
 
-    est = estimate(
-        build, card, args.batch_size, params=params, maximize=maximize,
-        search_range=search_range, steps=args.steps, alloc_conf=args.alloc_conf, progress=say,
-        keep_snapshot=bool(args.output), margin=margin,
-    )
+    options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
+                                   keep_snapshot=bool(args.output), margin=margin)
+    if getattr(args, "hf_config", None):
+        from torchmem.cli._estimate_hf import estimate_from_args
+
+        est = estimate_from_args(args, card, params=params, maximize=maximize, progress=say,
+                                 **options)
+    else:
+        from torchmem.cli._objects import load_object
+
+        build = load_object(args.spec, call=False)
+        if not callable(build):
+            raise InvalidInputError(
+                f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
+                "returning a zero-argument step()"
+            )
+        est = estimate(
+            build, card, args.batch_size, params=params, maximize=maximize,
+            steps=2 if args.steps is None else args.steps, progress=say,
+            kv_cache_attr=getattr(args, "kv_cache_attr", None) or None, **options,
+        )
     if args.output:
         if est.snapshot is None:
             raise InvalidInputError("the simulator returned no snapshot; nothing was written")

@@ -12,7 +12,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Estimate", "OOMSite"]
+__all__ = ["Estimate", "OOMSite", "KVCache"]
+
+
+@dataclass
+class KVCache:
+    """The KV cache of an estimated run: what the cache objects (or the attributes named by
+    ``kv_cache_attr``) held.
+
+    ``peak_bytes``: cache storages live at the estimate's peak of requested bytes (the
+    ``kv_cache`` entry of ``by_category``); ``end_bytes``: live at the end of the last step;
+    ``max_bytes``: the most the cache held at once; ``bytes_per_token``: bytes one token of
+    one sequence takes (``2 x layers x kv_heads x head_dim x dtype bytes`` for a standard
+    cache); ``bytes_per_sequence``: ``max_bytes`` per sequence of the batch (``tokens`` x
+    ``bytes_per_token``); ``tokens`` and ``batch``: the cache's length (a static cache: its
+    maximum length, allocated up front) and batch at ``max_bytes``; ``source``: what held it.
+
+    Example:
+        >>> kv = KVCache(1024, 0, 2048, 64, 1024, 16, 2, "transformers DynamicCache")
+        >>> kv.to_dict()["kv_cache_bytes_per_token"]
+        64
+    """
+
+    peak_bytes: int
+    end_bytes: int
+    max_bytes: int
+    bytes_per_token: int
+    bytes_per_sequence: int
+    tokens: int
+    batch: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``kv_cache_*`` keys of :meth:`Estimate.to_dict`.
+
+        Example:
+            >>> sorted(KVCache(0, 0, 0, 0, 0, 0, 0, "x").to_dict())[:3]
+            ['kv_cache_batch', 'kv_cache_bytes_per_sequence', 'kv_cache_bytes_per_token']
+        """
+        return {
+            "kv_cache_peak_bytes": self.peak_bytes,
+            "kv_cache_end_bytes": self.end_bytes,
+            "kv_cache_max_bytes": self.max_bytes,
+            "kv_cache_bytes_per_token": self.bytes_per_token,
+            "kv_cache_bytes_per_sequence": self.bytes_per_sequence,
+            "kv_cache_tokens": self.tokens,
+            "kv_cache_batch": self.batch,
+            "kv_cache_source": self.source,
+        }
 
 
 @dataclass
@@ -65,7 +112,9 @@ class Estimate:
     bytes (plus ``workspace``, the library workspaces live then). ``fragmentation_bytes`` is
     reserved minus allocated at the peak of allocated bytes. ``oom`` says where it would run out
     of memory (``None`` when it fits). ``snapshot`` is the simulated run as a
-    :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``).
+    :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``). ``kv_cache``
+    (:class:`KVCache`, ``None`` when the run had none) describes the KV cache; ``to_dict``
+    gives it as the ``kv_cache_*`` keys.
 
     ``fits`` keeps the estimator's error margin free: it is true only when the run did not run
     out of memory *and* ``headroom_bytes >= margin_bytes``; ``fits_without_margin`` is the
@@ -105,6 +154,7 @@ class Estimate:
     probes: list[tuple[int, bool]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     snapshot: Any = field(default=None, repr=False)
+    kv_cache: KVCache | None = None
     params: dict[str, Any] = field(default_factory=dict)
     maximized: str | None = None
     max_value: int | None = None
@@ -240,6 +290,8 @@ class Estimate:
         )
         if self.searched:
             d["probes"] = [{self.maximized or "batch_size": v, "fits": f} for v, f in self.probes]
+        if self.kv_cache is not None:
+            d.update(self.kv_cache.to_dict())
         if self.notes:
             d["notes"] = list(self.notes)
         return d

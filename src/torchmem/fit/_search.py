@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchmem.errors import InvalidInputError
@@ -148,6 +148,7 @@ def estimate(
     progress: Callable[[str], None] | None = None,
     keep_snapshot: bool = False,
     margin: int | str | None = None,
+    kv_cache_attr: Sequence[str] | None = None,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -193,6 +194,11 @@ def estimate(
     last step, or at the out-of-memory point, with every allocator event and each
     allocation's operator and Python stack), for :func:`torchmem.write_snapshot` and the
     viewer.
+
+    The KV cache of a generation step (transformers' ``generate()``, or a decoding loop of
+    your own) is reported as ``by_category["kv_cache"]`` and ``Estimate.kv_cache`` (bytes per
+    token and per sequence): the tensors transformers' cache objects hold, or those held by
+    the module attributes named in ``kv_cache_attr`` (``["k_cache", "v_cache"]``).
 
     Bad input raises :class:`~torchmem.errors.InvalidInputError`: a build that raises or
     returns no callable, or code that needs tensor values fake tensors do not have (``.item()``,
@@ -245,7 +251,7 @@ def estimate(
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
-                     params={**kw, **extra})
+                     params={**kw, **extra}, kv_cache_attr=kv_cache_attr)
         return _apply_margin(e, margin, card)
 
     if maximize is None:
