@@ -51,7 +51,7 @@ from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
 
-__all__ = ["run_once", "BuildFn"]
+__all__ = ["run_once", "BuildFn", "BuildError"]
 
 BuildFn = Callable[..., Callable[[], Any]]
 
@@ -75,6 +75,16 @@ _KEYS = {
 }
 _REPORT_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
                 "inputs", "other", "kv_cache", "workspace")
+
+
+class BuildError(InvalidInputError):
+    """Raised by torchmem's own builds (:func:`torchmem.estimate_hf`): already says what was
+    tried, so the estimate raises it as is, not wrapped as an error of the user's build.
+
+    Example:
+        >>> issubclass(BuildError, InvalidInputError)
+        True
+    """
 
 
 class _Abort(BaseException):
@@ -229,8 +239,8 @@ _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
 
 class _SimMode(TorchDispatchMode):
     """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
-    backward scatters into fresh zeros run in place (see ``_IN_PLACE``); inside transformers'
-    ``generate()``, its value reads are answered (:mod:`torchmem.fit._generate`)."""
+    backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
+    value reads are answered (:mod:`torchmem.fit._generate`)."""
 
     def __init__(self, state: _State, gen: GenerationPatches | None = None) -> None:
         super().__init__()
@@ -240,7 +250,7 @@ class _SimMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         gen = self.gen
-        if gen.active and func is LOCAL_SCALAR:
+        if func is LOCAL_SCALAR and gen.installed:
             value = gen.answer(args[0])
             if value is not None:
                 return value
@@ -248,7 +258,7 @@ class _SimMode(TorchDispatchMode):
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
         out = func(*args, **(kwargs or {}))
-        if gen.active:
+        if gen.installed:
             gen.note_output(func, out)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
@@ -338,8 +348,8 @@ def run_once(
 
     The KV cache (``Estimate.kv_cache``, ``by_category["kv_cache"]``) is found in
     transformers' cache objects and in the module attributes named by ``kv_cache_attr``
-    (:mod:`torchmem.fit._kv`); transformers' ``generate()`` runs with its value reads answered
-    (:mod:`torchmem.fit._generate`).
+    (:mod:`torchmem.fit._kv`); transformers (``generate()``, its mask code) runs with its own
+    value reads answered as on a GPU (:mod:`torchmem.fit._generate`).
 
     Example:
         >>> import torch
@@ -390,8 +400,11 @@ def run_once(
                         raise
                     except Exception as e:
                         if st.oom is None:
-                            failure = _user_error(e, call, [build])
-                            failure.__cause__ = e
+                            if isinstance(e, BuildError):
+                                failure = e
+                            else:
+                                failure = _user_error(e, call, [build])
+                                failure.__cause__ = e
                     if failure is None and st.oom is None and not callable(step):
                         file, line = _source_of(build)
                         at = f" (defined at {file}:{line})" if file else ""

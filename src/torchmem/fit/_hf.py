@@ -45,6 +45,7 @@ import torch
 
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
+from torchmem.fit._engine import BuildError
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._search import estimate
 
@@ -178,7 +179,7 @@ def _dtype(dtype: object, cfg: Any) -> torch.dtype:
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     if value not in choices:
-        raise InvalidInputError(
+        raise BuildError(
             f"unknown {name} {value!r}: expected one of {', '.join(choices)}"
         )
     return str(value)
@@ -199,7 +200,7 @@ def _model_class(cfg: Any) -> Any:
 
 def _int(name: str, v: object, low: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise InvalidInputError(f"{name} must be an int >= {low}, got {v!r}")
+        raise BuildError(f"{name} must be an int >= {low}, got {v!r}")
     return v
 
 
@@ -218,6 +219,10 @@ def make_build(
         >>> step = build(2, seq_len=4); step()
     """
     auto = _model_class(cfg)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    name = getattr(model_cls, "__name__", "AutoModelForCausalLM")
 
     def build(batch_size: int, seq_len: int = seq_len, max_new_tokens: int = max_new_tokens,
               cache: str = cache) -> Callable[[], Any]:
@@ -227,9 +232,10 @@ def make_build(
         try:
             model = auto.from_config(copy.deepcopy(cfg), dtype=dtype, attn_implementation=attn)
         except Exception as e:
-            raise InvalidInputError(
-                f"transformers could not build {auto.__name__} from this "
-                f"{type(cfg).__name__} (dtype {dtype}, attn {attn!r}): {_short(e)}"
+            raise BuildError(
+                f"transformers could not build {name} from this {type(cfg).__name__} (dtype "
+                f"{str(dtype).removeprefix('torch.')}, attn_implementation {attn!r}): "
+                f"{_short(e)}; fix: check the config's fields"
             ) from None
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         model.to(dev)
