@@ -422,3 +422,53 @@ def test_no_stray_warnings_without_a_search():
         warnings.simplefilter("error")
         e = estimate(tokens, gpu=exact_gpu(1 << 30), params={"seq_len": 12}, steps=1)
     assert e.maximized is None and "max_seq_len" not in e.to_dict()
+
+
+# -- --max seq_len on --hf-config -----------------------------------------------------------------
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 1 << 20}
+
+
+@pytest.fixture()
+def tiny_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(TINY_LLAMA))
+    return p
+
+
+def test_hf_config_max_seq_len_is_a_true_boundary(tiny_config, capsys):
+    """The longest context of a transformers model from its config alone (eager attention:
+    batch x heads x S x S scores), then the answer and the answer + 1 estimated on their own."""
+    common = ["estimate", "--hf-config", str(tiny_config), "--task", "forward", "--attn",
+              "eager", "--gpu", "1 GiB", "--margin", "2%", "--json"]
+    assert main([*common, "--max", "seq_len", "--range", "1024:65536"]) == 0
+    cap = capsys.readouterr()
+    d = json.loads(cap.out)
+    answer = d["max_seq_len"]
+    assert 1024 < answer < 65536 and d["maximized"] == "seq_len" and d["fits"] is True
+    assert d["params"]["seq_len"] == answer and d["attention_kernel"] is None  # eager: no SDPA
+    assert d["margin_rule"] == "2% of peak reserved"
+    assert d["margin_bytes"] == math.ceil(d["peak_reserved_bytes"] * 2 / 100)
+    assert f"seq_len {answer + 1}: does not fit" in cap.err
+    assert main([*common, "--set", f"seq_len={answer}"]) == 0
+    at = json.loads(capsys.readouterr().out)
+    assert at["fits"] and at["peak_reserved_bytes"] == d["peak_reserved_bytes"]
+    assert main([*common, "--set", f"seq_len={answer + 1}"]) == 3
+    above = json.loads(capsys.readouterr().out)
+    assert not above["fits"] and above["headroom_after_margin_bytes"] < 0
+
+
+def test_hf_config_reports_the_attention_kernel(tiny_config, capsys):
+    args = ["estimate", "--hf-config", str(tiny_config), "--task", "forward", "--dtype",
+            "bfloat16", "--set", "seq_len=256", "--json"]
+    kernels = {}
+    for card in ("H100-80GB", "A100-80GB", "T4"):
+        assert main([*args, "--gpu", card]) == 0
+        d = json.loads(capsys.readouterr().out)
+        kernels[card] = d["attention_kernel"]
+        assert any(n.startswith("attention: ") and "head dim 16" in n for n in d["notes"])
+    # head dim 16, bf16, causal, no grad: cuDNN on sm90, flash on sm80, math on sm75 (no bf16
+    # fused kernel before Ampere)
+    assert kernels == {"H100-80GB": "cudnn", "A100-80GB": "flash", "T4": "math"}

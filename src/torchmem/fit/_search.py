@@ -394,21 +394,23 @@ def _search(
                 "with more memory"
             )
     if good and bad:
-        # The memory curve guides the next probe; after a misprediction one bisection step
-        # follows, and after two (the curve is a staircase at this scale) bisection finishes.
+        # The memory curve guides the next probe; a guided probe that does not halve the
+        # bracket (a misprediction, or a one-sided creep on a staircase of segment roundings)
+        # is followed by a bisection step, and after two mispredictions bisection finishes.
         trust, misses = True, 0
         while bad - good > 1:
             guess = _predict(good, bad, cache, fits_at) if trust and misses < 2 else None
             if guess is not None and guess[1] and guess[0] >= bad - 1 > good + 1:
                 guess = None  # "fits just below the miss" tells nothing a bisection would not
             mid = (good + bad) // 2 if guess is None else guess[0]
+            width = bad - good
             ok = probe(mid).fits
-            trust = guess is None or ok == guess[1]
-            misses += not trust
             if ok:
                 good = mid
             else:
                 bad = mid
+            misses += guess is not None and ok != guess[1]
+            trust = guess is None or 2 * (bad - good) <= width
     elif good and not bad:
         if hi is not None:
             notes.append(f"the whole search range fits ({name} {good * step} fits): the "
