@@ -157,7 +157,7 @@ def test_generate_with_sdpa_on_the_fake_gpu_reports_the_cache():
     est = torchmem.estimate(build, gpu="H100-80GB", batch_size=4, steps=1)
     assert est.kv_cache is not None
     assert est.kv_cache.max_bytes == kv_arithmetic(64 + 8 - 1, 4, dtype_bytes=2)
-    assert est.attention_kernel == "flash"
+    assert est.attention_kernel == "cudnn"  # PyTorch 2.13 puts cuDNN attention first on sm90
 
 
 # -- a decoding loop of our own, its cache in module attributes ---------------------------------

@@ -1,15 +1,28 @@
-"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a training step fit?
+"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a step fit, and how big?
 
-``build(batch_size)`` (in a file or an importable module) builds the model, optimizer and data
-and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
+``build(batch_size, **params)`` (in a file or an importable module) builds the model, optimizer
+and data and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
 simulation of PyTorch's CUDA caching allocator (see :func:`torchmem.estimate`). Nothing is
-allocated and no GPU is needed. ``--max-batch-size`` searches for the largest batch that fits
-(progress on stderr). ``-o estimate.pickle`` writes the simulated run as a PyTorch memory
-snapshot (for ``torchmem view``/``stats``/``peak``; it ends at the out-of-memory point when the
-step does not fit), atomically, and never when the estimate fails with an error. Exit codes: 0
-fits, 3 does not fit (``--max-batch-size``: not even batch 1), 2 bad input. ``--hf-config
-config.json --task forward|generate|train`` estimates a transformers model from its config
-alone instead of a build function (:mod:`torchmem.cli._estimate_hf`).
+allocated and no GPU is needed.
+
+- ``--set NAME=VALUE`` (repeatable) passes a keyword to ``build``: the value is read as an int
+  (``32768``, ``32_768``), then a float (``0.5``), then ``true``/``false`` or ``none``, else kept
+  as a string; ``--set batch_size=8`` is ``--batch-size 8``.
+- ``--max NAME`` searches for the largest integer value of ``NAME`` that fits (doubling from
+  ``--range LO:HI``'s low end, or the build's default, then where the memory curve puts the
+  boundary; progress on stderr);
+  ``--max-batch-size`` is ``--max batch_size``. The JSON gives ``max_<NAME>``.
+- ``--margin`` sets the error margin a FITS verdict keeps free (default: 1 % of the peak
+  reserved bytes + 256 MiB for the CUDA context's uncertainty; ``0`` judges the simulation
+  alone). The report shows the margin and the attention kernel assumed.
+
+``-o estimate.pickle`` writes the simulated run as a PyTorch memory snapshot (for ``torchmem
+view``/``stats``/``peak``; it ends at the out-of-memory point when the step does not fit),
+atomically, and never when the estimate fails with an error. Exit codes: 0 fits, 3 does not
+fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the wrong type, a
+search range in which nothing fits, ...). ``--hf-config config.json --task
+forward|generate|train`` estimates a transformers model from its config alone instead of a
+build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there too.
 
 Example:
     >>> from torchmem.cli import main
@@ -62,10 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--set batch_size=8 sets the batch size")
     parser.add_argument("--max", default=None, metavar="NAME", dest="maximize",
                         help="search for the largest integer value of build's parameter NAME "
-                             "that fits (seq_len, batch_size, ...): doubling, then bisection")
-    parser.add_argument("--range", default=None, metavar="LO:HI", dest="search_range",
-                        help="bounds for --max: start at LO, never probe above HI "
-                             "(e.g. 1024:131072); an error when LO does not fit")
+                             "that fits (seq_len, batch_size, ...): doubling, then probes where "
+                             "the memory curve puts the boundary")
+    parser.add_argument("--range", default=None, metavar="LO:HI[:STEP]", dest="search_range",
+                        help="bounds for --max: start at LO, never probe above HI (e.g. "
+                             "1024:131072); an error when LO does not fit. STEP searches "
+                             "multiples of STEP only (the answer fits, answer + STEP does not)")
     parser.add_argument("--margin", default=None, metavar="M",
                         help="error margin kept free for a FITS verdict: a size ('1 GiB'), a "
                              "share of the peak reserved ('2%%') or 0; default 1%% of the peak "
@@ -104,19 +119,9 @@ def render_text(est: Any, file: Any = None) -> None:
     from rich.table import Table
 
     con = Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
-    verdict = "FITS" if est.fits else "DOES NOT FIT"
-    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
-    batch += "".join(f", {k} {v}" for k, v in est.params.items())
-    kept = f"; margin {_fmt(est.margin_bytes)} kept free" if est.margin_bytes else ""
-    con.print(f"{est.gpu}{batch}: {verdict} (headroom {_fmt(est.headroom_bytes)} of "
-              f"{_fmt(est.usable_bytes)} usable{kept})")
+    con.print(est.verdict_line())
     if est.searched:
-        name = est.maximized or "batch_size"
-        label = "batch" if name == "batch_size" else name
-        answer = est.max_value if est.maximized else est.max_batch_size
-        con.print(f"largest {label} that fits: {answer} "
-                  f"({len(est.probes)} probes: "
-                  + ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes) + ")")
+        con.print(est.search_line())
     t = Table(title="memory", show_header=True)
     t.add_column("line")
     t.add_column("bytes", justify="right")
@@ -163,6 +168,8 @@ def render_text(est: Any, file: Any = None) -> None:
 
     for line in kv_lines(est):
         con.print(line)
+    if est.attention_kernel:
+        con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for note in est.notes:
         con.print(f"note: {note}")
 
@@ -208,26 +215,26 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def parse_range(text: str | None) -> tuple[int, int] | None:
-    """``--range LO:HI`` as ``(lo, hi)``.
+def parse_range(text: str | None) -> tuple[int, ...] | None:
+    """``--range LO:HI`` or ``LO:HI:STEP`` as a tuple of ints.
 
     Example:
-        >>> parse_range("1024:131072"), parse_range(None)
-        ((1024, 131072), None)
+        >>> parse_range("1024:131072"), parse_range("1024:131072:256"), parse_range(None)
+        ((1024, 131072), (1024, 131072, 256), None)
     """
     if text is None:
         return None
-    lo, colon, hi = text.partition(":")
+    parts = text.split(":")
     try:
-        pair = (int(lo), int(hi)) if colon else None
+        got = tuple(int(p) for p in parts) if len(parts) in (2, 3) else None
     except ValueError:
-        pair = None
-    if pair is None or not 1 <= pair[0] <= pair[1]:
+        got = None
+    if got is None or not 1 <= got[0] <= got[1] or (len(got) == 3 and got[2] < 1):
         raise InvalidInputError(
-            f"--range {text!r}: expected LO:HI, two integers with 1 <= LO <= HI, "
-            "e.g. --range 1024:131072"
+            f"--range {text!r}: expected LO:HI or LO:HI:STEP, integers with 1 <= LO <= HI and "
+            "STEP >= 1, e.g. --range 1024:131072 or --range 1024:131072:256"
         )
-    return pair
+    return got
 
 
 def _check_output(path: str) -> None:

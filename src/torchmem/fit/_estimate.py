@@ -193,6 +193,43 @@ class Estimate:
         """
         return self.headroom_bytes - self.margin_bytes
 
+    def verdict_line(self) -> str:
+        """One line: the GPU, the batch and parameters, the verdict and the headroom (the
+        margin kept free, when there is one).
+
+        Example:
+            >>> e = Estimate("T4", 8, True, 100 << 20, 30 << 20, 0, 0, 50 << 20,
+            ...              params={"seq_len": 4096}, margin_bytes=1 << 20)
+            >>> e.verdict_line()
+            'T4, batch 8, seq_len 4096: FITS (headroom 20.00 MiB of 70.00 MiB usable; margin 1.00 MiB kept free)'
+        """
+        from torchmem.units import format_bytes
+
+        what = f", batch {self.batch_size}" if self.batch_size is not None else ""
+        what += "".join(f", {k} {v}" for k, v in self.params.items())
+        kept = f"; margin {format_bytes(self.margin_bytes)} kept free" if self.margin_bytes else ""
+        return (f"{self.gpu}{what}: {'FITS' if self.fits else 'DOES NOT FIT'} (headroom "
+                f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.usable_bytes)} "
+                f"usable{kept})")
+
+    def search_line(self) -> str | None:
+        """The search's answer and its probes (``+`` fits, ``-`` does not); ``None`` without a
+        search.
+
+        Example:
+            >>> e = Estimate("T4", 1, True, 100, 30, 0, 0, 50, searched=True, maximized="seq_len",
+            ...              max_value=96, probes=[(64, True), (128, False), (96, True)])
+            >>> e.search_line()
+            'largest seq_len that fits: 96 (3 probes: 64+, 128-, 96+)'
+        """
+        if not self.searched:
+            return None
+        name = self.maximized or "batch_size"
+        label = "batch" if name == "batch_size" else name
+        answer = self.max_value if self.maximized else self.max_batch_size
+        probes = ", ".join(f"{v}{'+' if f else '-'}" for v, f in self.probes)
+        return f"largest {label} that fits: {answer} ({len(self.probes)} probes: {probes})"
+
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the verdict, the memory lines, what is live at the peak.
 

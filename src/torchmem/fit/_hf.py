@@ -45,12 +45,11 @@ import torch
 
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
-from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._engine import BuildError
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._search import estimate
 
-__all__ = ["estimate_hf", "load_config", "interpolation_search", "TASKS"]
+__all__ = ["estimate_hf", "load_config", "TASKS"]
 
 #: The tasks ``estimate_hf`` runs.
 TASKS = ("forward", "generate", "train")
@@ -295,12 +294,10 @@ def estimate_hf(
     new tokens and ``cache`` (``"dynamic"``, ``"static"``) for ``generate``; ``dtype`` of the
     weights (default: the config's ``dtype``, else float32); ``attn``: ``"sdpa"`` (default)
     or ``"eager"``. ``params`` set the same keywords (``{"seq_len": 32768, "cache":
-    "static"}``) and ``maximize="seq_len"`` (or ``"max_new_tokens"``) searches for the longest
-    context that fits, in few probes (:func:`interpolation_search`; ``seq_len`` is where it
-    starts: a quarter of the expected answer is best); ``maximize="batch_size"`` runs
-    :func:`torchmem.estimate`'s search. ``options`` are :func:`torchmem.estimate`'s other
-    keywords, such as ``search_range``, ``alloc_conf``, ``progress``, ``margin``,
-    ``keep_snapshot``.
+    "static"}``) and ``maximize="seq_len"`` searches for the longest context that fits
+    (``seq_len`` is where the search starts), as :func:`torchmem.estimate` does, which runs it
+    (``options``: its other keywords, such as ``search_range``, ``alloc_conf``, ``progress``,
+    ``margin``, ``keep_snapshot``).
     ``steps``: default 1 for ``forward`` and ``generate`` (one call), 2 for ``train``.
 
     The result is :func:`torchmem.estimate`'s :class:`~torchmem.fit.Estimate`, with the KV
@@ -329,14 +326,8 @@ def estimate_hf(
                        _int("max_new_tokens", max_new_tokens, 1), cache)
     if steps is None:
         steps = 2 if task == "train" else 1
-    if maximize is not None and maximize != "batch_size":
-        start = {"seq_len": seq_len, "max_new_tokens": max_new_tokens}.get(maximize)
-        est = interpolation_search(build, gpu, batch_size, maximize, params=params,
-                                   kv_cache_attr=kv_cache_attr, steps=steps, start=start,
-                                   **options)
-    else:
-        est = estimate(build, gpu, batch_size, params=params, maximize=maximize,
-                       kv_cache_attr=kv_cache_attr, steps=steps, **options)
+    est = estimate(build, gpu, batch_size, params=params, maximize=maximize,
+                   kv_cache_attr=kv_cache_attr, steps=steps, **options)
     if task != "train":
         cat = est.by_category
         cat["activations"] = cat.get("activations", 0) + cat.pop("temporaries", 0)
@@ -347,131 +338,3 @@ def estimate_hf(
     )
     return est
 
-
-def interpolation_search(
-    build: Callable[..., Callable[[], Any]],
-    gpu: str | int | GPU,
-    batch_size: int | None,
-    name: str,
-    *,
-    params: Mapping[str, Any] | None = None,
-    search_range: tuple[int, int] | None = None,
-    progress: Callable[[str], None] | None = None,
-    keep_snapshot: bool = False,
-    start: int | None = None,
-    **options: Any,
-) -> Estimate:
-    """The largest value of ``build``'s integer keyword ``name`` that fits, in few probes.
-
-    Each probe is one :func:`torchmem.estimate` run (its error margin included in ``fits``).
-    A big model's probe takes seconds and its memory grows almost linearly with a length, so
-    instead of doubling and bisecting, the next probe is where the line through the last two
-    probes' headroom (usable minus peak reserved minus margin) reaches zero (a secant step;
-    regula falsi once the answer is bracketed), falling back to bisection when a probe ran out
-    of memory before its peak (no headroom figure) or the last two probes fell on the same
-    side (the allocator's rounding makes the line inexact near the boundary). It
-    stops when ``v`` fits and ``v + 1`` does not: a true boundary. ``search_range=(lo, hi)``
-    bounds it (default ``(1, 2**24)``); the first probe is ``start`` (or ``lo``, or 1024),
-    the second twice that, so a start near a quarter of the answer takes fewest probes.
-    Returns the answer's estimate with ``searched``, ``maximized``, ``max_value`` (0 when not
-    even 1 fits) and ``probes``, as :func:`torchmem.estimate`'s search does; a
-    ``search_range`` in which nothing fits is an :class:`~torchmem.errors.InvalidInputError`
-    listing the probes.
-
-    Example:
-        >>> import torch
-        >>> def build(batch, n=8):
-        ...     x = torch.zeros(batch, n, 1 << 16)       # 256 KiB per n
-        ...     return lambda: x * 2
-        >>> e = interpolation_search(build, "2 GiB", 1, "n", steps=1, margin=0)
-        >>> e.max_value, e.fits, len(e.probes) < 10
-        (3032, True, True)
-    """
-    from torchmem.fit._search import _describe, _nothing_fits
-
-    kw = dict(params or {})
-    lo, hi = search_range if search_range is not None else (1, 1 << 24)
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise InvalidInputError(
-            f"search_range must be (low, high) ints with 1 <= low <= high, got {search_range!r}"
-        )
-    if name in kw:
-        raise InvalidInputError(
-            f"{name!r} is both set (params) and maximized; fix: drop it from params to search "
-            "for its largest value"
-        )
-    if not (isinstance(start, int) and lo <= start <= hi):
-        start = min(max(lo, 1024), hi)
-    say = progress or (lambda msg: None)
-    seen: dict[int, Estimate] = {}
-    order: list[int] = []
-
-    def probe(v: int) -> Estimate:
-        e = estimate(build, gpu, batch_size, params={**kw, name: v}, **options)
-        seen[v] = e
-        order.append(v)
-        say(_describe(name, v, e))
-        return e
-
-    def room(v: int) -> float | None:
-        e = seen[v]
-        return None if e.oom is not None else float(e.headroom_after_margin_bytes)
-
-    def secant(a: int, b: int) -> int | None:
-        ga, gb = room(a), room(b)
-        if ga is None or gb is None or ga == gb:
-            return None
-        return int(b + gb * (b - a) / (ga - gb))
-
-    good, bad = 0, 0
-    v = start
-    while True:  # find a bracket: good fits, bad does not
-        e = probe(v)
-        if e.fits:
-            good = v
-            if bad or v == hi:
-                break
-            fits = [x for x in order if seen[x].fits]
-            guess = secant(fits[-2], fits[-1]) if len(fits) > 1 else None
-            v = min(hi, max(v + 1, guess if guess is not None else 2 * v))
-            if guess is not None and guess <= v - 1:
-                v = min(hi, 2 * good)
-        else:
-            bad = v
-            if good or v == lo:
-                break
-            v = max(lo, v // 2)
-    notes: list[str] = []
-    while good and bad and bad - good > 1:
-        guess = secant(good, bad)
-        if guess is None:
-            fits = [x for x in order if seen[x].fits]
-            guess = secant(fits[-2], fits[-1]) if len(fits) > 1 else None
-        mid = (good + bad) // 2
-        # the last two probes on the same side: the line is off (allocator rounding), bisect
-        same_side = len(order) > 1 and seen[order[-1]].fits == seen[order[-2]].fits
-        if guess is not None and not same_side:
-            mid = min(bad - 1, max(good + 1, guess))
-        if probe(mid).fits:
-            good = mid
-        else:
-            bad = mid
-    if good and not bad:
-        notes.append(f"the whole search range fits ({name} {hi} fits): the largest {name} "
-                     "that fits may be higher; raise the range's high end")
-    if good == 0 and search_range is not None:
-        raise _nothing_fits(_gpu(gpu).name, name, lo, hi, order, seen)
-    if good == 0:
-        best = seen[order[-1]]
-        notes.append(f"not even {name} {lo} fits")
-    elif keep_snapshot:
-        best = estimate(build, gpu, batch_size, params={**kw, name: good},
-                        keep_snapshot=True, **options)
-    else:
-        best = seen[good]
-    best.searched = True
-    best.maximized = name
-    best.max_value = good
-    best.probes = [(x, seen[x].fits) for x in order]
-    best.notes.extend(notes)
-    return best

@@ -3,8 +3,11 @@
 ``build(batch_size, **params)`` is called; any integer parameter can be maximized (the batch
 size, ``seq_len``, ``max_new_tokens``, ...). The search starts from the search range's low end
 (or the build's default for that keyword, or 1), doubles until a run does not fit (halves
-first when the start does not fit), then bisects between the last value that fit and the
-first that did not. Every probe is a fresh fake run (a new simulated allocator, new fake
+first when the start does not fit), then narrows the bracket between the last value that fit
+and the first that did not: the probes that ran to the end give the memory curve (peak
+reserved bytes against the value), and the largest value the curve says fits is probed next,
+then the value above it; after a misprediction one bisection step follows, so the answer is
+always a true boundary (it fits; one more does not). Every probe is a fresh fake run (a new simulated allocator, new fake
 tensors), so nothing carries over between probes. A probe fits when it keeps the error margin
 free (:mod:`torchmem.fit._margin`), the rule of every answer.
 
@@ -73,15 +76,41 @@ def _keywords(build: Any) -> tuple[dict[str, Any], bool] | None:
     return out, var_kw
 
 
-def _check_params(build: Any, names: list[str]) -> dict[str, Any]:
-    """Fail clearly when ``build`` does not take one of ``names``; the keywords it takes."""
+def _check_value(where: str, name: str, value: Any, default: Any) -> None:
+    """A value whose type does not match the default's (an int parameter given ``'abc'``)."""
+    if default is inspect.Parameter.empty or default is None or value is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = _is_int(value)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        return
+    if not ok:
+        kind = type(default).__name__
+        raise InvalidInputError(
+            f"{where}(): {name}={value!r} ({type(value).__name__}) does not fit the parameter: "
+            f"its default is {kind} {default!r}; fix: give a {kind}, e.g. {name}={default!r}"
+        )
+
+
+def _check_params(
+    build: Any, names: list[str], values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fail clearly when ``build`` does not take one of ``names`` (or a value does not match
+    its default's type); the keywords it takes."""
     info = _keywords(build)
     if info is None:
         return {}
     accepted, var_kw = info
+    where = getattr(build, "__qualname__", None) or type(build).__name__
+    for name, value in (values or {}).items():
+        if name in accepted:
+            _check_value(where, name, value, accepted[name])
     for name in names:
         if name not in accepted and not var_kw:
-            where = getattr(build, "__qualname__", None) or type(build).__name__
             takes = ", ".join(accepted) if accepted else "none besides the batch size"
             raise InvalidInputError(
                 f"{where}() takes no parameter {name!r}; its keyword parameters: {takes}; "
@@ -113,7 +142,7 @@ def estimate(
     params: Mapping[str, Any] | None = None,
     maximize: str | None = None,
     max_batch_size: bool = False,
-    search_range: tuple[int, int] | None = None,
+    search_range: tuple[int, ...] | None = None,
     steps: int = 2,
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
@@ -139,8 +168,11 @@ def estimate(
     ``maximize="seq_len"`` searches for the largest integer value of that keyword that fits
     (``maximize="batch_size"`` or ``max_batch_size=True`` for the batch): from
     ``search_range``'s low end, or the build's default for it, or 1, doubling until a run does
-    not fit (halving first when the start does not fit), then bisection. ``search_range=(lo,
-    hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi`` does). The search
+    not fit (halving first when the start does not fit), then narrowing the bracket where the
+    memory curve of the probes so far says the boundary is (bisection after a misprediction).
+    ``search_range=(lo, hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi``
+    does); ``(lo, hi, step)`` probes multiples of ``step`` only, so the answer fits and
+    ``answer + step`` does not (fewer probes for long contexts). The search
     checks that memory grows with the parameter and says so in ``notes`` (and a
     ``RuntimeWarning``) when it does not. It returns the answer's estimate with ``maximized``,
     ``max_value`` (and ``max_batch_size`` for the batch) and ``probes``; ``max_value`` is 0
@@ -213,9 +245,9 @@ def estimate(
             f"build must be a function build(batch_size, **params) -> step, got "
             f"{type(build).__name__}"
         )
-    accepted = _check_params(build, [*kw, *([maximize] if maximize not in (None,
-                                                                          "batch_size") else [])])
-    lo, hi = _check_range(search_range, maximize)
+    searched = [maximize] if maximize not in (None, "batch_size") else []
+    accepted = _check_params(build, [*kw, *searched], kw)
+    lo, hi, step = _check_range(search_range, maximize)
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
@@ -254,29 +286,39 @@ def estimate(
         def probe_run(v: int) -> Estimate:
             return run(fixed_batch, {maximize: v})
 
+    def fits_at(reserved: float) -> bool:
+        """The fits rule for a run peaking at ``reserved`` bytes (the margin kept free)."""
+        r = max(0, int(reserved))
+        return r + margin_for(margin, card, r) <= card.usable_bytes
+
     return _search(maximize, probe_run, start, lo, hi, card, progress, keep_snapshot,
                    lambda v: run(v, {}, True) if maximize == "batch_size"
-                   else run(batch_size or 1, {maximize: v}, True))
+                   else run(batch_size or 1, {maximize: v}, True), fits_at, step)
 
 
 def _check_range(
     search_range: object, maximize: str | None
-) -> tuple[int | None, int | None]:
+) -> tuple[int | None, int | None, int]:
     if search_range is None:
-        return None, None
+        return None, None, 1
     if maximize is None:
         raise InvalidInputError(
             "search_range is only used by a search; fix: also pass maximize='seq_len' (or "
             "max_batch_size=True), or drop search_range"
         )
-    pair: list[int] = []
-    if isinstance(search_range, (tuple, list)) and len(search_range) == 2:
-        pair = [x for x in search_range if _is_int(x)]
-    if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
+    got: list[int] = []
+    if isinstance(search_range, (tuple, list)) and len(search_range) in (2, 3):
+        got = [x for x in search_range if _is_int(x)]
+        if len(got) != len(search_range):
+            got = []
+    step = got[2] if len(got) == 3 else 1
+    ok = bool(got) and 1 <= got[0] <= got[1] and step >= 1
+    if not ok or got[1] // step < -(-got[0] // step):
         raise InvalidInputError(
-            f"search_range must be (low, high) ints with 1 <= low <= high, got {search_range!r}"
+            f"search_range must be (low, high) or (low, high, step) ints with 1 <= low <= high "
+            f"and a multiple of step between them, got {search_range!r}"
         )
-    return pair[0], pair[1]
+    return got[0], got[1], step
 
 
 def _describe(name: str, v: int, e: Estimate) -> str:
@@ -304,19 +346,23 @@ def _search(
     progress: Callable[[str], None] | None,
     keep_snapshot: bool,
     rerun: Callable[[int], Estimate],
+    fits_at: Callable[[float], bool],
+    step: int = 1,
 ) -> Estimate:
+    """The search, in units of ``step`` (values ``u * step``)."""
     say = progress or (lambda msg: None)
     label = "batch" if name == "batch_size" else name
-    top = hi if hi is not None else MAX_SEARCH_BATCH
-    floor = lo if lo is not None else 1
+    top = hi // step if hi is not None else max(1, MAX_SEARCH_BATCH // step)
+    floor = -(-lo // step) if lo is not None else 1
+    start = max(-(-start // step), floor)
     cache: dict[int, Estimate] = {}
     order: list[int] = []
 
-    def probe(v: int) -> Estimate:
-        e = run(v)
-        cache[v] = e
-        order.append(v)
-        say(_describe(label, v, e))
+    def probe(u: int) -> Estimate:
+        e = run(u * step)
+        cache[u] = e
+        order.append(u)
+        say(_describe(label, u * step, e))
         return e
 
     notes: list[str] = []
@@ -330,11 +376,7 @@ def _search(
             if not e.fits:
                 bad = nxt
                 break
-            prev = cache[good]
             good = nxt
-            if e.peak_requested_bytes <= prev.peak_requested_bytes:
-                notes.append(_flat_note(name, order, cache))
-                break
     else:
         bad = start
         v = start
@@ -345,60 +387,120 @@ def _search(
                 break
             bad = v
         if good == 0 and lo is not None:
-            raise _nothing_fits(card.name, name, lo, hi, order, cache)
+            raise InvalidInputError(
+                f"nothing fits on {card.name} for {name} in {lo}..{hi}: tried "
+                + "; ".join(_describe(name, u * step, cache[u]) for u in order)
+                + "; fix: lower the range's low end, the other parameters, or pick a GPU "
+                "with more memory"
+            )
     if good and bad:
+        # The memory curve guides the next probe; a guided probe that does not halve the
+        # bracket (a misprediction, or a one-sided creep on a staircase of segment roundings)
+        # is followed by a bisection step, and after two mispredictions bisection finishes.
+        trust, misses = True, 0
         while bad - good > 1:
-            mid = (good + bad) // 2
-            if probe(mid).fits:
+            guess = _predict(good, bad, cache, fits_at) if trust and misses < 2 else None
+            if guess is not None and guess[1] and guess[0] >= bad - 1 > good + 1:
+                guess = None  # "fits just below the miss" tells nothing a bisection would not
+            mid = (good + bad) // 2 if guess is None else guess[0]
+            width = bad - good
+            ok = probe(mid).fits
+            if ok:
                 good = mid
             else:
                 bad = mid
-    elif good and not bad and not notes:
+            misses += guess is not None and ok != guess[1]
+            trust = guess is None or 2 * (bad - good) <= width
+    elif good and not bad:
         if hi is not None:
-            notes.append(f"the whole search range fits ({name} {hi} fits): the largest "
-                         f"{name} that fits may be higher; raise the range's high end")
+            notes.append(f"the whole search range fits ({name} {good * step} fits): the "
+                         f"largest {name} that fits may be higher; raise the range's high end")
         else:
-            notes.append(f"stopped searching at {name} {good}: does build use {name}?")
-    notes.extend(_monotonic_notes(name, order, cache))
+            notes.append(f"stopped searching at {name} {good * step}: does build use {name}?")
+        flat = {cache[u].peak_requested_bytes for u in order}
+        if len(order) > 1 and len(flat) == 1:
+            notes.append(_flat_note(name, [u * step for u in order],
+                                    {u * step: e for u, e in cache.items()}))
+    vcache = {u * step: e for u, e in cache.items()}
+    vorder = [u * step for u in order]
+    notes.extend(_monotonic_notes(name, vorder, vcache))
     for n in notes:
         if "does not grow" in n or "not monotone" in n:
             warnings.warn(n, RuntimeWarning, stacklevel=3)
     if good == 0:
         best = cache[floor] if floor in cache else cache[order[-1]]
     elif keep_snapshot:
-        best = rerun(good)
+        best = rerun(good * step)
     else:
         best = cache[good]
     best.searched = True
     best.maximized = name
-    best.max_value = good
+    best.max_value = good * step
     if name == "batch_size":
-        best.max_batch_size = good
+        best.max_batch_size = good * step
     if good == 0:
-        best.notes.append(f"not even {name} {floor} fits")
-    best.probes = [(v, cache[v].fits) for v in order]
+        best.notes.append(f"not even {name} {floor * step} fits")
+    elif step > 1 and bad:
+        best.notes.append(f"searched in steps of {step}: {name} {good * step} fits, "
+                          f"{(good + 1) * step} does not")
+    best.probes = [(v, vcache[v].fits) for v in vorder]
     best.notes.extend(notes)
     return best
 
 
-def _nothing_fits(
-    gpu: str, name: str, lo: int, hi: int | None, order: list[int], cache: dict[int, Estimate]
-) -> InvalidInputError:
-    """The error of a search range in which nothing fits, listing the probes."""
-    return InvalidInputError(
-        f"nothing fits on {gpu} for {name} in {lo}..{hi}: tried "
-        + "; ".join(_describe(name, v, cache[v]) for v in order)
-        + "; fix: lower the range's low end, the other parameters, or pick a GPU "
-        "with more memory"
-    )
+def _predict(
+    good: int, bad: int, cache: dict[int, Estimate], fits_at: Callable[[float], bool]
+) -> tuple[int, bool] | None:
+    """The next probe in the bracket ``(good, bad)`` and whether it should fit, from the memory curve of the probes that
+    ran to the end (their peak reserved bytes are exact): the largest value the curve says fits
+    (expected to fit), or ``good + 1`` when it says nothing above ``good`` does (expected not
+    to). Between a fitting probe and an exact one above it the curve is a straight line
+    (regula falsi); beyond the last exact probe, the parabola through the three nearest (a line
+    when that bends down). ``None`` when fewer than two probes ran to the end."""
+    pts = sorted((v, float(e.peak_reserved_bytes)) for v, e in cache.items() if e.oom is None)
+    below = [p for p in pts if p[0] <= good]
+    above = [p for p in pts if good < p[0] < bad]
+    if not below or len(pts) < 2:
+        return None
+    if above:
+        (x0, y0), (x1, y1) = below[-1], above[0]
+        curve = _line(x0, y0, x1, y1)
+    elif len(below) >= 3:
+        curve = _parabola(below[-3:]) or _line(*below[-2], *below[-1])
+    elif len(below) == 2:
+        curve = _line(*below[0], *below[1])
+    else:
+        return None
+    lo_v, hi_v = good, bad - 1
+    if not fits_at(curve(lo_v + 1)):
+        return good + 1, False
+    while lo_v < hi_v:  # the largest v in (good, bad) the curve says fits
+        mid = (lo_v + hi_v + 1) // 2
+        if fits_at(curve(mid)):
+            lo_v = mid
+        else:
+            hi_v = mid - 1
+    return lo_v, True
+
+
+def _line(x0: float, y0: float, x1: float, y1: float) -> Callable[[float], float]:
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return lambda x: y0 + slope * (x - x0)
+
+
+def _parabola(p: list[tuple[int, float]]) -> Callable[[float], float] | None:
+    (x0, y0), (x1, y1), (x2, y2) = p
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    a = (d12 - d01) / (x2 - x0)
+    if a < 0:
+        return None
+    return lambda x: y0 + d01 * (x - x0) + a * (x - x0) * (x - x1)
 
 
 def _flat_note(name: str, order: list[int], cache: dict[int, Estimate]) -> str:
-    a, b = order[-2], order[-1]
-    return (f"memory does not grow with {name}: peak requested "
-            f"{cache[a].peak_requested_bytes:,} B at {name} {a} and "
-            f"{cache[b].peak_requested_bytes:,} B at {name} {b}; the search stopped at {b}. "
-            f"Does build use {name}?")
+    a, b = min(order), max(order)
+    return (f"memory does not grow with {name}: the same peak ({cache[a].peak_requested_bytes:,}"
+            f" B requested) at every probe from {name} {a} to {name} {b}")
 
 
 def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) -> list[str]:
@@ -414,7 +516,7 @@ def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) ->
                 f"memory is not monotone in {name}: {name} {a} peaks at "
                 f"{ea.peak_requested_bytes:,} B requested ({'fits' if ea.fits else 'does not fit'})"
                 f", {name} {b} at {eb.peak_requested_bytes:,} B "
-                f"({'fits' if eb.fits else 'does not fit'}); the bisection assumes memory grows "
+                f"({'fits' if eb.fits else 'does not fit'}); the search assumes memory grows "
                 f"with {name}, so the answer may not be the largest that fits"
             )
             break
