@@ -13,6 +13,7 @@ Ground truth is computed another way:
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
@@ -175,29 +176,45 @@ class TinyDecoder(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, past: tuple | None) -> tuple:
+        """Attention over ``past`` keys/values and ``x``'s; the output and the new k, v."""
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
-        if self.k_cache is not None:
-            k = torch.cat([self.k_cache, k], dim=2)
-            v = torch.cat([self.v_cache, v], dim=2)
-        self.k_cache, self.v_cache = k, v
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         att = (q @ k.transpose(-1, -2)).softmax(-1) @ v
-        return self.out(att.transpose(1, 2).reshape(b, s, -1))
+        return self.out(att.transpose(1, 2).reshape(b, s, -1)), k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        past = None if self.k_cache is None else (self.k_cache, self.v_cache)
+        y, self.k_cache, self.v_cache = self.attend(x, past)
+        return y
 
 
-def decoding_loop(batch: int, prompt: int = 10, new: int = 6):  # type: ignore[no-untyped-def]
+class ListCacheDecoder(TinyDecoder):
+    """The same layer with its cache passed in and out as a keyword argument (a list)."""
+
+    def forward(self, x: torch.Tensor, kv_cache: list | None = None) -> torch.Tensor:  # type: ignore[override]
+        y, k, v = self.attend(x, tuple(kv_cache) if kv_cache else None)
+        if kv_cache is not None:
+            kv_cache[:] = [k, v]
+        return y
+
+
+def decoding_loop(batch: int, prompt: int = 10, new: int = 6, as_argument: bool = False):  # type: ignore[no-untyped-def]
+    """Prefill ``prompt`` positions, then ``new`` steps of one; the cache in the module's
+    attributes, or (``as_argument``) in a list passed as ``kv_cache=``."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    net = TinyDecoder().to(dev)
+    net = (ListCacheDecoder if as_argument else TinyDecoder)().to(dev)
     x = torch.randn(batch, prompt, 32, device=dev)
 
     def step() -> None:
         net.k_cache = net.v_cache = None
+        kw = {"kv_cache": []} if as_argument else {}
         with torch.no_grad():
-            y = net(x)[:, -1:]
+            y = net(x, **kw)[:, -1:]
             for _ in range(new):
-                y = net(y)
-    step.net = net  # type: ignore[attr-defined]
+                y = net(y, **kw)
     return step
 
 
@@ -271,3 +288,34 @@ def test_value_reads_outside_generate_are_still_errors():
 
     with pytest.raises(InvalidInputError, match=r"reads a tensor's value"):
         torchmem.estimate(build, gpu="T4", steps=1)
+
+
+def test_a_cache_passed_as_a_keyword_argument():
+    kw = {"prompt": 7, "new": 5, "as_argument": True}
+    est = torchmem.estimate(decoding_loop, gpu="T4", batch_size=2, steps=1, params=kw,
+                            kv_cache_attr=["kv_cache"])
+    assert est.peak_requested_bytes == census_peak(decoding_loop, 2, **kw)
+    kv = est.kv_cache
+    assert kv is not None and kv.source == "argument 'kv_cache'"
+    assert (kv.tokens, kv.batch) == (7 + 5, 2)
+    assert kv.max_bytes == 2 * 2 * 16 * 4 * 12 * 2
+    assert kv.end_bytes == 0                      # the list dies with the step
+
+
+def test_cli_kv_cache_attr_with_a_build_file(tmp_path, capsys):
+    import json
+
+    from torchmem.cli import main
+
+    (tmp_path / "decode.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_fit_generate import decoding_loop as build\n"
+    )
+    rc = main(["estimate", f"{tmp_path / 'decode.py'}:build", "--gpu", "T4", "--batch-size",
+               "3", "--steps", "1", "--kv-cache-attr", "k_cache", "--kv-cache-attr", "v_cache",
+               "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert d["kv_cache_max_bytes"] == 2 * 2 * 16 * 4 * (10 + 6) * 3
+    assert d["kv_cache_end_bytes"] == d["kv_cache_max_bytes"]

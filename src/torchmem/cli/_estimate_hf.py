@@ -53,9 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kernel CUDA picks for the dtype and GPU; eager keeps batch x "
                              "heads x S x S scores)")
     parser.add_argument("--kv-cache-attr", action="append", default=[], metavar="NAME",
-                        help="a module attribute that holds the KV cache (repeatable), for a "
-                             "decoding loop of your own; transformers' caches are found "
-                             "without it")
+                        help="a module attribute (or forward keyword argument) that holds the "
+                             "KV cache (repeatable), for a decoding loop of your own; "
+                             "transformers' caches are found without it")
 
 
 def estimate_from_args(

@@ -6,7 +6,9 @@ forward it looks for
 - transformers cache objects (any instance of a ``transformers`` class named ``Cache`` or a
   subclass: ``DynamicCache``, ``StaticCache``, ...) among the module's arguments and in its
   output (``outputs.past_key_values``), and
-- the attributes the user names (``kv_cache_attr=["k_cache", "v_cache"]``) on the module,
+- the attributes the user names (``kv_cache_attr=["k_cache", "v_cache"]``) on the module, or
+  keyword arguments of its forward by those names (a cache passed as ``forward(x,
+  kv_cache=...)``),
 
 and walks them (their attributes, lists, tuples and dicts, a few levels deep) for tensors.
 Every storage seen there is the KV cache's: the estimate reports it under ``kv_cache`` instead
@@ -171,6 +173,9 @@ class KVWatch:
                 v = getattr(module, attr, None)
             if v is not None:
                 seen[id(v)] = (v, f"attribute {attr!r}")
+            v = kwargs.get(attr)
+            if v is not None:
+                seen[id(v)] = (v, f"argument {attr!r}")
         if seen:
             self._observe(seen.values())
 
