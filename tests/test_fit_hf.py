@@ -125,6 +125,41 @@ def test_longest_context_is_a_true_boundary():
     assert not torchmem.estimate_hf(CONFIG, seq_len=best + 1, **kw).fits
 
 
+_REAL_GPU_GENERATE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_fit_hf import CONFIG
+from torchmem.fit._hf import load_config, make_build
+step = make_build(load_config(CONFIG), "generate", torch.bfloat16, "sdpa", int(sys.argv[2]), 16,
+                  "dynamic")(8)
+step()
+torch.cuda.synchronize()
+print(json.dumps([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seq_len", [512, 4096])
+def test_generate_matches_the_real_gpu(seq_len):
+    """On a GPU: the estimated peaks of a bf16 SDPA generate() (batch 8, 16 new tokens) are
+    within 5% of ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()`` of the same
+    build run there, in a fresh process."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _REAL_GPU_GENERATE, os.path.dirname(__file__),
+                          str(seq_len)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    real_alloc, real_res = json.loads(out.stdout.strip().splitlines()[-1])
+    props = torch.cuda.get_device_properties(0)
+    here = GPU(props.name, props.total_memory, (props.major, props.minor), "this machine")
+    est = torchmem.estimate_hf(CONFIG, task="generate", gpu=here, batch_size=8, seq_len=seq_len,
+                               max_new_tokens=16, dtype="bfloat16", attn="sdpa", margin=0)
+    assert est.fits
+    assert abs(est.peak_allocated_bytes - real_alloc) <= 0.05 * real_alloc
+    assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res
+
+
 # -- where the config comes from -----------------------------------------------------------------
 
 

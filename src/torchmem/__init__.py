@@ -10,7 +10,7 @@ what it is (see ``ARCHITECTURE.md``):
 ``torchmem.analysis``       pure functions over traces and snapshots (peak, diff, oom, ...)
 ``torchmem.render``         text tables, timeline plots, the offline HTML viewer
 ``torchmem.sim``            PyTorch's CUDA caching allocator, simulated (no torch, no GPU)
-``torchmem.fit``            will it fit? ``estimate`` a training step on a GPU you do not have
+``torchmem.fit``            will it fit? ``estimate`` a step, ``estimate_hf`` a model config
 ``torchmem.ledger``         allocate/free accounting, auto-GC policy, monitoring figures
 ``torchmem.devices``        device capacity and usage polling
 ``torchmem.transfer``       ``ToDevice`` and pipelined transfers between devices
