@@ -329,11 +329,16 @@ TRAIN = textwrap.dedent("""
 """)
 
 
+def _file(folder, name: str, text: str):
+    """``text`` written to ``folder / name``; its path."""
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
 @pytest.fixture()
 def train(tmp_path):
-    p = tmp_path / "train.py"
-    p.write_text(TRAIN)
-    return p
+    return _file(tmp_path, "train.py", TRAIN)
 
 
 def test_cli_max_seq_len_json(train, capsys):
@@ -433,9 +438,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
 
 @pytest.fixture()
 def tiny_config(tmp_path):
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps(TINY_LLAMA))
-    return p
+    return _file(tmp_path, "config.json", json.dumps(TINY_LLAMA))
 
 
 def test_hf_config_max_seq_len_is_a_true_boundary(tiny_config, capsys):

@@ -101,7 +101,7 @@ class OOMSite:
 
 @dataclass
 class Estimate:
-    """Will it fit? The figures of one simulated run (or of the largest fitting batch).
+    """Will it fit? The figures of one simulated run (or of a search's answer).
 
     Bytes are ints. ``capacity_bytes`` is the GPU's total memory, ``overhead_bytes`` the CUDA
     context (outside PyTorch's allocator), so the simulated allocator had

@@ -53,11 +53,11 @@ MarginSpec = int | str | None
 
 
 def check_margin(margin: object) -> MarginSpec:
-    """Validate a margin spec early (before any run); returns it unchanged.
+    """Validate a margin spec early (before any run): ``None``, a percentage string, or bytes.
 
     Example:
-        >>> check_margin("3%"), check_margin(0)
-        ('3%', 0)
+        >>> check_margin("3%"), check_margin(0), check_margin("1 KiB"), check_margin("default")
+        ('3%', 0, 1024, None)
     """
     if margin is None:
         return None
@@ -85,12 +85,11 @@ def check_margin(margin: object) -> MarginSpec:
             )
         return text
     try:
-        parse_bytes(text)
+        return parse_bytes(text)  # a size: its bytes
     except InvalidInputError as e:
         raise InvalidInputError(
             f"margin {margin!r}: {e}; or a percentage of the peak such as '2%'"
         ) from None
-    return text
 
 
 def margin_for(margin: MarginSpec, card: GPU, peak_reserved: int) -> int:
