@@ -203,6 +203,11 @@ def test_bad_arguments(kwargs, match):
         torchmem.estimate_hf(CONFIG, gpu="T4", **kwargs)
 
 
+def test_a_folder_without_config_json(tmp_path):
+    with pytest.raises(InvalidInputError, match=r"has no config.json"):
+        load_config(tmp_path)
+
+
 @pytest.mark.parametrize(("config", "match"), [
     ({"model_type": "no_such_model"}, r"transformers cannot read the config dict .*no_such_model"),
     ({"hidden_size": 64}, r"has no 'model_type'"),

@@ -134,6 +134,10 @@ def load_config(config: object) -> Any:
         )
     path = os.fspath(config)
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise InvalidInputError(
+                f"the folder {path!r} has no config.json; fix: pass the path to the config file"
+            )
         path = os.path.join(path, "config.json")
     if os.path.isfile(path):
         try:
