@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --hf-config: the weights' dtype (default: the config's, "
                              "else float32)")
     parser.add_argument("--attn", default=None, choices=("sdpa", "eager"),
-                        help="with --hf-config: attention implementation (default sdpa: the "
+                        help="with --hf-config: attention implementation (default: "
+                             "transformers' choice for the model, sdpa where supported: the "
                              "kernel CUDA picks for the dtype and GPU; eager keeps batch x "
                              "heads x S x S scores)")
     parser.add_argument("--kv-cache-attr", action="append", default=[], metavar="NAME",

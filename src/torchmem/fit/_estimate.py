@@ -25,7 +25,8 @@ class KVCache:
     ``max_bytes``: the most the cache held at once; ``bytes_per_token``: bytes one token of
     one sequence takes (``2 x layers x kv_heads x head_dim x dtype bytes`` for a standard
     cache); ``bytes_per_sequence``: ``max_bytes`` per sequence of the batch (``tokens`` x
-    ``bytes_per_token``); ``tokens`` and ``batch``: the cache's length (a static cache: its
+    ``bytes_per_token`` for a plain cache; more when the cache keeps views into larger
+    storages, as a sliding window does after its prefill); ``tokens`` and ``batch``: the cache's length (a static cache: its
     maximum length, allocated up front) and batch at ``max_bytes``; ``source``: what held it.
 
     Example:

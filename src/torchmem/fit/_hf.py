@@ -18,9 +18,10 @@ task runs on the fake GPU:
 ``by_category`` gives the weights as ``parameters``, the KV cache as ``kv_cache`` (see
 :mod:`torchmem.fit._kv`) and, for the inference tasks, everything else a forward pass holds as
 ``activations`` (without a backward pass, all of it is transient; the tracker's
-``temporaries`` are folded in). The attention implementation is ``attn`` (``"sdpa"`` by
-default, as transformers picks; ``"eager"`` keeps ``batch x heads x S x S`` scores); with SDPA,
-the kernel CUDA would choose for that dtype and GPU is the one simulated.
+``temporaries`` are folded in). The attention implementation is ``attn`` (by default the one
+transformers picks for the model: SDPA where the model supports it, else eager; ``"eager"``
+keeps ``batch x heads x S x S`` scores); with SDPA, the kernel CUDA would choose for that dtype
+and GPU is the one simulated. The notes say which implementation the model ran.
 
 Example:
     >>> cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -209,12 +210,13 @@ def _int(name: str, v: object, low: int) -> int:
 
 
 def make_build(
-    cfg: Any, task: str, dtype: torch.dtype, attn: str, seq_len: int, max_new_tokens: int,
-    cache: str,
+    cfg: Any, task: str, dtype: torch.dtype, attn: str | None, seq_len: int,
+    max_new_tokens: int, cache: str, seen: dict[str, Any] | None = None,
 ) -> Callable[..., Callable[[], Any]]:
     """``build(batch_size, seq_len=..., max_new_tokens=..., cache=...)`` for ``task`` on the
     model ``cfg`` describes (see the module docstring); the keywords' defaults are the
-    arguments.
+    arguments. ``attn=None`` leaves the attention implementation to transformers; the one the
+    model got is put in ``seen["attn"]``.
 
     Example:
         >>> cfg = load_config({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
@@ -233,14 +235,18 @@ def make_build(
         seq_len = _int("seq_len", seq_len, 1)
         new = _int("max_new_tokens", max_new_tokens, 1)
         cache = _check_choice("cache", cache, _CACHES)
+        attn_kw = {} if attn is None else {"attn_implementation": attn}
         try:
-            model = auto.from_config(copy.deepcopy(cfg), dtype=dtype, attn_implementation=attn)
+            model = auto.from_config(copy.deepcopy(cfg), dtype=dtype, **attn_kw)
         except Exception as e:
             raise BuildError(
                 f"transformers could not build {name} from this {type(cfg).__name__} (dtype "
-                f"{str(dtype).removeprefix('torch.')}, attn_implementation {attn!r}): "
-                f"{_short(e)}; fix: check the config's fields"
+                f"{str(dtype).removeprefix('torch.')}, attn_implementation "
+                f"{attn or 'as transformers picks'}): {_short(e)}; fix: check the config's "
+                "fields" + (" or try attn='eager'" if attn == "sdpa" else "")
             ) from None
+        if seen is not None:
+            seen["attn"] = getattr(model.config, "_attn_implementation", attn)
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         model.to(dev)
         ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=dev)
@@ -296,8 +302,8 @@ def estimate_hf(
     :mod:`torchmem.fit._hf`). ``seq_len`` tokens per sequence (the prompt, for
     ``generate``; default 2048, capped at ``max_position_embeddings``), ``max_new_tokens``
     new tokens and ``cache`` (``"dynamic"``, ``"static"``) for ``generate``; ``dtype`` of the
-    weights (default: the config's ``dtype``, else float32); ``attn``: ``"sdpa"`` (default)
-    or ``"eager"``. ``params`` set the same keywords (``{"seq_len": 32768, "cache":
+    weights (default: the config's ``dtype``, else float32); ``attn``: ``"sdpa"`` or
+    ``"eager"`` (default: transformers' choice for the model, SDPA where supported). ``params`` set the same keywords (``{"seq_len": 32768, "cache":
     "static"}``) and ``maximize="seq_len"`` searches for the longest context that fits
     (``seq_len`` is where the search starts), as :func:`torchmem.estimate` does, which runs it
     (``options``: its other keywords, such as ``search_range``, ``alloc_conf``, ``progress``,
@@ -320,14 +326,16 @@ def estimate_hf(
     """
     task = _check_choice("task", task, TASKS)
     cache = _check_choice("cache", cache, _CACHES)
-    attn = _check_choice("attn", "sdpa" if attn is None else attn, _ATTNS)
+    if attn is not None:
+        attn = _check_choice("attn", attn, _ATTNS)
     cfg = load_config(config)
     torch_dtype = _dtype(dtype, cfg)
     longest = getattr(cfg, "max_position_embeddings", None)
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, longest) if isinstance(longest, int) else DEFAULT_SEQ_LEN
+    seen: dict[str, Any] = {}
     build = make_build(cfg, task, torch_dtype, attn, _int("seq_len", seq_len, 1),
-                       _int("max_new_tokens", max_new_tokens, 1), cache)
+                       _int("max_new_tokens", max_new_tokens, 1), cache, seen)
     if steps is None:
         steps = 2 if task == "train" else 1
     est = estimate(build, gpu, batch_size, params=params, maximize=maximize,
@@ -337,7 +345,8 @@ def estimate_hf(
         cat["activations"] = cat.get("activations", 0) + cat.pop("temporaries", 0)
     est.notes.append(
         f"{type(cfg).__name__} built from the config with fake tensors: task {task}, "
-        f"{str(torch_dtype).removeprefix('torch.')} weights, attn_implementation {attn!r}"
+        f"{str(torch_dtype).removeprefix('torch.')} weights, attn_implementation "
+        f"{seen.get('attn', attn)!r}"
         + (f", {cache} cache" if task == "generate" else "")
     )
     return est
