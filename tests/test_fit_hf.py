@@ -65,6 +65,39 @@ def test_generate_matches_a_real_cpu_run(seq_len):
     assert kv.bytes_per_sequence == kv_arithmetic(seq_len + new - 1, 1, 4)
 
 
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              vocab_size=256)
+#: name -> (config, KV heads); every one has 2 layers of 4 heads of dimension 16
+ARCHITECTURES = {
+    "gpt2": ({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
+              "n_positions": 512}, 4),
+    "mistral": (dict(_SMALL, model_type="mistral", num_key_value_heads=2), 2),
+    "qwen2": (dict(_SMALL, model_type="qwen2", num_key_value_heads=2), 2),
+    "gpt_neox": (dict(_SMALL, model_type="gpt_neox"), 4),
+    "opt": ({"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "vocab_size": 256, "word_embed_proj_dim": 64}, 4),
+    "falcon": (dict(_SMALL, model_type="falcon"), 1),            # multi-query attention
+    "bloom": ({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4,
+               "vocab_size": 256}, 4),
+    "gemma": (dict(_SMALL, model_type="gemma", num_key_value_heads=2, head_dim=16), 2),
+    "phi": (dict(_SMALL, model_type="phi"), 4),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_generate_across_architectures_matches_a_real_cpu_run(arch):
+    config, kv_heads = ARCHITECTURES[arch]
+    batch, prompt, new = 2, 16, 3
+    est = torchmem.estimate_hf(config, task="generate", gpu="L4", batch_size=batch,
+                               seq_len=prompt, max_new_tokens=new, attn="eager",
+                               dtype="float32")
+    build = make_build(load_config(config), "generate", torch.float32, "eager", prompt, new,
+                       "dynamic")
+    assert est.peak_requested_bytes == census_peak(build, batch)
+    assert est.kv_cache is not None
+    assert est.kv_cache.max_bytes == 2 * 2 * kv_heads * 16 * (prompt + new - 1) * batch * 4
+
+
 def test_forward_matches_a_real_cpu_run_and_has_no_cache():
     est = torchmem.estimate_hf(CONFIG, task="forward", gpu="L4", batch_size=3, seq_len=40,
                                attn="eager", dtype="float32")
