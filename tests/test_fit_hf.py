@@ -230,6 +230,8 @@ def test_config_from_a_file_a_folder_a_config_object_and_the_local_cache(tmp_pat
     ({"attn": "flash_attention_9"}, r"unknown attn"),
     ({"dtype": "int8"}, r"dtype must be one of float32, float16, bfloat16"),
     ({"seq_len": 0}, r"seq_len must be an int >= 1"),
+    ({"params": {"foo": 1}}, r"unknown parameter 'foo' for a model from its config: the "
+                             r"parameters are seq_len, max_new_tokens, cache"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(InvalidInputError, match=match):

@@ -328,6 +328,12 @@ def estimate_hf(
     cache = _check_choice("cache", cache, _CACHES)
     if attn is not None:
         attn = _check_choice("attn", attn, _ATTNS)
+    unknown = sorted(set(params or {}) - {"seq_len", "max_new_tokens", "cache", "batch_size"})
+    if unknown:
+        raise InvalidInputError(
+            f"unknown parameter {unknown[0]!r} for a model from its config: the parameters are "
+            "seq_len, max_new_tokens, cache (dynamic or static) and batch_size"
+        )
     cfg = load_config(config)
     torch_dtype = _dtype(dtype, cfg)
     longest = getattr(cfg, "max_position_embeddings", None)
