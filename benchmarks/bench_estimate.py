@@ -66,6 +66,7 @@ if method == "torchmem":
     e = torchmem.estimate(build, gpu="H200", batch_size=1)
     out = {"peak_requested": e.peak_requested_bytes, "peak_allocated": e.peak_allocated_bytes,
            "peak_reserved": e.peak_reserved_bytes, "fits_h200": e.fits,
+           "fits_h200_sim": e.fits_without_margin, "margin": e.margin_bytes,
            "fits_h100": e.peak_reserved_bytes <= torchmem.fit.gpu("H100-80GB").usable_bytes}
 elif method == "memtracker":
     from torch._subclasses import FakeTensorMode
@@ -123,8 +124,10 @@ def main() -> None:
             continue
         verdict = ""
         if m == "torchmem":
-            verdict = (f"H200 {'fits' if r['fits_h200'] else 'OOM'}, "
-                       f"H100-80GB {'fits' if r['fits_h100'] else 'OOM'}")
+            h200 = "fits" if r["fits_h200"] else "OOM"
+            if r.get("fits_h200_sim") and not r["fits_h200"]:
+                h200 = f"fits only without the {gib(r['margin']).strip()} margin"
+            verdict = f"H200 {h200}, H100-80GB {'fits' if r['fits_h100'] else 'OOM'}"
         print(f"{m:<12}{r['seconds']:9.1f}{gib(r['max_rss']):>13}  {gib(r.get('peak_requested'))}"
               f"  {gib(r.get('peak_allocated'))}  {gib(r.get('peak_reserved'))}  {verdict}")
     t = res["torchmem"]

@@ -70,9 +70,9 @@ def test_does_not_fit_exits_3_and_names_the_op(train, capsys):
 
 
 def test_max_batch_size_progress_on_stderr(train, capsys):
-    # "2 GiB" GPU with a Hopper context (530 MiB): 2 * ceil2(b) MiB <= 1518 MiB -> 758
+    # "2 GiB" GPU with a Hopper context (530 MiB): 2 * ceil2(b) MiB <= 1518 MiB -> 758 (no margin)
     assert main(["estimate", f"{train}:rows", "--gpu", "2 GiB", "--max-batch-size", "--steps",
-                 "1", "--json"]) == 0
+                 "1", "--json", "--margin", "0"]) == 0
     cap = capsys.readouterr()
     d = json.loads(cap.out)
     assert d["max_batch_size"] == 758

@@ -94,15 +94,16 @@ def test_oom_module_and_phase():
 
 
 def test_max_batch_size_search():
-    # 2 * (batch MiB rounded up to 2 MiB) <= 1024 MiB  ->  512
-    e = estimate(rows, gpu=exact_gpu(1 << 30), max_batch_size=True, steps=1)
+    # 2 * (batch MiB rounded up to 2 MiB) <= 1024 MiB  ->  512 (margin=0: the simulation alone;
+    # the margin's own boundary is tested in test_fit_params.py)
+    e = estimate(rows, gpu=exact_gpu(1 << 30), max_batch_size=True, steps=1, margin=0)
     assert e.max_batch_size == 512 and e.batch_size == 512 and e.fits
     assert e.to_dict()["max_batch_size"] == 512
     fits = dict(e.probes)
     assert fits[512] and not fits[513] and not fits[1024]
     assert [b for b, _ in e.probes[:11]] == [1 << i for i in range(11)]
     # an independent run agrees at the boundary
-    assert not estimate(rows, gpu=exact_gpu(1 << 30), batch_size=513, steps=1).fits
+    assert not estimate(rows, gpu=exact_gpu(1 << 30), batch_size=513, steps=1, margin=0).fits
 
 
 def test_max_batch_size_nothing_fits():

@@ -40,6 +40,7 @@ TOP_LEVEL = [
     "host_memory",
     "inspect_memory",
     "estimate",
+    "estimate_hf",
     "Estimate",
     "load_snapshot",
     "load_trace",
@@ -99,7 +100,8 @@ NAMESPACES: dict[str, list[str]] = {
         "TiedLM", "build_example", "example_input", "list_examples", "train_step",
     ],
     "torchmem.fit": [
-        "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "OOMSite", "estimate", "gpu",
+        "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite", "estimate",
+        "estimate_hf", "gpu",
     ],
     "torchmem.integrations": [],
     "torchmem.io": [

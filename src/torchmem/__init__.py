@@ -10,7 +10,7 @@ what it is (see ``ARCHITECTURE.md``):
 ``torchmem.analysis``       pure functions over traces and snapshots (peak, diff, oom, ...)
 ``torchmem.render``         text tables, timeline plots, the offline HTML viewer
 ``torchmem.sim``            PyTorch's CUDA caching allocator, simulated (no torch, no GPU)
-``torchmem.fit``            will it fit? ``estimate`` a training step on a GPU you do not have
+``torchmem.fit``            will it fit? ``estimate`` a step, ``estimate_hf`` a model config
 ``torchmem.ledger``         allocate/free accounting, auto-GC policy, monitoring figures
 ``torchmem.devices``        device capacity and usage polling
 ``torchmem.transfer``       ``ToDevice`` and pipelined transfers between devices
@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         MissingFileError,
         TorchmemError,
     )
-    from torchmem.fit import Estimate, estimate
+    from torchmem.fit import Estimate, estimate, estimate_hf
     from torchmem.io import load_snapshot, load_trace, write_snapshot
     from torchmem.ledger import Ledger
     from torchmem.model import MemoryReport, Snapshot, Trace
@@ -119,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "write_viewer": "torchmem.render",
     # will it fit?
     "estimate": "torchmem.fit",
+    "estimate_hf": "torchmem.fit",
     "Estimate": "torchmem.fit",
     # the ledger and devices
     "Ledger": "torchmem.ledger",

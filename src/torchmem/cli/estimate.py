@@ -1,13 +1,28 @@
-"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a training step fit?
+"""``torchmem estimate path/to/file.py:build --gpu H100-80GB``: will a step fit, and how big?
 
-``build(batch_size)`` (in a file or an importable module) builds the model, optimizer and data
-and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
+``build(batch_size, **params)`` (in a file or an importable module) builds the model, optimizer
+and data and returns a zero-argument ``step()``; torchmem runs it under fake tensors through a
 simulation of PyTorch's CUDA caching allocator (see :func:`torchmem.estimate`). Nothing is
-allocated and no GPU is needed. ``--max-batch-size`` searches for the largest batch that fits
-(progress on stderr). ``-o estimate.pickle`` writes the simulated run as a PyTorch memory
-snapshot (for ``torchmem view``/``stats``/``peak``; it ends at the out-of-memory point when the
-step does not fit), atomically, and never when the estimate fails with an error. Exit codes: 0
-fits, 3 does not fit (``--max-batch-size``: not even batch 1), 2 bad input.
+allocated and no GPU is needed.
+
+- ``--set NAME=VALUE`` (repeatable) passes a keyword to ``build``: the value is read as an int
+  (``32768``, ``32_768``), then a float (``0.5``), then ``true``/``false`` or ``none``, else kept
+  as a string; ``--set batch_size=8`` is ``--batch-size 8``.
+- ``--max NAME`` searches for the largest integer value of ``NAME`` that fits (doubling from
+  ``--range LO:HI``'s low end, or the build's default, then where the memory curve puts the
+  boundary; progress on stderr);
+  ``--max-batch-size`` is ``--max batch_size``. The JSON gives ``max_<NAME>``.
+- ``--margin`` sets the error margin a FITS verdict keeps free (default: 1 % of the peak
+  reserved bytes + 256 MiB for the CUDA context's uncertainty; ``0`` judges the simulation
+  alone). The report shows the margin and the attention kernel assumed.
+
+``-o estimate.pickle`` writes the simulated run as a PyTorch memory snapshot (for ``torchmem
+view``/``stats``/``peak``; it ends at the out-of-memory point when the step does not fit),
+atomically, and never when the estimate fails with an error. Exit codes: 0 fits, 3 does not
+fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the wrong type, a
+search range in which nothing fits, ...). ``--hf-config config.json --task
+forward|generate|train`` estimates a transformers model from its config alone instead of a
+build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there too.
 
 Example:
     >>> from torchmem.cli import main
@@ -27,7 +42,7 @@ from typing import Any
 
 from torchmem.errors import InvalidInputError
 
-__all__ = ["add_arguments", "run", "render_text"]
+__all__ = ["add_arguments", "run", "render_text", "parse_value", "parse_sets", "parse_range"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> import argparse; p = argparse.ArgumentParser(); add_arguments(p)
         >>> ns = p.parse_args(["train.py:build", "--gpu", "T4", "--batch-size", "8"])
         >>> ns.gpu, ns.batch_size, ns.steps
-        ('T4', 8, 2)
+        ('T4', 8, None)
     """
     parser.add_argument(
         "spec", nargs="?",
@@ -51,10 +66,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=None, metavar="N",
                        help="the batch size passed to build (default 1)")
     group.add_argument("--max-batch-size", action="store_true",
-                       help="search for the largest batch size that fits")
-    parser.add_argument("--steps", type=int, default=2, metavar="N",
+                       help="search for the largest batch size that fits (= --max batch_size)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        dest="set_params",
+                        help="a keyword for build(batch_size, NAME=VALUE), repeatable; VALUE is "
+                             "read as an int (32768, 32_768), a float (0.5, 1e-3), a bool "
+                             "(true/false) or none, else kept as a string; "
+                             "--set batch_size=8 sets the batch size")
+    parser.add_argument("--max", default=None, metavar="NAME", dest="maximize",
+                        help="search for the largest integer value of build's parameter NAME "
+                             "that fits (seq_len, batch_size, ...): doubling, then probes where "
+                             "the memory curve puts the boundary")
+    parser.add_argument("--range", default=None, metavar="LO:HI[:STEP]", dest="search_range",
+                        help="bounds for --max: start at LO, never probe above HI (e.g. "
+                             "1024:131072); an error when LO does not fit. STEP searches "
+                             "multiples of STEP only (the answer fits, answer + STEP does not)")
+    parser.add_argument("--margin", default=None, metavar="M",
+                        help="error margin kept free for a FITS verdict: a size ('1 GiB'), a "
+                             "share of the peak reserved ('2%%') or 0; default 1%% of the peak "
+                             "reserved + 256 MiB for the CUDA context's uncertainty")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps to run (default 2: the second sees optimizer "
-                             "state and cached blocks)")
+                             "state and cached blocks; --hf-config forward/generate: 1 call)")
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
@@ -65,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suggest", action="store_true",
                         help="also replay the estimated run under the documented allocator "
                              "settings and print the best PYTORCH_CUDA_ALLOC_CONF (torchmem whatif)")
+    from torchmem.cli._estimate_hf import add_arguments as add_hf_arguments
+
+    add_hf_arguments(parser)
 
 
 def _fmt(n: int) -> str:
@@ -86,14 +122,9 @@ def render_text(est: Any, file: Any = None) -> None:
     from rich.table import Table
 
     con = Console(file=file or sys.stdout, highlight=False, soft_wrap=True)
-    verdict = "FITS" if est.fits else "DOES NOT FIT"
-    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
-    con.print(f"{est.gpu}{batch}: {verdict} (headroom {_fmt(est.headroom_bytes)} of "
-              f"{_fmt(est.usable_bytes)} usable)")
+    con.print(est.verdict_line())
     if est.searched:
-        con.print(f"largest batch that fits: {est.max_batch_size} "
-                  f"({len(est.probes)} probes: "
-                  + ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes) + ")")
+        con.print(est.search_line())
     t = Table(title="memory", show_header=True)
     t.add_column("line")
     t.add_column("bytes", justify="right")
@@ -110,6 +141,10 @@ def render_text(est: Any, file: Any = None) -> None:
               "reserved but unallocated at the peak of allocated")
     t.add_row("cuBLAS workspaces", _fmt(est.workspace_bytes),
               "one block per (thread, stream) doing GEMMs; inside allocated")
+    t.add_row("error margin", _fmt(est.margin_bytes),
+              f"kept free for a FITS verdict ({est.margin_rule or 'none'})")
+    t.add_row("headroom after margin", _fmt(est.headroom_after_margin_bytes),
+              "usable - peak reserved - margin (negative: short by that much)")
     con.print(t)
     c = Table(title="live at the peak, by category", show_header=True)
     c.add_column("category")
@@ -132,8 +167,77 @@ def render_text(est: Any, file: Any = None) -> None:
                   f"{_fmt(o.allocated_bytes)} allocated, {_fmt(o.reserved_bytes)} reserved")
         for line in o.stack:
             con.print(f"    {line}")
+    from torchmem.cli._estimate_hf import kv_lines
+
+    for line in kv_lines(est):
+        con.print(line)
+    if est.attention_kernel:
+        con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for note in est.notes:
         con.print(f"note: {note}")
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: int, then float, then bool or none, else the string itself.
+
+    Example:
+        >>> [parse_value(t) for t in ["32768", "32_768", "0.5", "True", "none", "static"]]
+        [32768, 32768, 0.5, True, None, 'static']
+    """
+    t = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(t)
+        except ValueError:
+            pass
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    return t
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set NAME=VALUE`` options as keyword arguments (the last one wins for a name).
+
+    Example:
+        >>> parse_sets(["seq_len=4096", "cache=static", "batch_size=8"])
+        {'seq_len': 4096, 'cache': 'static', 'batch_size': 8}
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier() or not value.strip():
+            raise InvalidInputError(
+                f"--set {item!r}: expected NAME=VALUE with NAME a Python identifier, e.g. "
+                "--set seq_len=32768 (values: int, float, true/false, none, or a string)"
+            )
+        out[name] = parse_value(value)
+    return out
+
+
+def parse_range(text: str | None) -> tuple[int, ...] | None:
+    """``--range LO:HI`` or ``LO:HI:STEP`` as a tuple of ints.
+
+    Example:
+        >>> parse_range("1024:131072"), parse_range("1024:131072:256"), parse_range(None)
+        ((1024, 131072), (1024, 131072, 256), None)
+    """
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        got = tuple(int(p) for p in parts) if len(parts) in (2, 3) else None
+    except ValueError:
+        got = None
+    if got is None or not 1 <= got[0] <= got[1] or (len(got) == 3 and got[2] < 1):
+        raise InvalidInputError(
+            f"--range {text!r}: expected LO:HI or LO:HI:STEP, integers with 1 <= LO <= HI and "
+            "STEP >= 1, e.g. --range 1024:131072 or --range 1024:131072:256"
+        )
+    return got
 
 
 def _check_output(path: str) -> None:
@@ -176,36 +280,73 @@ def run(args: argparse.Namespace) -> int:
                   f"{g.usable_bytes / 2**30:7.2f} GiB usable  sm_{g.compute_capability[0]}"
                   f"{g.compute_capability[1]}  {g.marketed}; source: {g.source}")
         return 0
-    if not args.spec:
+    if not args.spec and not getattr(args, "hf_config", None):
         raise InvalidInputError(
             "expected a build function, e.g. 'torchmem estimate train.py:build --gpu H100-80GB'; "
             "build(batch_size) returns a zero-argument step()"
         )
     card = gpu(args.gpu)  # unknown names fail before the user's file runs
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise InvalidInputError(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
         raise InvalidInputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.output:
         _check_output(args.output)
-
-    from torchmem.cli._objects import load_object
-
-    build = load_object(args.spec, call=False)
-    if not callable(build):
+    params = parse_sets(getattr(args, "set_params", None) or [])
+    maximize = getattr(args, "maximize", None)
+    if args.max_batch_size:
+        if maximize not in (None, "batch_size"):
+            raise InvalidInputError(
+                f"--max-batch-size and --max {maximize} both ask for a search; one parameter "
+                "is maximized at a time"
+            )
+        maximize = "batch_size"
+    search_range = parse_range(getattr(args, "search_range", None))
+    if search_range is not None and maximize is None:
         raise InvalidInputError(
-            f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
-            "returning a zero-argument step()"
+            "--range bounds a search; fix: add --max NAME (e.g. --max seq_len) or drop --range"
         )
+    if maximize is not None and maximize in params:
+        raise InvalidInputError(
+            f"--set {maximize}=... and --max {maximize}: a parameter is either set or searched; "
+            "fix: drop one"
+        )
+    if maximize == "batch_size" and args.batch_size is not None:
+        raise InvalidInputError(
+            "--batch-size and --max batch_size: the batch size is either set or searched; "
+            "fix: drop one"
+        )
+    margin = getattr(args, "margin", None)
+    if margin is not None:
+        from torchmem.fit._margin import check_margin
+
+        margin = check_margin(margin.strip())
 
     def say(msg: str) -> None:
         print(f"torchmem estimate: {msg}", file=sys.stderr, flush=True)
 
-    est = estimate(
-        build, card, args.batch_size, max_batch_size=args.max_batch_size, steps=args.steps,
-        alloc_conf=args.alloc_conf, progress=say,
-        keep_snapshot=bool(args.output) or getattr(args, "suggest", False),
-    )
+    keep = bool(args.output) or bool(getattr(args, "suggest", False))  # --suggest replays it
+    options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
+                                   keep_snapshot=keep, margin=margin)
+    if getattr(args, "hf_config", None):
+        from torchmem.cli._estimate_hf import estimate_from_args
+
+        est = estimate_from_args(args, card, params=params, maximize=maximize, progress=say,
+                                 **options)
+    else:
+        from torchmem.cli._objects import load_object
+
+        build = load_object(args.spec, call=False)
+        if not callable(build):
+            raise InvalidInputError(
+                f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
+                "returning a zero-argument step()"
+            )
+        est = estimate(
+            build, card, args.batch_size, params=params, maximize=maximize,
+            steps=2 if args.steps is None else args.steps, progress=say,
+            kv_cache_attr=getattr(args, "kv_cache_attr", None) or None, **options,
+        )
     if args.output:
         if est.snapshot is None:
             raise InvalidInputError("the simulator returned no snapshot; nothing was written")
@@ -223,6 +364,6 @@ def run(args: argparse.Namespace) -> int:
         render_text(est)
         if whatif is not None:
             sys.stdout.write(render_whatif(whatif))
-    if args.max_batch_size:
-        return 0 if est.max_batch_size else 3
+    if maximize is not None:
+        return 0 if est.max_value else 3
     return 0 if est.fits else 3

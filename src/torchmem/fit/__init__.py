@@ -1,7 +1,11 @@
 """Will it fit? Estimate a training step's GPU memory on a machine without that GPU.
 
-- :func:`estimate`: run ``build(batch_size)`` and its ``step()`` under fake tensors through a
-  simulation of PyTorch's CUDA caching allocator; returns an :class:`Estimate`.
+- :func:`estimate`: run ``build(batch_size, **params)`` and its ``step()`` under fake tensors
+  through a simulation of PyTorch's CUDA caching allocator; returns an :class:`Estimate` whose
+  ``fits`` keeps the documented error margin free (:mod:`torchmem.fit._margin`);
+  ``maximize="seq_len"`` (or any integer parameter) finds the largest value that fits.
+- :func:`estimate_hf`: the same for a transformers model from its config alone (``forward``,
+  ``generate`` with its KV cache, ``train``); no weights are read.
 - :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
   capability, the source of each figure), or a GPU from a byte size.
 
@@ -23,7 +27,9 @@ Example:
 from __future__ import annotations
 
 from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
-from torchmem.fit._estimate import Estimate, OOMSite
+from torchmem.fit._estimate import Estimate, KVCache, OOMSite
+from torchmem.fit._hf import estimate_hf
 from torchmem.fit._search import estimate
 
-__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "OOMSite", "estimate", "gpu"]
+__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "estimate",
+           "estimate_hf", "gpu"]

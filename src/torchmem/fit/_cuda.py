@@ -11,8 +11,9 @@ differently from what the CPU/fake path would, :class:`CudaEmulation` makes the 
   they only see tensors whose device is CUDA; this module registers Python kernels for the
   *AutocastCPU* key that apply the CUDA policy whenever CUDA autocast is on, and neutralises the
   CPU-only autocast entries (CPU's policy is a different list).
-- **scaled_dot_product_attention** picks its backend with CUDA's rules (``sdp_utils.cpp``: flash,
-  then memory-efficient, then math, from dtype, head dim, mask, dropout, compute capability)
+- **scaled_dot_product_attention** picks its backend with CUDA's rules (``sdp_utils.cpp``: cuDNN
+  first on sm90/sm10x, then flash, memory-efficient, math, from dtype, head dim, mask,
+  dropout, compute capability)
   and calls the CUDA op, whose fake (meta) kernel allocates what the CUDA kernel does: output
   plus logsumexp, no S x S matrix.
 - **optimizers** default to the ``foreach`` implementation as on CUDA (``_foreach_*`` ops
@@ -44,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -138,14 +140,17 @@ MODELLED: list[tuple[str, str, str]] = [
     ),
     (
         "scaled_dot_product_attention",
-        "CUDA runs flash or memory-efficient kernels that keep no S x S matrix",
-        "the backend is chosen with CUDA's rules for the target compute capability and the CUDA "
+        "CUDA runs cuDNN, flash or memory-efficient kernels that keep no S x S matrix",
+        "the backend is chosen with CUDA's rules for the target compute capability (cuDNN "
+        "attention first on sm90/sm10x, as PyTorch's CUDA 13 wheels do with cuDNN >= 9.15.1, "
+        "unless TORCH_CUDNN_SDPA_DEPRIORITIZED is set; then flash, memory-efficient, math) "
+        "and the CUDA "
         "op is called (its fake kernel allocates output + logsumexp (+ RNG state); the flash "
         "backward's scratch (softmax_d, fp32 dq accumulator, contiguous grad_out) comes from "
         "transients(); the memory-efficient backward's workspace is not modelled; head dims not "
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
-        "cuDNN attention (preferred on some Hopper/Blackwell setups) is not modelled",
+        "cuDNN's own workspace (sized by its heuristics at run time) is not modelled",
     ),
     (
         "optimizers (Adam, AdamW, SGD, ...)",
@@ -246,7 +251,54 @@ def _op(name: str) -> Any:
 
 # -- scaled_dot_product_attention with CUDA's backend choice --------------------------------------
 
-_FLASH, _EFFICIENT, _MATH = "flash", "efficient", "math"
+_FLASH, _EFFICIENT, _MATH, _CUDNN = "flash", "efficient", "math", "cudnn"
+_ENV_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def _cudnn_first(cc: tuple[int, int]) -> bool:
+    """``check_prefer_cudnn_attention`` (sdp_utils.cpp, PyTorch 2.13): cuDNN attention goes
+    first on sm90 and sm10x when the runtime cuDNN is newer than 9.15 (the CUDA 13 wheels'),
+    unless the environment sets ``TORCH_CUDNN_SDPA_DEPRIORITIZED``."""
+    off = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower() in _ENV_TRUE
+    return cc[0] in (9, 10) and not off
+
+
+def _cudnn_ok(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, cc: tuple[int, int]
+) -> bool:
+    """``can_use_cudnn_attention`` for dense inputs on a recent cuDNN (> 9.22: head dims up to
+    256 on sm90/sm10x; backward only for head dims <= 128, (192, 128) or (256, 256))."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not (
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
+        return False
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        return False
+    if dropout * 16.0 != math.floor(dropout * 16.0) or not (8, 0) <= cc <= (12, 1):
+        return False
+    if any(t.size(-2) == 0 or t.size(-1) == 0 for t in (q, k, v)):
+        return False
+    if not all(t.stride(-1) == 1 or t.size(-1) == 1 for t in (q, k, v)):
+        return False
+    b, h, s_q, d_qk = q.shape
+    hk, s_k, d_v = k.size(1), k.size(-2), v.size(-1)
+    if not (q.size(0) == k.size(0) == v.size(0) and hk == v.size(1) and h % hk == 0):
+        return False
+    if b > 65535 or h > 65535 or d_qk != k.size(-1):
+        return False
+    limit = 256 if cc == (9, 0) or cc[0] == 10 else 128
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8 or s_k == 1:
+        return False
+    if dropout != 0.0 and s_q == 1:
+        return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return not grad or (
+        (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))
+    )
 
 
 def _sdpa_backend(
@@ -259,9 +311,12 @@ def _sdpa_backend(
     enable_gqa: bool,
     cc: tuple[int, int],
 ) -> str:
-    """The backend CUDA's ``select_sdp_backend`` picks (default priority: flash, efficient,
-    math; the user's ``torch.backends.cuda.enable_*_sdp`` switches are honoured)."""
+    """The backend CUDA's ``select_sdp_backend`` picks (priority: cuDNN on sm90/sm10x, then
+    flash, efficient, math; the user's ``torch.backends.cuda.enable_*_sdp`` switches are
+    honoured)."""
     backends = torch.backends.cuda
+    if _cudnn_first(cc) and _cudnn_ok(q, k, v, dropout, cc):
+        return _CUDNN
     dense = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
     same_batch = dense and q.size(0) == k.size(0) == v.size(0)
     same_heads = dense and q.size(1) == k.size(1) == v.size(1)
@@ -318,6 +373,56 @@ def _sdpa_backend(
     return _MATH
 
 
+_SDPA_NAMES = {
+    _CUDNN: "cuDNN attention kernel (no S x S scores kept; PyTorch's CUDA 13 wheels put it "
+            "first on sm90/sm10x, TORCH_CUDNN_SDPA_DEPRIORITIZED=1 gives flash)",
+    _FLASH: "flash kernel (no S x S scores kept)",
+    _EFFICIENT: "memory-efficient kernel (no S x S scores kept)",
+    _MATH: "math fallback (keeps batch x heads x L x S scores)",
+}
+
+
+def _sdpa_inputs(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, backend: str,
+    cc: tuple[int, int],
+) -> str:
+    """What decided an SDPA call's backend, in words: dtype, head dim, mask, and why the
+    backends ahead of it in CUDA's priority order were not taken."""
+    dtype = str(q.dtype).removeprefix("torch.")
+    head = q.size(-1) if q.dim() else 0
+    masked = "causal" if causal else ("no mask" if mask is None else "explicit attn_mask")
+    low = {torch.float16, torch.bfloat16} if cc >= (8, 0) else {torch.float16}
+    low_name = "float16/bfloat16" if cc >= (8, 0) else "float16"
+    why: list[str] = []
+    if backend != _CUDNN and _cudnn_first(cc):
+        if q.dtype not in low:
+            why.append(f"cuDNN needs {low_name}")
+        elif head % 8 or head > 256:
+            why.append("cuDNN needs a head dim that is a multiple of 8, at most 256")
+        elif head > 128 and torch.is_grad_enabled() and q.requires_grad:
+            why.append("cuDNN's backward takes head dims <= 128, 192/128 or 256")
+        else:
+            why.append("cuDNN's other checks (dropout in 1/16 steps, key length > 1, shapes)")
+    if backend not in (_CUDNN, _FLASH):
+        if not (8, 0) <= cc <= (12, 1):
+            why.append("flash needs compute capability 8.0-12.1")
+        elif q.dtype not in low:
+            why.append(f"flash needs {low_name}")
+        elif mask is not None:
+            why.append("flash takes no attn_mask")
+        elif head > 256:
+            why.append("flash needs head dim <= 256")
+        elif causal and q.dim() >= 2 and k.dim() >= 2 and q.size(-2) != k.size(-2):
+            why.append("flash's causal mask needs as many queries as keys")
+        else:
+            why.append("flash's other checks (strides, shapes, backends enabled)")
+    if backend == _MATH:
+        why.append(f"memory-efficient needs head dim a multiple of {_gemm_alignment(q.dtype, cc)}"
+                   " and a supported dtype")
+    tail = f"; {', '.join(why)}" if why else ""
+    return f"{dtype}, head dim {head}, {masked}{tail}"
+
+
 def _flash_grad_head_dim_ok(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, cc: tuple[int, int]
 ) -> bool:
@@ -356,6 +461,14 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
         # convert_boolean_attn_mask: where(!mask, -inf, scalar_tensor(0)) in the query's dtype
         zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device)
         mask = torch.where(mask.logical_not(), -math.inf, zero)
+    if backend == _CUDNN:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, mask, True, dropout, is_causal, False, scale=scale
+            )[0]
+        # Without grad the CUDA kernel (MHA.cpp) allocates only the output, in q's layout; the
+        # fake kernel would also allocate the softmax stats (b, h, s_q, 1) fp32.
+        return _like_layout(q, (q.size(0), q.size(1), q.size(2), v.size(-1)))
     if backend == _FLASH:
         head = q.size(-1)
         if scale is None:
@@ -380,6 +493,19 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.ops.aten._scaled_dot_product_attention_math(
         q, k, v, mask, dropout, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
+
+
+def _like_layout(q: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dims are laid out in ``q``'s stride order
+    (``alloc_with_matching_layout`` of PyTorch's attention kernels)."""
+    q_strides = tuple(q.stride())
+    order = sorted(range(4), key=lambda i: -q_strides[i])
+    strides = [0] * 4
+    step = 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
 
 
 def _pad_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -689,8 +815,8 @@ class CudaEmulation:
         >>> with FakeTensorMode(), emu:
         ...     q = torch.empty(2, 8, 1024, 64, dtype=torch.bfloat16)
         ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        >>> out.shape, emu.last_sdpa_backend
-        (torch.Size([2, 8, 1024, 64]), 'flash')
+        >>> out.shape, emu.last_sdpa_backend                  # cuDNN first on sm90
+        (torch.Size([2, 8, 1024, 64]), 'cudnn')
     """
 
     def __init__(
@@ -731,6 +857,8 @@ class CudaEmulation:
         self.max_threads_per_sm: int = _MAX_THREADS_PER_SM.get(major_minor, 2048)
         #: The backend the last ``scaled_dot_product_attention`` call used (``None`` before one).
         self.last_sdpa_backend: str | None = None
+        #: Every ``scaled_dot_product_attention`` call: (backend, inputs and why) -> count.
+        self.sdpa_calls: dict[tuple[str, str], int] = {}
         self._cache = _CastCache()
         self._lib: Any = None
         self._undo: list[Callable[[], None]] = []
@@ -996,17 +1124,47 @@ class CudaEmulation:
         p = dict(zip(names, args))
         p.update(kwargs)
         mask = p.get("attn_mask")
-        self.last_sdpa_backend = _sdpa_backend(
-            p["query"],
-            p["key"],
-            p["value"],
-            mask,
-            float(p.get("dropout_p", 0.0) or 0.0),
-            bool(p.get("is_causal", False)),
-            bool(p.get("enable_gqa", False)),
-            self.compute_capability,
-        )
+        q, k, v = p["query"], p["key"], p["value"]
+        dropout = float(p.get("dropout_p", 0.0) or 0.0)
+        causal = bool(p.get("is_causal", False))
+        backend = _sdpa_backend(q, k, v, mask, dropout, causal, bool(p.get("enable_gqa", False)),
+                                self.compute_capability)
+        self.last_sdpa_backend = backend
+        key = (backend, _sdpa_inputs(q, k, mask, causal, backend, self.compute_capability))
+        self.sdpa_calls[key] = self.sdpa_calls.get(key, 0) + 1
         return _sdpa(self.compute_capability, *args, **kwargs)
+
+    def attention_report(self) -> tuple[str | None, list[str]]:
+        """The attention kernel(s) ``scaled_dot_product_attention`` ran, and one note per kind
+        of call (the inputs that decided it); ``(None, [])`` when it was never called.
+
+        The kernel is ``"flash"``, ``"efficient"`` (memory-efficient) or ``"math"``, or several
+        joined by ``+`` (most calls first) when calls differed.
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((7, 5))                   # a T4: no flash kernel
+            >>> with FakeTensorMode(), emu:
+            ...     q = torch.empty(1, 4, 128, 64, dtype=torch.float16)
+            ...     _ = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            >>> kernel, notes = emu.attention_report()
+            >>> kernel, "float16, head dim 64, no mask; flash needs compute capability" in notes[0]
+            ('efficient', True)
+        """
+        if not self.sdpa_calls:
+            return None, []
+        per_backend: dict[str, int] = {}
+        for (backend, _), n in self.sdpa_calls.items():
+            per_backend[backend] = per_backend.get(backend, 0) + n
+        kernel = "+".join(sorted(per_backend, key=lambda b: -per_backend[b]))
+        notes = [
+            f"attention: {_SDPA_NAMES[backend]} for {n} scaled_dot_product_attention "
+            f"call{'s' if n > 1 else ''} ({inputs}; CUDA's choice on "
+            f"sm_{self.compute_capability[0]}{self.compute_capability[1]})"
+            for (backend, inputs), n in self.sdpa_calls.items()
+        ]
+        return kernel, notes
 
     # -- torch.autocast("cuda") on a CPU-only build ---------------------------------------------
 

@@ -33,7 +33,7 @@ import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,13 +45,15 @@ from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._cuda import CudaEmulation
 from torchmem.fit._env import fake_cuda
-from torchmem.fit._estimate import Estimate, OOMSite
+from torchmem.fit._estimate import Estimate, KVCache, OOMSite
+from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
+from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
 
-__all__ = ["run_once", "BuildFn"]
+__all__ = ["run_once", "BuildFn", "BuildError"]
 
-BuildFn = Callable[[int], Callable[[], Any]]
+BuildFn = Callable[..., Callable[[], Any]]
 
 _ALLOC, _FREE = EventKind.ALLOC, EventKind.FREE
 
@@ -72,7 +74,17 @@ _KEYS = {
     Category.OTHER: "other",
 }
 _REPORT_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
-                "inputs", "other", "workspace")
+                "inputs", "other", "kv_cache", "workspace")
+
+
+class BuildError(InvalidInputError):
+    """Raised by torchmem's own builds (:func:`torchmem.estimate_hf`): already says what was
+    tried, so the estimate raises it as is, not wrapped as an error of the user's build.
+
+    Example:
+        >>> issubclass(BuildError, InvalidInputError)
+        True
+    """
 
 
 class _Abort(BaseException):
@@ -121,6 +133,10 @@ class _State:
         self.oom: OOMSite | None = None
         self.phase = "other"
         self.snapshot: Any = None
+        #: live storages: key (UntypedStorage._cdata) -> tracker storage id, and back
+        self.sid_of: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.end_seq = -1
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
 
@@ -161,6 +177,10 @@ class _State:
         if kind == _ALLOC:
             n = ev.nbytes
             self.phase = ev.phase.label
+            if storage is not None:
+                key = storage._cdata
+                self.sid_of[key] = ev.storage
+                self.key_of[ev.storage] = key
             if n:
                 addr = self._malloc(n, ev, ev.op, "tensor storage")
                 if addr is None:
@@ -173,6 +193,9 @@ class _State:
                 self.ws_at_peak = self.ws_bytes
         elif kind == _FREE:
             self.live_req -= ev.nbytes
+            key = self.key_of.pop(ev.storage, None)
+            if key is not None and self.sid_of.get(key) == ev.storage:
+                del self.sid_of[key]
             addr = self.addr.pop(ev.storage, None)
             if addr is not None:
                 self.sim.free(addr)
@@ -216,18 +239,27 @@ _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
 
 class _SimMode(TorchDispatchMode):
     """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
-    backward scatters into fresh zeros run in place (see ``_IN_PLACE``)."""
+    backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
+    value reads are answered (:mod:`torchmem.fit._generate`)."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: _State, gen: GenerationPatches | None = None) -> None:
         super().__init__()
         self.state = state
+        self.gen = gen or GenerationPatches()
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        gen = self.gen
+        if func is LOCAL_SCALAR and gen.installed:
+            value = gen.answer(args[0])
+            if value is not None:
+                return value
         zeros, self.zeros = self.zeros, None
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
         out = func(*args, **(kwargs or {}))
+        if gen.installed:
+            gen.note_output(func, out)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
@@ -307,8 +339,17 @@ def run_once(
     steps: int = 2,
     alloc_conf: str | None = None,
     keep_snapshot: bool = False,
+    params: Mapping[str, Any] | None = None,
+    kv_cache_attr: Sequence[str] | None = None,
 ) -> Estimate:
-    """Build and run ``steps`` steps of ``build(batch_size)`` on a fake ``gpu``; one estimate.
+    """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
+    estimate (``params`` are keyword arguments passed to ``build``, recorded in
+    ``Estimate.params``).
+
+    The KV cache (``Estimate.kv_cache``, ``by_category["kv_cache"]``) is found in
+    transformers' cache objects and in the module attributes named by ``kv_cache_attr``
+    (:mod:`torchmem.fit._kv`); transformers (``generate()``, its mask code) runs with its own
+    value reads answered as on a GPU (:mod:`torchmem.fit._generate`).
 
     Example:
         >>> import torch
@@ -326,6 +367,9 @@ def run_once(
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise InvalidInputError(f"steps must be an int >= 1, got {steps!r}")
     card = _gpu(gpu)
+    attrs = check_attrs(kv_cache_attr)
+    kw = dict(params or {})
+    call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
 
     sim = _make_sim(card.usable_bytes, alloc_conf)
@@ -338,6 +382,8 @@ def run_once(
     tracker = track(stacks=True, listeners=[st.listener])
     step: Any = None
     failure: InvalidInputError | None = None
+    gen = GenerationPatches()
+    kv = KVWatch(attrs, st.sid_of.get)
     with tracker:
         with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
@@ -345,24 +391,29 @@ def run_once(
             context_bytes=card.context_bytes,
         ):
             emu_ctx = emu if emu is not None else _Null()
-            with emu_ctx, _SimMode(st):
+            with emu_ctx, _SimMode(st, gen), kv:
                 try:
+                    gen.install()
                     try:
-                        step = build(batch_size)
+                        step = build(batch_size, **kw)
                     except _Abort:
                         raise
                     except Exception as e:
                         if st.oom is None:
-                            failure = _user_error(e, f"build({batch_size})", [build])
-                            failure.__cause__ = e
+                            if isinstance(e, BuildError):
+                                failure = e
+                            else:
+                                failure = _user_error(e, call, [build])
+                                failure.__cause__ = e
                     if failure is None and st.oom is None and not callable(step):
                         file, line = _source_of(build)
                         at = f" (defined at {file}:{line})" if file else ""
                         failure = InvalidInputError(
-                            f"build({batch_size}){at} returned {type(step).__name__}, expected a "
+                            f"{call}{at} returned {type(step).__name__}, expected a "
                             "zero-argument step() callable that runs one training iteration; "
                             "fix: end build with `return step`"
                         )
+                    gen.install()  # build may have imported transformers
                     for _ in range(steps):
                         if failure is not None or st.oom is not None:
                             break
@@ -377,6 +428,8 @@ def run_once(
                 except _Abort:
                     pass
                 finally:
+                    gen.remove()
+                    st.end_seq = len(tracker) - 1
                     if keep_snapshot and failure is None:
                         # the state at the end of the last step (or at the OOM point), before
                         # build's objects are dropped
@@ -388,7 +441,11 @@ def run_once(
         raise TorchmemError(
             f"internal error in the estimate's allocator feed: {tracker.listener_errors[0]!r}"
         )
-    return _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot)
+    est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
+    est.params = kw
+    est.attention_kernel, attention_notes = emu.attention_report()
+    est.notes.extend(attention_notes)
+    return est
 
 
 class _Null:
@@ -402,8 +459,10 @@ class _Null:
 def _result(
     card: GPU, batch_size: int, steps: int, alloc_conf: str | None, st: _State, tracker: Any,
     keep_snapshot: bool,
+    kv: KVWatch | None = None,
 ) -> Estimate:
     by_cat = dict.fromkeys(_REPORT_KEYS, 0)
+    kv_ids = kv.ids if kv is not None else set()
     by_mod: dict[str, int] = {}
     if st.peak_req_seq >= 0:
         live: dict[int, tuple[int, str, str]] = {}
@@ -411,7 +470,8 @@ def _result(
             if ev.seq > st.peak_req_seq:
                 break
             if ev.kind == _ALLOC:
-                live[ev.storage] = (ev.nbytes, _KEYS.get(ev.category, "other"), ev.module or "")
+                key = "kv_cache" if ev.storage in kv_ids else _KEYS.get(ev.category, "other")
+                live[ev.storage] = (ev.nbytes, key, ev.module or "")
             elif ev.kind == _FREE:
                 live.pop(ev.storage, None)
         for n, key, mod in live.values():
@@ -439,4 +499,22 @@ def _result(
         alloc_conf=alloc_conf,
         compute_capability=card.compute_capability,
         snapshot=st.snapshot,
+        kv_cache=_kv_cache(kv, by_cat["kv_cache"], st, tracker),
+    )
+
+
+def _kv_cache(kv: KVWatch | None, at_peak: int, st: _State, tracker: Any) -> KVCache | None:
+    """The KV cache's figures, ``None`` when the run had no cache."""
+    if kv is None or not kv.ids:
+        return None
+    (end,) = kv_live_bytes(tracker.events(), kv.ids, [st.end_seq])
+    return KVCache(
+        peak_bytes=at_peak,
+        end_bytes=end,
+        max_bytes=kv.max_bytes,
+        bytes_per_token=kv.bytes_per_token,
+        bytes_per_sequence=kv.bytes_per_sequence,
+        tokens=kv.tokens,
+        batch=kv.batch,
+        source=", ".join(sorted(kv.sources)),
     )

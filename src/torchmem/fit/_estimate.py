@@ -12,7 +12,55 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Estimate", "OOMSite"]
+__all__ = ["Estimate", "OOMSite", "KVCache"]
+
+
+@dataclass
+class KVCache:
+    """The KV cache of an estimated run: what the cache objects (or the attributes named by
+    ``kv_cache_attr``) held.
+
+    ``peak_bytes``: cache storages live at the estimate's peak of requested bytes (the
+    ``kv_cache`` entry of ``by_category``); ``end_bytes``: live at the end of the last step;
+    ``max_bytes``: the most the cache held at once; ``bytes_per_token``: bytes one token of
+    one sequence takes (``2 x layers x kv_heads x head_dim x dtype bytes`` for a standard
+    cache); ``bytes_per_sequence``: ``max_bytes`` per sequence of the batch (``tokens`` x
+    ``bytes_per_token`` for a plain cache; more when the cache keeps views into larger
+    storages, as a sliding window does after its prefill); ``tokens`` and ``batch``: the cache's length (a static cache: its
+    maximum length, allocated up front) and batch at ``max_bytes``; ``source``: what held it.
+
+    Example:
+        >>> kv = KVCache(1024, 0, 2048, 64, 1024, 16, 2, "transformers DynamicCache")
+        >>> kv.to_dict()["kv_cache_bytes_per_token"]
+        64
+    """
+
+    peak_bytes: int
+    end_bytes: int
+    max_bytes: int
+    bytes_per_token: int
+    bytes_per_sequence: int
+    tokens: int
+    batch: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``kv_cache_*`` keys of :meth:`Estimate.to_dict`.
+
+        Example:
+            >>> sorted(KVCache(0, 0, 0, 0, 0, 0, 0, "x").to_dict())[:3]
+            ['kv_cache_batch', 'kv_cache_bytes_per_sequence', 'kv_cache_bytes_per_token']
+        """
+        return {
+            "kv_cache_peak_bytes": self.peak_bytes,
+            "kv_cache_end_bytes": self.end_bytes,
+            "kv_cache_max_bytes": self.max_bytes,
+            "kv_cache_bytes_per_token": self.bytes_per_token,
+            "kv_cache_bytes_per_sequence": self.bytes_per_sequence,
+            "kv_cache_tokens": self.tokens,
+            "kv_cache_batch": self.batch,
+            "kv_cache_source": self.source,
+        }
 
 
 @dataclass
@@ -54,7 +102,7 @@ class OOMSite:
 
 @dataclass
 class Estimate:
-    """Will it fit? The figures of one simulated run (or of the largest fitting batch).
+    """Will it fit? The figures of one simulated run (or of a search's answer).
 
     Bytes are ints. ``capacity_bytes`` is the GPU's total memory, ``overhead_bytes`` the CUDA
     context (outside PyTorch's allocator), so the simulated allocator had
@@ -65,7 +113,18 @@ class Estimate:
     bytes (plus ``workspace``, the library workspaces live then). ``fragmentation_bytes`` is
     reserved minus allocated at the peak of allocated bytes. ``oom`` says where it would run out
     of memory (``None`` when it fits). ``snapshot`` is the simulated run as a
-    :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``).
+    :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``). ``kv_cache``
+    (:class:`KVCache`, ``None`` when the run had none) describes the KV cache; ``to_dict``
+    gives it as the ``kv_cache_*`` keys.
+
+    ``fits`` keeps the estimator's error margin free: it is true only when the run did not run
+    out of memory *and* ``headroom_bytes >= margin_bytes``; ``fits_without_margin`` is the
+    verdict of the simulated run alone (``None``: no margin was applied, same as ``fits``).
+    ``params`` are the keyword arguments ``build`` was called with. A search sets
+    ``maximized`` (the parameter's name), ``max_value`` (the largest value that fits; 0 when
+    none does) and, for the batch size, ``max_batch_size``. ``attention_kernel`` names the
+    kernel(s) ``scaled_dot_product_attention`` ran (``"flash"``, ``"efficient"``, ``"math"``;
+    ``None`` when it was not called).
 
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
@@ -96,6 +155,14 @@ class Estimate:
     probes: list[tuple[int, bool]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     snapshot: Any = field(default=None, repr=False)
+    kv_cache: KVCache | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    maximized: str | None = None
+    max_value: int | None = None
+    margin_bytes: int = 0
+    margin_rule: str = ""
+    fits_without_margin: bool | None = None
+    attention_kernel: str | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -116,6 +183,53 @@ class Estimate:
             20
         """
         return self.usable_bytes - self.peak_reserved_bytes
+
+    @property
+    def headroom_after_margin_bytes(self) -> int:
+        """Headroom left once the error margin is kept free (negative: short by that much).
+
+        Example:
+            >>> Estimate("x", 1, True, 100, 30, 0, 0, 50, margin_bytes=15).headroom_after_margin_bytes
+            5
+        """
+        return self.headroom_bytes - self.margin_bytes
+
+    def verdict_line(self) -> str:
+        """One line: the GPU, the batch and parameters, the verdict and the headroom (the
+        margin kept free, when there is one).
+
+        Example:
+            >>> e = Estimate("T4", 8, True, 100 << 20, 30 << 20, 0, 0, 50 << 20,
+            ...              params={"seq_len": 4096}, margin_bytes=1 << 20)
+            >>> e.verdict_line()
+            'T4, batch 8, seq_len 4096: FITS (headroom 20.00 MiB of 70.00 MiB usable; margin 1.00 MiB kept free)'
+        """
+        from torchmem.units import format_bytes
+
+        what = f", batch {self.batch_size}" if self.batch_size is not None else ""
+        what += "".join(f", {k} {v}" for k, v in self.params.items())
+        kept = f"; margin {format_bytes(self.margin_bytes)} kept free" if self.margin_bytes else ""
+        return (f"{self.gpu}{what}: {'FITS' if self.fits else 'DOES NOT FIT'} (headroom "
+                f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.usable_bytes)} "
+                f"usable{kept})")
+
+    def search_line(self) -> str | None:
+        """The search's answer and its probes (``+`` fits, ``-`` does not); ``None`` without a
+        search.
+
+        Example:
+            >>> e = Estimate("T4", 1, True, 100, 30, 0, 0, 50, searched=True, maximized="seq_len",
+            ...              max_value=96, probes=[(64, True), (128, False), (96, True)])
+            >>> e.search_line()
+            'largest seq_len that fits: 96 (3 probes: 64+, 128-, 96+)'
+        """
+        if not self.searched:
+            return None
+        name = self.maximized or "batch_size"
+        label = "batch" if name == "batch_size" else name
+        answer = self.max_value if self.maximized else self.max_batch_size
+        probes = ", ".join(f"{v}{'+' if f else '-'}" for v, f in self.probes)
+        return f"largest {label} that fits: {answer} ({len(self.probes)} probes: {probes})"
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the verdict, the memory lines, what is live at the peak.
@@ -148,7 +262,20 @@ class Estimate:
             "oom": None if self.oom is None else self.oom.to_dict(),
         }
         if self.searched:
-            d["max_batch_size"] = self.max_batch_size
+            name = self.maximized or "batch_size"
+            d[f"max_{name}"] = self.max_value if self.maximized else self.max_batch_size
+            if name != "batch_size" and self.max_batch_size is not None:
+                d["max_batch_size"] = self.max_batch_size
+            d["maximized"] = name
+        d.update(
+            margin_bytes=self.margin_bytes,
+            fits_without_margin=self.fits if self.fits_without_margin is None
+            else self.fits_without_margin,
+            headroom_after_margin_bytes=self.headroom_after_margin_bytes,
+            margin_rule=self.margin_rule,
+            attention_kernel=self.attention_kernel,
+            params=dict(self.params),
+        )
         d.update(
             gpu=self.gpu,
             compute_capability=list(self.compute_capability),
@@ -163,7 +290,9 @@ class Estimate:
             by_module=dict(self.by_module),
         )
         if self.searched:
-            d["probes"] = [{"batch_size": b, "fits": f} for b, f in self.probes]
+            d["probes"] = [{self.maximized or "batch_size": v, "fits": f} for v, f in self.probes]
+        if self.kv_cache is not None:
+            d.update(self.kv_cache.to_dict())
         if self.notes:
             d["notes"] = list(self.notes)
         return d

@@ -1,33 +1,137 @@
-"""``estimate``: one fake run at a batch size, or a search for the largest batch that fits.
+"""``estimate``: one fake run with given parameters, or a search for the largest value that fits.
 
-The search doubles the batch from 1 until a run does not fit, then bisects between the last
-batch that fit and the first that did not. Every probe is a fresh fake run (a new simulated
-allocator, new fake tensors), so nothing carries over between probes.
+``build(batch_size, **params)`` is called; any integer parameter can be maximized (the batch
+size, ``seq_len``, ``max_new_tokens``, ...). The search starts from the search range's low end
+(or the build's default for that keyword, or 1), doubles until a run does not fit (halves
+first when the start does not fit), then narrows the bracket between the last value that fit
+and the first that did not: the probes that ran to the end give the memory curve (peak
+reserved bytes against the value), and the largest value the curve says fits is probed next,
+then the value above it; after a misprediction one bisection step follows, so the answer is
+always a true boundary (it fits; one more does not). Every probe is a fresh fake run (a new simulated allocator, new fake
+tensors), so nothing carries over between probes. A probe fits when it keeps the error margin
+free (:mod:`torchmem.fit._margin`), the rule of every answer.
 
 Example:
     >>> import torch
     >>> def build(batch):
     ...     x = torch.zeros(batch, 1 << 18)           # 1 MiB per row
     ...     return lambda: x * 2
-    >>> e = estimate(build, gpu="2 GiB", max_batch_size=True, steps=1)
+    >>> e = estimate(build, gpu="2 GiB", max_batch_size=True, steps=1, margin=0)
     >>> e.max_batch_size, e.fits, e.batch_size == e.max_batch_size
     (758, True, True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._engine import BuildFn, run_once
 from torchmem.fit._estimate import Estimate
+from torchmem.fit._margin import MarginSpec, check_margin, describe_margin, margin_for
+from torchmem.units import format_bytes
 
 __all__ = ["estimate"]
 
-#: The search stops doubling here (a build that ignores its batch size would never stop).
+#: The search stops doubling here (a build that ignores the parameter would never stop).
 MAX_SEARCH_BATCH = 1 << 24
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _signature(build: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(build)
+    except (TypeError, ValueError):
+        return None
+
+
+def _keywords(build: Any) -> tuple[dict[str, Any], bool] | None:
+    """``build``'s keyword parameters (after the batch size) with their defaults
+    (``inspect.Parameter.empty`` when none), and whether it takes ``**kwargs``; ``None`` when
+    the signature cannot be read."""
+    sig = _signature(build)
+    if sig is None:
+        return None
+    params = list(sig.parameters.values())
+    out: dict[str, Any] = {}
+    var_kw = False
+    first = True
+    for p in params:
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind is p.VAR_POSITIONAL:
+            first = False
+        elif first and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            first = False  # the batch size
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            out[p.name] = p.default
+    return out, var_kw
+
+
+def _check_value(where: str, name: str, value: Any, default: Any) -> None:
+    """A value whose type does not match the default's (an int parameter given ``'abc'``)."""
+    if default is inspect.Parameter.empty or default is None or value is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = _is_int(value)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        return
+    if not ok:
+        kind = type(default).__name__
+        raise InvalidInputError(
+            f"{where}(): {name}={value!r} ({type(value).__name__}) does not fit the parameter: "
+            f"its default is {kind} {default!r}; fix: give a {kind}, e.g. {name}={default!r}"
+        )
+
+
+def _check_params(
+    build: Any, names: list[str], values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Fail clearly when ``build`` does not take one of ``names`` (or a value does not match
+    its default's type); the keywords it takes."""
+    info = _keywords(build)
+    if info is None:
+        return {}
+    accepted, var_kw = info
+    where = getattr(build, "__qualname__", None) or type(build).__name__
+    for name, value in (values or {}).items():
+        if name in accepted:
+            _check_value(where, name, value, accepted[name])
+    for name in names:
+        if name not in accepted and not var_kw:
+            takes = ", ".join(accepted) if accepted else "none besides the batch size"
+            raise InvalidInputError(
+                f"{where}() takes no parameter {name!r}; its keyword parameters: {takes}; "
+                f"fix: add `{name}` to build's signature (build(batch_size, {name}=...)) or "
+                "set one it takes"
+            )
+    return accepted
+
+
+def _apply_margin(e: Estimate, margin: MarginSpec, card: GPU) -> Estimate:
+    e.margin_bytes = margin_for(margin, card, e.peak_reserved_bytes)
+    e.margin_rule = describe_margin(margin, card)
+    e.fits_without_margin = e.fits
+    if e.fits and e.headroom_bytes < e.margin_bytes:
+        e.fits = False
+        e.notes.append(
+            f"fits the simulation with {format_bytes(e.headroom_bytes)} free, less than the "
+            f"error margin {format_bytes(e.margin_bytes)} ({e.margin_rule}); counted as not "
+            "fitting (margin=0 judges the simulated run alone)"
+        )
+    return e
 
 
 def estimate(
@@ -35,26 +139,55 @@ def estimate(
     gpu: str | int | GPU = "H100-80GB",
     batch_size: int | None = None,
     *,
+    params: Mapping[str, Any] | None = None,
+    maximize: str | None = None,
     max_batch_size: bool = False,
+    search_range: tuple[int, ...] | None = None,
     steps: int = 2,
     alloc_conf: str | None = None,
     progress: Callable[[str], None] | None = None,
     keep_snapshot: bool = False,
+    margin: int | str | None = None,
+    kv_cache_attr: Sequence[str] | None = None,
 ) -> Estimate:
-    """Will ``build``'s training step fit on ``gpu``? Estimated without the GPU, exactly.
+    """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
-    ``build(batch_size)`` builds the model, optimizer and data and returns a zero-argument
-    ``step()`` that runs one iteration. torchmem calls it under fake tensors (no memory is
-    allocated) with CUDA redirected to the fake device, so code written for ``"cuda"`` runs
-    unchanged, then runs ``step()`` ``steps`` times (default 2: the second step sees the
-    optimizer state and the cached blocks) through a simulation of PyTorch's CUDA caching
-    allocator with the GPU's usable memory (``alloc_conf``: a ``PYTORCH_CUDA_ALLOC_CONF``
-    string). ``gpu`` is a catalog name (:data:`torchmem.fit.GPUS`) or a size (``"23.5 GiB"``).
+    ``build(batch_size, **params)`` builds the model, optimizer and data and returns a
+    zero-argument ``step()`` that runs one iteration. torchmem calls it under fake tensors (no
+    memory is allocated) with CUDA redirected to the fake device, so code written for
+    ``"cuda"`` runs unchanged, then runs ``step()`` ``steps`` times (default 2: the second step
+    sees the optimizer state and the cached blocks) through a simulation of PyTorch's CUDA
+    caching allocator with the GPU's usable memory (``alloc_conf``: a
+    ``PYTORCH_CUDA_ALLOC_CONF`` string). ``gpu`` is a catalog name
+    (:data:`torchmem.fit.GPUS`) or a size (``"23.5 GiB"``).
 
-    ``batch_size=None`` means 1. ``max_batch_size=True`` searches for the largest batch that
-    fits (doubling, then bisection; ``progress(message)`` is told each probe) and returns that
-    batch's estimate with ``max_batch_size`` set (0 when even batch 1 does not fit: then the
-    estimate is batch 1's, with its out-of-memory point).
+    ``batch_size=None`` means 1. ``params`` are keyword arguments for ``build`` (``seq_len``,
+    ``max_new_tokens``, ...; ``"batch_size"`` in it sets the batch size); a name ``build``
+    does not take is an error that lists the ones it takes.
+
+    ``maximize="seq_len"`` searches for the largest integer value of that keyword that fits
+    (``maximize="batch_size"`` or ``max_batch_size=True`` for the batch): from
+    ``search_range``'s low end, or the build's default for it, or 1, doubling until a run does
+    not fit (halving first when the start does not fit), then narrowing the bracket where the
+    memory curve of the probes so far says the boundary is (bisection after a misprediction).
+    ``search_range=(lo, hi)`` bounds it (an error when ``lo`` does not fit; a note when ``hi``
+    does); ``(lo, hi, step)`` probes multiples of ``step`` only, so the answer fits and
+    ``answer + step`` does not (fewer probes for long contexts). The search
+    checks that memory grows with the parameter and says so in ``notes`` (and a
+    ``RuntimeWarning``) when it does not. It returns the answer's estimate with ``maximized``,
+    ``max_value`` (and ``max_batch_size`` for the batch) and ``probes``; ``max_value`` is 0
+    when not even 1 fits (then the estimate is that run's, with its out-of-memory point).
+    ``progress(message)`` is told each probe.
+
+    ``margin``: every answer keeps the estimator's documented error margin free
+    (:mod:`torchmem.fit._margin`: by default 1 % of the peak reserved bytes plus 256 MiB for
+    the CUDA context's uncertainty); ``fits`` is true only with it kept free, and
+    ``fits_without_margin`` gives the simulated run's own verdict. An int is bytes, a string a
+    size (``"1 GiB"``) or a share of the peak (``"2%"``); ``0`` turns it off.
+
+    The attention kernel ``scaled_dot_product_attention`` would run on that GPU (flash,
+    memory-efficient or math, from dtype, compute capability, head dim and mask) is the one
+    simulated; ``attention_kernel`` and ``notes`` say which.
 
     ``keep_snapshot=True`` keeps the simulated run as a PyTorch-format
     :class:`~torchmem.model.Snapshot` in ``Estimate.snapshot`` (the state at the end of the
@@ -62,83 +195,329 @@ def estimate(
     allocation's operator and Python stack), for :func:`torchmem.write_snapshot` and the
     viewer.
 
+    The KV cache of a generation step (transformers' ``generate()``, or a decoding loop of
+    your own) is reported as ``by_category["kv_cache"]`` and ``Estimate.kv_cache`` (bytes per
+    token and per sequence): the tensors transformers' cache objects hold, or those held by
+    the module attributes named in ``kv_cache_attr`` (``["k_cache", "v_cache"]``).
+
     Bad input raises :class:`~torchmem.errors.InvalidInputError`: a build that raises or
     returns no callable, or code that needs tensor values fake tensors do not have (``.item()``,
     ``.numpy()``, data-dependent shapes); the message names the file and line.
 
     Example:
         >>> import torch
-        >>> def build(batch):
+        >>> def build(batch, seq_len=128):
         ...     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
-        ...     x = torch.randn(batch, 64, device="cuda")   # "cuda" is fine: it is faked
+        ...     x = torch.randn(batch, seq_len, 64, device="cuda")  # "cuda" is fine: it is faked
         ...     return lambda: net.to("cuda")(x).sum().backward()
-        >>> e = estimate(build, gpu="RTX-4090", batch_size=16)
-        >>> e.fits, e.oom, e.peak_reserved_bytes >> 20
-        (True, None, 22)
+        >>> e = estimate(build, gpu="RTX-4090", batch_size=16, params={"seq_len": 256})
+        >>> e.fits, e.oom, e.params, e.peak_requested_bytes >= 2 * 16 * 256 * 64 * 4
+        (True, None, {'seq_len': 256}, True)
     """
     card = _gpu(gpu)
-    if batch_size is not None and (
-        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
-    ):
+    margin = check_margin(margin)
+    kw = dict(params or {})
+    if not all(isinstance(k, str) for k in kw):
+        raise InvalidInputError(f"params must map keyword names to values, got keys {list(kw)}")
+    if "batch_size" in kw:
+        if batch_size is not None:
+            raise InvalidInputError(
+                "the batch size was given twice (batch_size= and params['batch_size']); "
+                "fix: give it once"
+            )
+        batch_size = kw.pop("batch_size")
+    if batch_size is not None and (not _is_int(batch_size) or batch_size < 1):
         raise InvalidInputError(f"batch_size must be an int >= 1 or None, got {batch_size!r}")
-    if max_batch_size and batch_size is not None:
+    if max_batch_size:
+        if maximize not in (None, "batch_size"):
+            raise InvalidInputError(
+                f"max_batch_size=True and maximize={maximize!r} both ask for a search; one "
+                "parameter is maximized at a time"
+            )
+        maximize = "batch_size"
+    if maximize is not None and (not isinstance(maximize, str) or not maximize.isidentifier()):
         raise InvalidInputError(
-            "give either batch_size or max_batch_size=True, not both; fix: drop batch_size to "
-            "search for the largest batch that fits"
+            f"maximize must name one of build's integer parameters, e.g. 'seq_len', "
+            f"got {maximize!r}"
         )
-    if not max_batch_size:
-        return run_once(build, batch_size or 1, card, steps=steps, alloc_conf=alloc_conf,
-                        keep_snapshot=keep_snapshot)
+    if not callable(build):
+        raise InvalidInputError(
+            f"build must be a function build(batch_size, **params) -> step, got "
+            f"{type(build).__name__}"
+        )
+    searched = [maximize] if maximize not in (None, "batch_size") else []
+    accepted = _check_params(build, [*kw, *searched], kw)
+    lo, hi, step = _check_range(search_range, maximize)
 
+    def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
+        e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
+                     params={**kw, **extra}, kv_cache_attr=kv_cache_attr)
+        return _apply_margin(e, margin, card)
+
+    if maximize is None:
+        return run(batch_size or 1, {}, keep_snapshot)
+
+    if maximize == "batch_size":
+        if batch_size is not None:
+            raise InvalidInputError(
+                "give either batch_size or a search for the largest batch (max_batch_size=True, "
+                "maximize='batch_size'), not both; fix: drop batch_size to search"
+            )
+        start = lo if lo is not None else 1
+
+        def probe_run(v: int) -> Estimate:
+            return run(v, {})
+    else:
+        if maximize in kw:
+            raise InvalidInputError(
+                f"{maximize!r} is both set (params) and maximized; fix: drop it from params to "
+                "search for its largest value"
+            )
+        default = accepted.get(maximize, inspect.Parameter.empty)
+        if default is not inspect.Parameter.empty and default is not None and not _is_int(default):
+            raise InvalidInputError(
+                f"cannot maximize {maximize!r}: build's default for it is "
+                f"{type(default).__name__} {default!r}, and the search only takes integer "
+                "parameters (a length, a count, a batch size)"
+            )
+        start = lo if lo is not None else (default if _is_int(default) and default >= 1 else 1)
+        fixed_batch = batch_size or 1
+
+        def probe_run(v: int) -> Estimate:
+            return run(fixed_batch, {maximize: v})
+
+    def fits_at(reserved: float) -> bool:
+        """The fits rule for a run peaking at ``reserved`` bytes (the margin kept free)."""
+        r = max(0, int(reserved))
+        return r + margin_for(margin, card, r) <= card.usable_bytes
+
+    return _search(maximize, probe_run, start, lo, hi, card, progress, keep_snapshot,
+                   lambda v: run(v, {}, True) if maximize == "batch_size"
+                   else run(batch_size or 1, {maximize: v}, True), fits_at, step)
+
+
+def _check_range(
+    search_range: object, maximize: str | None
+) -> tuple[int | None, int | None, int]:
+    if search_range is None:
+        return None, None, 1
+    if maximize is None:
+        raise InvalidInputError(
+            "search_range is only used by a search; fix: also pass maximize='seq_len' (or "
+            "max_batch_size=True), or drop search_range"
+        )
+    got: list[int] = []
+    if isinstance(search_range, (tuple, list)) and len(search_range) in (2, 3):
+        got = [x for x in search_range if _is_int(x)]
+        if len(got) != len(search_range):
+            got = []
+    step = got[2] if len(got) == 3 else 1
+    ok = bool(got) and 1 <= got[0] <= got[1] and step >= 1
+    if not ok or got[1] // step < -(-got[0] // step):
+        raise InvalidInputError(
+            f"search_range must be (low, high) or (low, high, step) ints with 1 <= low <= high "
+            f"and a multiple of step between them, got {search_range!r}"
+        )
+    return got[0], got[1], step
+
+
+def _describe(name: str, v: int, e: Estimate) -> str:
+    if e.fits:
+        return (f"{name} {v}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
+                f"{e.usable_bytes:,} B usable, margin {e.margin_bytes:,} B)")
+    if e.oom is None:
+        return (f"{name} {v}: does not fit with the margin (peak reserved "
+                f"{e.peak_reserved_bytes:,} B of {e.usable_bytes:,} B usable leaves "
+                f"{e.headroom_bytes:,} B, under the {e.margin_bytes:,} B margin)")
+    where = e.oom.op or "?"
+    if e.oom.module:
+        where += f" in {e.oom.module}"
+    return (f"{name} {v}: does not fit (out of memory at {where}, {e.oom.phase}: "
+            f"{e.oom.requested_bytes:,} B requested with {e.oom.reserved_bytes:,} B reserved)")
+
+
+def _search(
+    name: str,
+    run: Callable[[int], Estimate],
+    start: int,
+    lo: int | None,
+    hi: int | None,
+    card: GPU,
+    progress: Callable[[str], None] | None,
+    keep_snapshot: bool,
+    rerun: Callable[[int], Estimate],
+    fits_at: Callable[[float], bool],
+    step: int = 1,
+) -> Estimate:
+    """The search, in units of ``step`` (values ``u * step``)."""
     say = progress or (lambda msg: None)
-    probes: list[tuple[int, bool]] = []
+    label = "batch" if name == "batch_size" else name
+    top = hi // step if hi is not None else max(1, MAX_SEARCH_BATCH // step)
+    floor = -(-lo // step) if lo is not None else 1
+    start = max(-(-start // step), floor)
     cache: dict[int, Estimate] = {}
+    order: list[int] = []
 
-    def probe(b: int) -> Estimate:
-        e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf)
-        probes.append((b, e.fits))
-        cache[b] = e
-        if e.fits or e.oom is None:
-            say(f"batch {b}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
-                f"{e.usable_bytes:,} B usable)")
-        else:
-            where = e.oom.op or "?"
-            if e.oom.module:
-                where += f" in {e.oom.module}"
-            say(f"batch {b}: does not fit (out of memory at {where}, {e.oom.phase}: "
-                f"{e.oom.requested_bytes:,} B requested with {e.oom.reserved_bytes:,} B "
-                "reserved)")
+    def probe(u: int) -> Estimate:
+        e = run(u * step)
+        cache[u] = e
+        order.append(u)
+        say(_describe(label, u * step, e))
         return e
 
+    notes: list[str] = []
     good, bad = 0, 0
-    b = 1
-    while True:
-        if probe(b).fits:
-            good = b
-            if b >= MAX_SEARCH_BATCH:
+    first = probe(start)
+    if first.fits:
+        good = start
+        while good < top:
+            nxt = min(good * 2, top)
+            e = probe(nxt)
+            if not e.fits:
+                bad = nxt
                 break
-            b *= 2
-        else:
-            bad = b
-            break
-    notes = []
-    if bad == 0:
-        notes.append(f"stopped searching at batch {good}: does build use its batch_size?")
+            good = nxt
     else:
+        bad = start
+        v = start
+        while v > floor:
+            v = max(v // 2, floor)
+            if probe(v).fits:
+                good = v
+                break
+            bad = v
+        if good == 0 and lo is not None:
+            raise InvalidInputError(
+                f"nothing fits on {card.name} for {name} in {lo}..{hi}: tried "
+                + "; ".join(_describe(name, u * step, cache[u]) for u in order)
+                + "; fix: lower the range's low end, the other parameters, or pick a GPU "
+                "with more memory"
+            )
+    if good and bad:
+        # The memory curve guides the next probe; a guided probe that does not halve the
+        # bracket (a misprediction, or a one-sided creep on a staircase of segment roundings)
+        # is followed by a bisection step, and after two mispredictions bisection finishes.
+        trust, misses = True, 0
         while bad - good > 1:
-            mid = (good + bad) // 2
-            if probe(mid).fits:
+            guess = _predict(good, bad, cache, fits_at) if trust and misses < 2 else None
+            if guess is not None and guess[1] and guess[0] >= bad - 1 > good + 1:
+                guess = None  # "fits just below the miss" tells nothing a bisection would not
+            mid = (good + bad) // 2 if guess is None else guess[0]
+            width = bad - good
+            ok = probe(mid).fits
+            if ok:
                 good = mid
             else:
                 bad = mid
+            misses += guess is not None and ok != guess[1]
+            trust = guess is None or 2 * (bad - good) <= width
+    elif good and not bad:
+        if hi is not None:
+            notes.append(f"the whole search range fits ({name} {good * step} fits): the "
+                         f"largest {name} that fits may be higher; raise the range's high end")
+        else:
+            notes.append(f"stopped searching at {name} {good * step}: does build use {name}?")
+        flat = {cache[u].peak_requested_bytes for u in order}
+        if len(order) > 1 and len(flat) == 1:
+            notes.append(_flat_note(name, [u * step for u in order],
+                                    {u * step: e for u, e in cache.items()}))
+    vcache = {u * step: e for u, e in cache.items()}
+    vorder = [u * step for u in order]
+    notes.extend(_monotonic_notes(name, vorder, vcache))
+    for n in notes:
+        if "does not grow" in n or "not monotone" in n:
+            warnings.warn(n, RuntimeWarning, stacklevel=3)
     if good == 0:
-        best = cache[1]
+        best = cache[floor] if floor in cache else cache[order[-1]]
     elif keep_snapshot:
-        best = run_once(build, good, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=True)
+        best = rerun(good * step)
     else:
         best = cache[good]
     best.searched = True
-    best.max_batch_size = good
-    best.probes = probes
+    best.maximized = name
+    best.max_value = good * step
+    if name == "batch_size":
+        best.max_batch_size = good * step
+    if good == 0:
+        best.notes.append(f"not even {name} {floor * step} fits")
+    elif step > 1 and bad:
+        best.notes.append(f"searched in steps of {step}: {name} {good * step} fits, "
+                          f"{(good + 1) * step} does not")
+    best.probes = [(v, vcache[v].fits) for v in vorder]
     best.notes.extend(notes)
     return best
+
+
+def _predict(
+    good: int, bad: int, cache: dict[int, Estimate], fits_at: Callable[[float], bool]
+) -> tuple[int, bool] | None:
+    """The next probe in the bracket ``(good, bad)`` and whether it should fit, from the memory curve of the probes that
+    ran to the end (their peak reserved bytes are exact): the largest value the curve says fits
+    (expected to fit), or ``good + 1`` when it says nothing above ``good`` does (expected not
+    to). Between a fitting probe and an exact one above it the curve is a straight line
+    (regula falsi); beyond the last exact probe, the parabola through the three nearest (a line
+    when that bends down). ``None`` when fewer than two probes ran to the end."""
+    pts = sorted((v, float(e.peak_reserved_bytes)) for v, e in cache.items() if e.oom is None)
+    below = [p for p in pts if p[0] <= good]
+    above = [p for p in pts if good < p[0] < bad]
+    if not below or len(pts) < 2:
+        return None
+    if above:
+        (x0, y0), (x1, y1) = below[-1], above[0]
+        curve = _line(x0, y0, x1, y1)
+    elif len(below) >= 3:
+        curve = _parabola(below[-3:]) or _line(*below[-2], *below[-1])
+    elif len(below) == 2:
+        curve = _line(*below[0], *below[1])
+    else:
+        return None
+    lo_v, hi_v = good, bad - 1
+    if not fits_at(curve(lo_v + 1)):
+        return good + 1, False
+    while lo_v < hi_v:  # the largest v in (good, bad) the curve says fits
+        mid = (lo_v + hi_v + 1) // 2
+        if fits_at(curve(mid)):
+            lo_v = mid
+        else:
+            hi_v = mid - 1
+    return lo_v, True
+
+
+def _line(x0: float, y0: float, x1: float, y1: float) -> Callable[[float], float]:
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return lambda x: y0 + slope * (x - x0)
+
+
+def _parabola(p: list[tuple[int, float]]) -> Callable[[float], float] | None:
+    (x0, y0), (x1, y1), (x2, y2) = p
+    d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+    a = (d12 - d01) / (x2 - x0)
+    if a < 0:
+        return None
+    return lambda x: y0 + d01 * (x - x0) + a * (x - x0) * (x - x1)
+
+
+def _flat_note(name: str, order: list[int], cache: dict[int, Estimate]) -> str:
+    a, b = min(order), max(order)
+    return (f"memory does not grow with {name}: the same peak ({cache[a].peak_requested_bytes:,}"
+            f" B requested) at every probe from {name} {a} to {name} {b}")
+
+
+def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) -> list[str]:
+    """Where a larger value used less memory, or fit where a smaller one did not."""
+    vals = sorted(order)
+    out: list[str] = []
+    for a, b in zip(vals, vals[1:]):
+        ea, eb = cache[a], cache[b]
+        both_ran = ea.oom is None and eb.oom is None  # an OOM cuts a run's peak short
+        shrinks = both_ran and eb.peak_requested_bytes < ea.peak_requested_bytes
+        if shrinks or (eb.fits and not ea.fits):
+            out.append(
+                f"memory is not monotone in {name}: {name} {a} peaks at "
+                f"{ea.peak_requested_bytes:,} B requested ({'fits' if ea.fits else 'does not fit'})"
+                f", {name} {b} at {eb.peak_requested_bytes:,} B "
+                f"({'fits' if eb.fits else 'does not fit'}); the search assumes memory grows "
+                f"with {name}, so the answer may not be the largest that fits"
+            )
+            break
+    return out

@@ -94,19 +94,11 @@ def estimate_html(est: Any) -> str:
         >>> "DOES NOT FIT" in page and "-110.00 MiB" in page
         True
     """
-    verdict = "FITS" if est.fits else "DOES NOT FIT"
     colour = "#1a7f37" if est.fits else "#cf222e"
-    batch = f", batch {est.batch_size}" if est.batch_size is not None else ""
-    head = (
-        f'<div style="font-weight:bold;color:{colour}">{html.escape(str(est.gpu))}{batch}: '
-        f"{verdict} (headroom {fmt_bytes(est.headroom_bytes)} of "
-        f"{fmt_bytes(est.usable_bytes)} usable)</div>"
-    )
-    parts = [head]
+    parts = [f'<div style="font-weight:bold;color:{colour}">'
+             f"{html.escape(est.verdict_line())}</div>"]
     if est.searched:
-        probes = ", ".join(f"{b}{'+' if f else '-'}" for b, f in est.probes)
-        parts.append(f"<div>largest batch that fits: {est.max_batch_size} (probes: "
-                     f"{html.escape(probes)})</div>")
+        parts.append(f"<div>{html.escape(est.search_line())}</div>")
     parts.append(html_table("memory", ["line", "bytes", "what it is"], [
         ["GPU total", fmt_bytes(est.capacity_bytes), "cudaMemGetInfo total of the card"],
         ["CUDA context", fmt_bytes(est.overhead_bytes), "outside PyTorch's allocator"],
@@ -116,7 +108,11 @@ def estimate_html(est: Any) -> str:
         ["peak reserved", fmt_bytes(est.peak_reserved_bytes), "cudaMalloc'd segments"],
         ["fragmentation", fmt_bytes(est.fragmentation_bytes), "reserved, unallocated"],
         ["cuBLAS workspaces", fmt_bytes(est.workspace_bytes), "inside allocated"],
+        ["error margin", fmt_bytes(est.margin_bytes),
+         f"kept free for FITS ({est.margin_rule or 'none'})"],
     ]))
+    if est.attention_kernel:
+        parts.append(f"<div>attention kernel: {html.escape(est.attention_kernel)}</div>")
     parts.append(html_table("live at the peak, by category", ["category", "bytes"],
                             [[k, fmt_bytes(v)] for k, v in est.by_category.items() if v]))
     if est.by_module:

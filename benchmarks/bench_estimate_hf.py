@@ -1,0 +1,105 @@
+"""Longest context of a 7B Llama (bf16) on a 24 GB and an 80 GB GPU, from its config alone.
+
+Workload: transformers' ``LlamaForCausalLM`` from the config below (Llama-2-7B's shape: 32
+layers, hidden 4096, intermediate 11008, 32 heads and 32 KV heads, vocab 32000; 6.74 B
+parameters; max_position_embeddings raised to 131072 so long prompts are in range), bf16,
+SDPA attention, batch 1, ``generate()`` with a dynamic cache: a prompt of ``seq_len`` tokens,
+then ``--new-tokens`` new tokens (default 1: the prompt's prefill and its KV cache, the step
+where a long context peaks). Nothing is downloaded: the config is written here.
+
+Methods, side by side:
+  torchmem     torchmem.estimate_hf(config, task="generate", gpu=..., maximize="seq_len"):
+               every probe builds the model with fake tensors and runs generate() through the
+               simulated caching allocator (weights, KV cache, activations, cuBLAS workspace,
+               CUDA context, allocator rounding, the documented error margin); the answer is a
+               true boundary (fits at the answer, not one token more)
+  arithmetic   what calculators print: (GPU memory - weights) / KV bytes per token, with
+               weights = parameters x 2 bytes and KV = 2 x layers x kv_heads x head_dim x 2
+               bytes per token, GPU memory = the card's cudaMemGetInfo total
+
+It prints each answer, the ratio torchmem / arithmetic, the breakdown at torchmem's answer,
+the probes and the wall time (the bar: both GPUs in under a minute on our 2 cores).
+
+Run:  python benchmarks/bench_estimate_hf.py
+      python benchmarks/bench_estimate_hf.py --new-tokens 16
+      python benchmarks/bench_estimate_hf.py --quick      (4 layers: a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+GPUS = ("RTX-4090", "H100-80GB")
+
+
+def arithmetic(cfg: dict, total_bytes: int) -> tuple[int, int, int]:
+    """(weights bytes, KV bytes per token, longest context) by the calculators' arithmetic."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads, vocab = (cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                              cfg["vocab_size"])
+    head_dim = h // heads
+    per_layer = (h * h * 2 + h * kv_heads * head_dim * 2   # q, o; k, v
+                 + 3 * h * inter + 2 * h)                  # mlp; two norms
+    params = layers * per_layer + 2 * vocab * h + h         # + embeddings, lm_head, final norm
+    weights = params * 2
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    return weights, kv_per_token, (total_bytes - weights) // kv_per_token
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="4 layers instead of 32")
+    args = ap.parse_args()
+
+    import torchmem
+    from torchmem.fit import gpu
+    from torchmem.units import format_bytes as fmt
+
+    cfg = dict(CONFIG, num_hidden_layers=4) if args.quick else dict(CONFIG)
+    t_all = time.perf_counter()
+    for name in GPUS:
+        card = gpu(name)
+        weights, per_token, answer = arithmetic(cfg, card.total_bytes)
+        t0 = time.perf_counter()
+        est = torchmem.estimate_hf(
+            cfg, task="generate", gpu=card, batch_size=1, seq_len=max(1, answer // 4),
+            max_new_tokens=args.new_tokens, maximize="seq_len",
+            progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True),
+        )
+        took = time.perf_counter() - t0
+        best = est.max_value or 0
+        cat = est.by_category
+        kv = est.kv_cache
+        print(f"{name} ({fmt(card.total_bytes)} total): longest context "
+              f"{best:,} tokens (torchmem) vs {answer:,} (arithmetic); ratio "
+              f"{best / answer:.3f}; {len(est.probes)} probes in {took:.1f} s")
+        print(f"  at {best:,} tokens: weights {fmt(cat['parameters'])} (arithmetic "
+              f"{fmt(weights)}), KV cache {fmt(cat['kv_cache'])} "
+              f"({fmt(kv.bytes_per_token) if kv else '?'} per token; arithmetic "
+              f"{fmt(per_token)}), activations {fmt(cat['activations'])}, workspace "
+              f"{fmt(cat['workspace'])}, CUDA context {fmt(est.overhead_bytes)}, peak "
+              f"reserved {fmt(est.peak_reserved_bytes)}, margin {fmt(est.margin_bytes)}, "
+              f"kernel {est.attention_kernel}")
+    total = time.perf_counter() - t_all
+    print(f"total {total:.1f} s for both GPUs (bar: under 60 s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
