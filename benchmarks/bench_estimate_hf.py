@@ -89,10 +89,10 @@ def main() -> int:
         print(f"{name} ({fmt(card.total_bytes)} total): longest context "
               f"{best:,} tokens (torchmem) vs {answer:,} (arithmetic); ratio "
               f"{best / answer:.3f}; {len(est.probes)} probes in {took:.1f} s")
-        print(f"  at {best:,} tokens: weights {fmt(cat['parameters'])} (arithmetic "
+        print(f"  at {best:,} tokens: weights {fmt(cat['parameter'])} (arithmetic "
               f"{fmt(weights)}), KV cache {fmt(cat['kv_cache'])} "
               f"({fmt(kv.bytes_per_token) if kv else '?'} per token; arithmetic "
-              f"{fmt(per_token)}), activations {fmt(cat['activations'])}, workspace "
+              f"{fmt(per_token)}), activations {fmt(cat['activation'])}, workspace "
               f"{fmt(cat['workspace'])}, CUDA context {fmt(est.overhead_bytes)}, peak "
               f"reserved {fmt(est.peak_reserved_bytes)}, margin {fmt(est.margin_bytes)}, "
               f"kernel {est.attention_kernel}")

@@ -235,7 +235,7 @@ def test_by_category_at_the_peak_adds_up():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.GELU(),
                         nn.Linear(1024, 10))
-    assert cat["parameters"] == _params_bytes(net)
+    assert cat["parameter"] == _params_bytes(net)
 
 
 def test_optimizer_default_follows_cuda():
@@ -329,7 +329,7 @@ def test_third_party_models(build):
     truth = _truth(build, 4)
     est = torchmem.estimate(build, gpu="L4", batch_size=4)
     assert est.peak_requested_bytes == truth
-    assert est.by_category["parameters"] > 0 and est.by_category["optimizer_state"] > 0
+    assert est.by_category["parameter"] > 0 and est.by_category["optimizer_state"] > 0
 
 
 # -- on a real GPU --------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_json_keys_in_order(train, capsys):
                            "by_category", "oom"]
     assert "max_batch_size" not in d
     assert d["fits"] is True and d["oom"] is None
-    assert d["by_category"]["parameters"] == (256 * 256 + 256) * 4
+    assert d["by_category"]["parameter"] == (256 * 256 + 256) * 4
     assert d["capacity_bytes"] == round(14.75 * (1 << 30))
 
 
@@ -57,7 +57,7 @@ def test_text_report(train, capsys):
     assert main(["estimate", f"{train}:build", "--gpu", "RTX-3090", "--batch-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "RTX-3090, batch 4: FITS" in out and "CUDA context" in out
-    assert "cuBLAS workspaces" in out and "parameters" in out
+    assert "cuBLAS workspaces" in out and "parameter" in out
 
 
 def test_does_not_fit_exits_3_and_names_the_op(train, capsys):
@@ -147,7 +147,7 @@ def test_module_build_spec(tmp_path, monkeypatch, capsys):
     assert main(["estimate", "fit_cli_train_mod:build", "--gpu", "L4", "--batch-size", "2",
                  "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["fits"] and d["by_category"]["parameters"] == (256 * 256 + 256) * 4
+    assert d["fits"] and d["by_category"]["parameter"] == (256 * 256 + 256) * 4
 
 
 def test_output_snapshot_when_it_does_not_fit(train, tmp_path, capsys):

@@ -244,7 +244,7 @@ def test_no_real_memory_is_allocated(tmp_path):
                 net(x).sum().backward(); opt.step(); opt.zero_grad()
             return step
         e = torchmem.estimate(build, gpu="H200", batch_size=2)
-        print(e.by_category["parameters"], e.peak_requested_bytes,
+        print(e.by_category["parameter"], e.peak_requested_bytes,
               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -55,9 +55,9 @@ def test_generate_matches_a_real_cpu_run(seq_len):
     build = make_build(cfg, "generate", torch.float32, "eager", seq_len, new, "dynamic")
     assert est.peak_requested_bytes == census_peak(build, batch)
     cat = est.by_category
-    assert cat["parameters"] >= weight_bytes(4)          # + the rotary buffer
-    assert cat["parameters"] - weight_bytes(4) < 1024
-    assert cat["activations"] > 0 and cat["kv_cache"] > 0 and "temporaries" not in cat
+    assert cat["parameter"] >= weight_bytes(4)          # + the rotary buffer
+    assert cat["parameter"] - weight_bytes(4) < 1024
+    assert cat["activation"] > 0 and cat["kv_cache"] > 0 and "temporary" not in cat
     kv = est.kv_cache
     assert kv is not None
     assert kv.max_bytes == kv_arithmetic(seq_len + new - 1, batch, 4)
@@ -105,7 +105,7 @@ def test_forward_matches_a_real_cpu_run_and_has_no_cache():
     assert est.peak_requested_bytes == census_peak(build, 3)
     assert est.kv_cache is None and est.by_category["kv_cache"] == 0
     # the full logits (batch x seq x vocab, float32) are live at the end of the pass
-    assert est.by_category["activations"] >= 3 * 40 * VOCAB * 4
+    assert est.by_category["activation"] >= 3 * 40 * VOCAB * 4
 
 
 def test_static_cache_in_bfloat16_is_allocated_at_its_full_length():
@@ -117,7 +117,7 @@ def test_static_cache_in_bfloat16_is_allocated_at_its_full_length():
     assert kv.max_bytes == kv_arithmetic(kv.tokens, 4, 2)
     assert kv.tokens >= 100 + 20 - 1
     assert est.by_category["kv_cache"] == kv.max_bytes     # all of it, from the first token
-    assert est.by_category["parameters"] >= weight_bytes(2)
+    assert est.by_category["parameter"] >= weight_bytes(2)
 
 
 def test_train_task_holds_gradients_and_adamw_state():
@@ -125,7 +125,7 @@ def test_train_task_holds_gradients_and_adamw_state():
                                dtype="float32")
     cat = est.by_category
     assert est.steps == 2
-    assert cat["gradients"] == weight_bytes(4)
+    assert cat["gradient"] == weight_bytes(4)
     # two moments per parameter, plus one step count per parameter tensor
     assert 2 * weight_bytes(4) <= cat["optimizer_state"] < 2 * weight_bytes(4) + 4096
 

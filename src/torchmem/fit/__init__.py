@@ -20,7 +20,7 @@ Example:
     ...         net(x).sum().backward(); opt.step(); opt.zero_grad()
     ...     return step
     >>> e = estimate(build, gpu="T4", batch_size=32)
-    >>> e.fits, e.by_category["parameters"] == (512 * 512 + 512) * 4
+    >>> e.fits, e.by_category["parameter"] == (512 * 512 + 512) * 4
     (True, True)
 """
 

@@ -64,17 +64,17 @@ _GEMMS = {getattr(torch.ops.aten, n) for n in _GEMM_NAMES if hasattr(torch.ops.a
 
 #: Category label -> report key.
 _KEYS = {
-    Category.PARAMETER: "parameters",
-    Category.BUFFER: "parameters",
-    Category.GRADIENT: "gradients",
+    Category.PARAMETER: "parameter",
+    Category.BUFFER: "parameter",
+    Category.GRADIENT: "gradient",
     Category.OPTIMIZER_STATE: "optimizer_state",
-    Category.ACTIVATION: "activations",
-    Category.TEMPORARY: "temporaries",
-    Category.INPUT: "inputs",
+    Category.ACTIVATION: "activation",
+    Category.TEMPORARY: "temporary",
+    Category.INPUT: "input",
     Category.OTHER: "other",
 }
-_REPORT_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
-                "inputs", "other", "kv_cache", "workspace")
+_REPORT_KEYS = ("parameter", "gradient", "optimizer_state", "activation", "temporary",
+                "input", "other", "kv_cache", "workspace")
 
 
 class BuildError(InvalidInputError):

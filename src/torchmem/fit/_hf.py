@@ -321,7 +321,7 @@ def estimate_hf(
         ...        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
         >>> e = estimate_hf(cfg, task="train", gpu="T4", seq_len=16)
         >>> cat = e.by_category        # AdamW: two moments per gradient (and a step count each)
-        >>> e.fits, cat["gradients"], cat["optimizer_state"] // cat["gradients"]
+        >>> e.fits, cat["gradient"], cat["optimizer_state"] // cat["gradient"]
         (True, 460032, 2)
     """
     task = _check_choice("task", task, TASKS)
@@ -348,7 +348,7 @@ def estimate_hf(
                    kv_cache_attr=kv_cache_attr, steps=steps, **options)
     if task != "train":
         cat = est.by_category
-        cat["activations"] = cat.get("activations", 0) + cat.pop("temporaries", 0)
+        cat["activation"] = cat.get("activation", 0) + cat.pop("temporary", 0)
     est.notes.append(
         f"{type(cfg).__name__} built from the config with fake tensors: task {task}, "
         f"{str(torch_dtype).removeprefix('torch.')} weights, attn_implementation "
