@@ -41,7 +41,7 @@ def test_round_trip_keeps_every_event_and_total(tmp_path: Path) -> None:
     # the file is the columns plus a header and 24 bytes of framing
     header_len = struct.unpack_from("<I", path.read_bytes(), 12)[0]
     assert path.stat().st_size == 16 + header_len + len(tr.trace) * BYTES_PER_EVENT + 8
-    assert BYTES_PER_EVENT == sum(size for _, _, size in COLUMNS) == 45
+    assert BYTES_PER_EVENT == sum(size for _, _, size in COLUMNS) == 47  # with the thread column
 
 
 def test_synthetic_trace_values_survive(tmp_path: Path) -> None:

@@ -361,8 +361,12 @@ def test_module_running_on_another_thread_does_not_end_this_threads_call() -> No
     net = _SharedNet()
     with torchmem.track(net) as tr:
         y = net(torch.ones(5))
-    muls = [(e.module, e.nbytes) for e in tr.events() if e.op == "aten::mul"]
+    muls = [(e.module, e.nbytes) for e in tr.events()
+            if e.op == "aten::mul" and e.thread == "MainThread"]
     assert muls == [("_SharedNet.b", y.untyped_storage().nbytes())] == [("_SharedNet.b", 20)]
+    # the worker's own x * 2 (3 floats) is recorded too, on its thread, outside any module
+    assert [(e.module, e.nbytes) for e in tr.events()
+            if e.op == "aten::mul" and e.thread != "MainThread"] == [(None, 12)]
 
 
 class _Block(torch.nn.Module):

@@ -99,6 +99,7 @@ class TraceSummary:
     leak_suspect: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     peak_index: int = -1
+    top_threads_allocated: list[tuple[str, int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (bytes are ints).
@@ -115,6 +116,7 @@ class TraceSummary:
             "top_ops_at_peak",
             "top_modules_at_peak",
             "top_stacks_at_peak",
+            "top_threads_allocated",
         ):
             d[key] = [{"name": n, "bytes": b, "count": c} for n, b, c in d[key]]
         return d
@@ -298,7 +300,39 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         leak_suspect=leak,
         metadata=dict(trace.metadata),
         peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
+        top_threads_allocated=by_thread(trace, want, top),
     )
+
+
+def by_thread(trace: Trace, device: int, top: int = 10) -> list[tuple[str, int, int]]:
+    """Bytes and storages allocated on device index ``device`` per thread, largest first;
+    empty unless more than one thread allocated (a one-thread run needs no such table).
+
+    Example:
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.model.events import EventKind as K
+        >>> tr = Trace()
+        >>> _ = tr.append(K.ALLOC, 0, "cpu", 64, 1, thread="MainThread")
+        >>> by_thread(tr, 0)
+        []
+        >>> _ = tr.append(K.ALLOC, 1, "cpu", 256, 2, thread="loader")
+        >>> by_thread(tr, 0)
+        [('loader', 256, 1), ('MainThread', 64, 1)]
+    """
+    if len(trace.threads) <= 2:  # "" and at most one name
+        return []
+    groups: dict[int, list[int]] = {}
+    for k, d, b, t in zip(trace.kind, trace.device, trace.nbytes, trace.thread):
+        if k == _ALLOC and d == device:
+            v = groups.get(t)
+            if v is None:
+                groups[t] = [b, 1]
+            else:
+                v[0] += b
+                v[1] += 1
+    if len(groups) < 2:
+        return []
+    return _top({(trace.threads[t] or "(unknown)"): v for t, v in groups.items()}, top)
 
 
 #: The call-site group of storages recorded without a Python stack (``stacks=False``).

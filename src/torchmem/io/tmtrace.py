@@ -4,23 +4,44 @@ A file stores the columns of a :class:`~torchmem.model.trace.Trace` as they are 
 reading one is a handful of ``array.frombytes`` calls: a million events load in well under a
 second.
 
-File format, version 1 (all integers little-endian)::
+File format, version 2 (all integers little-endian)::
 
     offset  size  content
     0       8     magic  b"TMTRACE\\0"
-    8       4     uint32 format version (1)
+    8       4     uint32 format version (2)
     12      4     uint32 header length H
     16      H     header: UTF-8 JSON object
-                    {"format": "torchmem-trace", "version": 1, "count": N,
+                    {"format": "torchmem-trace", "version": 2, "count": N,
                      "columns": [[name, typecode, itemsize], ...],   # order of the data below
                      "devices": ["cpu", "cuda:0", ...],               # device column indexes this
                      "strings": ["", "aten::mm", "encoder.0", ...],  # op/module columns index this;
                                                                       # index 0 is "" ("none")
                      "stacks": [["file.py:12:fn", ...], ...],         # stack column indexes this;
                                                                       # -1 means "no stack"
+                     "threads": ["", "MainThread", ...],              # thread column indexes this
                      "metadata": {...}}                               # free-form (torch version...)
     16+H    ...   one block per column, N * itemsize bytes each, in header order
     end-8   8     trailer magic b"TMTREND\\0" (detects truncation)
+
+Version 1 files (no ``thread`` column, no ``threads`` table) are read too: their events have
+``thread=None``.
+
+**The streamed layout** (:class:`TraceStreamer`, written while a run goes on, so that a killed
+run leaves a file): the same preamble with ``"layout": "stream"`` and no ``count`` or tables in
+the header, then chunks, each complete on its own::
+
+    8     b"TMCHUNK\\0"
+    4     uint32 n: events in this chunk
+    4     uint32 J
+    J     UTF-8 JSON: the entries added to each table since the previous chunk
+          {"devices": [...], "strings": [...], "stacks": [...], "threads": [...]}
+    ...   one block per column, n * itemsize bytes each, in header order
+
+A run that ends normally replaces its streamed file with the layout above, so a streamed file
+on disk is a run that was cut short: :func:`load_trace` reads every complete chunk, drops a
+partial last one, and says so in ``trace.metadata["cut_short"]``. Categories in a streamed file
+are those known when each chunk was written (a later change, e.g. an activation found to be a
+temporary when it is freed, is not rewritten).
 
 The columns are :data:`~torchmem.model.trace.COLUMNS`. No pickle anywhere; a reader needs only
 ``json`` and fixed-width integers.
@@ -45,23 +66,33 @@ import json
 import os
 import struct
 import sys
+import threading
 from array import array
 from pathlib import Path
 from typing import Any, Union
 
-from torchmem.errors import MissingFileError, TraceFormatError
+from torchmem.errors import InvalidInputError, MissingFileError, TraceFormatError
 from torchmem.model.events import Category, Phase
 from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, Trace
 
-__all__ = ["save_trace", "load_trace", "is_tmtrace", "MAGIC", "FORMAT_VERSION", "PathLike"]
+__all__ = [
+    "save_trace", "load_trace", "is_tmtrace", "TraceStreamer", "MAGIC", "FORMAT_VERSION",
+    "PathLike",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 #: The first 8 bytes of every ``.tmtrace`` file.
 MAGIC = b"TMTRACE\0"
 TRAILER = b"TMTREND\0"
-#: The version this torchmem writes and reads.
-FORMAT_VERSION = 1
+CHUNK = b"TMCHUNK\0"
+#: The version this torchmem writes (it reads this one and version 1).
+FORMAT_VERSION = 2
+_READS = (1, 2)
+#: Version 1 had no thread column.
+_V1_COLUMNS = tuple(c for c in COLUMNS if c[0] != "thread")
+_V1_BYTES_PER_EVENT = sum(size for _, _, size in _V1_COLUMNS)
+_TABLES = ("devices", "strings", "stacks", "threads")
 
 _N_PHASES = len(Phase)
 _N_CATS = len(Category)
@@ -91,6 +122,7 @@ def save_trace(trace: Trace, path: PathLike) -> None:
         "devices": trace.devices,
         "strings": trace.strings,
         "stacks": [list(s) for s in trace.stacks],
+        "threads": trace.threads,
         "metadata": trace.metadata,
     }
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -148,10 +180,11 @@ def _header(name: str, data: bytes) -> tuple[int, dict[str, Any]]:
     if len(data) < 16:
         raise bad("truncated: the file ends inside its 16-byte preamble")
     version, hlen = struct.unpack_from("<II", data, 8)
-    if version != FORMAT_VERSION:
+    if version not in _READS:
         raise bad(
             f"trace format version {version}, but this torchmem reads version "
-            f"{FORMAT_VERSION}; upgrade torchmem (or re-record the trace with this version)"
+            f"{' and '.join(map(str, _READS))}; upgrade torchmem (or re-record the trace with "
+            "this version)"
         )
     if 16 + hlen > len(data):
         raise bad(f"truncated: header needs {hlen} bytes but only {len(data) - 16} remain")
@@ -188,30 +221,36 @@ def load_trace(path: PathLike) -> Trace:
     name = os.fspath(path)
     data = _read(name)
     hlen, header = _header(name, data)
+    if header.get("layout") == "stream":
+        return _check(name, _load_stream(name, data, 16 + hlen, header))
+    v1 = header.get("version") == 1
     try:
         count = int(header["count"])
         columns = [tuple(c) for c in header["columns"]]
         devices = [str(d) for d in header["devices"]]
         strings = [str(s) for s in header["strings"]]
         stacks = [tuple(str(f) for f in s) for s in header["stacks"]]
+        threads = [""] if v1 else [str(t) for t in header["threads"]]
         metadata = dict(header.get("metadata") or {})
     except (KeyError, TypeError, ValueError) as e:
         raise TraceFormatError(
             f"{name}: header is missing or has a bad field ({e})", path=name
         ) from None
-    if columns != [tuple(c) for c in COLUMNS]:
+    layout = _V1_COLUMNS if v1 else COLUMNS
+    if columns != [tuple(c) for c in layout]:
         raise TraceFormatError(
-            f"{name}: unexpected column layout {columns}; expected {list(COLUMNS)}", path=name
+            f"{name}: unexpected column layout {columns}; expected {list(layout)}", path=name
         )
-    if not strings or strings[0] != "":
-        raise TraceFormatError(
-            f"{name}: corrupt string table: it should start with the empty string (index 0 of the "
-            f'op and module columns means "none"), got {strings[:3]}; every name would be '
-            "shifted by one, so the file was refused. Re-record the trace with 'torchmem run' or "
-            "tracker.save(path)",
-            path=name,
-        )
-    need = 16 + hlen + count * BYTES_PER_EVENT + len(TRAILER)
+    for what, table in (("string", strings), ("thread", threads)):
+        if not table or table[0] != "":
+            raise TraceFormatError(
+                f"{name}: corrupt {what} table: it should start with the empty string (index 0 "
+                f'means "none"), got {table[:3]}; every name would be shifted by one, so the '
+                "file was refused. Re-record the trace with 'torchmem run' or tracker.save(path)",
+                path=name,
+            )
+    per_event = _V1_BYTES_PER_EVENT if v1 else BYTES_PER_EVENT
+    need = 16 + hlen + count * per_event + len(TRAILER)
     if len(data) < need or data[need - len(TRAILER) : need] != TRAILER:
         raise TraceFormatError(
             f"{name}: truncated or corrupt: {count} events need {need} bytes with the "
@@ -219,25 +258,223 @@ def load_trace(path: PathLike) -> Trace:
             path=name,
         )
     tr = Trace(metadata)
-    pos = 16 + hlen
-    mv = memoryview(data)
-    for cname, _code, size in COLUMNS:
+    _fill_columns(tr, memoryview(data), 16 + hlen, count, layout)
+    if v1:
+        tr.thread.frombytes(bytes(2 * count))
+    tr.set_tables(devices, strings, stacks, threads)
+    return _check(name, tr)
+
+
+def _fill_columns(
+    tr: Trace, mv: memoryview, pos: int, count: int, layout: tuple[tuple[str, str, int], ...]
+) -> int:
+    """Append ``count`` rows stored column by column at ``pos``; returns the end offset."""
+    for cname, _code, size in layout:
         col: array[Any] = getattr(tr, cname)
-        col.frombytes(mv[pos : pos + count * size])
-        if sys.byteorder != "little":  # pragma: no cover
-            col.byteswap()
+        if sys.byteorder == "little":
+            col.frombytes(mv[pos : pos + count * size])
+        else:  # pragma: no cover - big-endian hosts
+            part = array(col.typecode, mv[pos : pos + count * size].tobytes())
+            part.byteswap()
+            col.extend(part)
         pos += count * size
-    tr.set_tables(devices, strings, stacks)
-    if count and (
-        max(tr.device) >= max(len(devices), 1)
-        or max(tr.op) >= len(strings)
-        or max(tr.module) >= len(strings)
+    return pos
+
+
+def _check(name: str, tr: Trace) -> Trace:
+    """Refuse a trace whose events point past a table."""
+    if len(tr) and (
+        max(tr.device) >= max(len(tr.devices), 1)
+        or max(tr.op) >= len(tr.strings)
+        or max(tr.module) >= len(tr.strings)
         or max(tr.kind) > 2
         or max(tr.phase) >= _N_PHASES
         or max(tr.category) >= _N_CATS
-        or max(tr.stack) >= len(stacks)
+        or max(tr.stack) >= len(tr.stacks)
+        or max(tr.thread) >= len(tr.threads)
     ):
         raise TraceFormatError(
             f"{name}: corrupt: an event refers to a table entry that is missing", path=name
         )
     return tr
+
+
+def _load_stream(name: str, data: bytes, pos: int, header: dict[str, Any]) -> Trace:
+    """Read a streamed file: every complete chunk; a partial last chunk is dropped."""
+    if [tuple(c) for c in header.get("columns") or []] != [tuple(c) for c in COLUMNS]:
+        raise TraceFormatError(
+            f"{name}: unexpected column layout {header.get('columns')}; expected "
+            f"{list(COLUMNS)}",
+            path=name,
+        )
+    tr = Trace(dict(header.get("metadata") or {}))
+    tables: dict[str, list[Any]] = {t: [] for t in _TABLES}
+    mv = memoryview(data)
+    chunks = 0
+    while pos + 16 <= len(data) and data[pos : pos + 8] == CHUNK:
+        n, jlen = struct.unpack_from("<II", data, pos + 8)
+        end = pos + 16 + jlen + n * BYTES_PER_EVENT
+        if end > len(data):
+            break  # the run was killed while this chunk was being written
+        try:
+            added = json.loads(data[pos + 16 : pos + 16 + jlen].decode("utf-8"))
+            new = {t: list(added.get(t) or []) for t in _TABLES}
+        except (UnicodeDecodeError, ValueError, AttributeError, TypeError):
+            break
+        for t in _TABLES:
+            tables[t].extend(new[t])
+        _fill_columns(tr, mv, pos + 16 + jlen, n, COLUMNS)
+        chunks += 1
+        pos = end
+    tr.set_tables(
+        [str(d) for d in tables["devices"]],
+        [str(s) for s in tables["strings"]] or [""],
+        [tuple(str(f) for f in s) for s in tables["stacks"]],
+        [str(t) for t in tables["threads"]] or [""],
+    )
+    tr.metadata["cut_short"] = (
+        f"the run ended abruptly (killed, or the machine stopped): this is the trace it streamed "
+        f"to disk, {len(tr)} events in {chunks} chunks"
+        + (f", {len(data) - pos} bytes of a partial last chunk dropped" if pos < len(data) else "")
+        + "; the last second or so of the run is missing, and categories are those known when "
+        "each chunk was written"
+    )
+    return tr
+
+
+class TraceStreamer:
+    """Append a growing :class:`~torchmem.model.trace.Trace`'s new events to ``path`` as a run
+    goes (the streamed layout in the module docstring), from a background thread that writes
+    every ``interval`` seconds, so a run killed by SIGKILL or the OOM killer leaves a file that
+    :func:`load_trace` reads, missing at most the last ``interval`` seconds.
+
+    The trace's writer must append its ``stack`` column last (the tracker and
+    :meth:`Trace.append <torchmem.model.trace.Trace.append>` do): ``len(trace.stack)`` rows are
+    complete. :meth:`close` writes what remains and stops the thread; the caller then replaces
+    the file with :func:`save_trace` for a run that ended normally.
+
+    Example:
+        >>> import tempfile, os
+        >>> from torchmem.model.events import EventKind
+        >>> tr = Trace(); p = os.path.join(tempfile.mkdtemp(), "s.tmtrace")
+        >>> st = TraceStreamer(tr, p, interval=0.1); st.start()
+        >>> _ = tr.append(EventKind.ALLOC, 0, "cpu", 64, 1, op="aten::empty", thread="MainThread")
+        >>> st.close()                       # a killed run stops here, without save_trace
+        >>> back = load_trace(p)
+        >>> [(e.op, e.nbytes, e.thread) for e in back.events()], "cut_short" in back.metadata
+        ([('aten::empty', 64, 'MainThread')], True)
+    """
+
+    def __init__(self, trace: Trace, path: PathLike, interval: float = 0.5) -> None:
+        if not isinstance(interval, (int, float)) or not 0 < interval <= 1:
+            raise InvalidInputError(
+                f"interval must be a number of seconds in (0, 1], got {interval!r}; a killed run "
+                "loses at most this much"
+            )
+        self.trace = trace
+        self.path = os.fspath(path)
+        self.interval = float(interval)
+        self.error: BaseException | None = None
+        self.chunks = 0
+        self._rows = 0
+        self._tab = dict.fromkeys(_TABLES, 0)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._file: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Write the preamble and start the background writer.
+
+        Example:
+            >>> import tempfile, os
+            >>> st = TraceStreamer(Trace(), os.path.join(tempfile.mkdtemp(), "s.tmtrace"))
+            >>> st.start(); st.close(); len(load_trace(st.path))
+            0
+        """
+        header = {
+            "format": "torchmem-trace",
+            "version": FORMAT_VERSION,
+            "layout": "stream",
+            "columns": [list(c) for c in COLUMNS],
+            "metadata": self.trace.metadata,
+        }
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._file.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(blob)) + blob)
+        self._file.flush()
+        self._thread = threading.Thread(
+            target=self._loop, name="torchmem-trace-streamer", daemon=True
+        )
+        self._thread._torchmem_untracked = True  # type: ignore[attr-defined]
+        self._thread.start()
+
+    def flush(self) -> int:
+        """Write the events added since the last write as one chunk; returns how many.
+
+        Example:
+            >>> import tempfile, os
+            >>> from torchmem.model.events import EventKind
+            >>> tr = Trace(); st = TraceStreamer(tr, os.path.join(tempfile.mkdtemp(), "s"))
+            >>> st.start(); _ = tr.append(EventKind.MARK, 0, "cpu", 0, 0, op="step")
+            >>> st.flush(), st.flush()
+            (1, 0)
+            >>> st.close()
+        """
+        with self._lock:
+            f = self._file
+            if f is None:
+                return 0
+            tr = self.trace
+            stop = len(tr.stack)  # written last: every column has these rows
+            start = self._rows
+            added: dict[str, list[Any]] = {}
+            ends = {}
+            for t in _TABLES:
+                table = getattr(tr, t)
+                ends[t] = len(table)
+                added[t] = [list(x) if t == "stacks" else x for x in table[self._tab[t] : ends[t]]]
+            if stop == start and not any(added.values()):
+                return 0
+            blob = json.dumps(added, separators=(",", ":")).encode("utf-8")
+            parts = [CHUNK, struct.pack("<II", stop - start, len(blob)), blob]
+            for cname, _, _ in COLUMNS:
+                col: array[Any] = getattr(tr, cname)[start:stop]
+                if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+                    col.byteswap()
+                parts.append(col.tobytes())
+            f.write(b"".join(parts))
+            f.flush()  # to the OS: it survives the process being killed
+            self._rows = stop
+            self._tab = ends
+            self.chunks += 1
+            return stop - start
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush()
+            except (OSError, ValueError) as e:  # a full disk must not break the user's run
+                self.error = e
+                return
+
+    def close(self) -> None:
+        """Stop the writer, write what remains and close the file (safe to call twice).
+
+        Example:
+            >>> import tempfile, os
+            >>> st = TraceStreamer(Trace(), os.path.join(tempfile.mkdtemp(), "s.tmtrace"))
+            >>> st.start(); st.close(); st.close()
+        """
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._file is None:
+            return
+        try:
+            if self.error is None:
+                self.flush()
+        finally:
+            with self._lock:
+                self._file.close()
+                self._file = None

@@ -11,8 +11,8 @@ Example:
     >>> e = Event(seq=0, kind=EventKind.ALLOC, time_ns=10, device="cpu", nbytes=4096,
     ...           storage=1, op="aten::mm", module="encoder.0", phase=Phase.FORWARD,
     ...           category=Category.ACTIVATION)
-    >>> e.kind.label, e.phase.label, e.category.label, e.signed_bytes
-    ('alloc', 'forward', 'activation', 4096)
+    >>> e.kind.label, e.phase.label, e.category.label, e.signed_bytes, e.thread
+    ('alloc', 'forward', 'activation', 4096, None)
 """
 
 from __future__ import annotations
@@ -100,7 +100,9 @@ class Event:
 
     ``storage`` is an integer unique *within one trace* for the storage's whole life (never a
     reused memory address). ``step`` counts iterations (step markers seen so far). ``stack`` is
-    innermost-last ``"file:line:function"`` strings, or ``None`` when stacks were off. For a FREE
+    innermost-last ``"file:line:function"`` strings, or ``None`` when stacks were off. ``thread``
+    is the name of the Python thread the allocation or free happened on (``None`` in traces
+    recorded before torchmem named threads, and for producers that do not know). For a FREE
     event, ``op``/``module``/``phase`` describe where the free happened and ``category`` repeats
     the category of the allocation. For a MARK, ``op`` holds the marker's name.
 
@@ -122,6 +124,7 @@ class Event:
     category: Category = Category.OTHER
     step: int = 0
     stack: tuple[str, ...] | None = None
+    thread: str | None = None
 
     @property
     def signed_bytes(self) -> int:

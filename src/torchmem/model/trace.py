@@ -2,18 +2,22 @@
 
 A :class:`Trace` holds an event stream as parallel typed arrays (the stdlib :mod:`array`
 module), one entry per event, plus string tables for devices, operator/module names and stacks.
-Holding an event costs 45 bytes (see :data:`BYTES_PER_EVENT`). The ``.tmtrace`` file format that
+Holding an event costs 47 bytes (see :data:`BYTES_PER_EVENT`). The ``.tmtrace`` file format that
 stores these columns is in :mod:`torchmem.io.tmtrace`.
 
 The tracker (:mod:`torchmem.capture`) appends to a Trace while it records; consumers (summaries,
 plots, snapshot conversion, the viewer) read one with :meth:`Trace.events` or the columns.
 
 Columns (typecode, bytes): kind (B,1) time_ns (q,8) device (H,2) nbytes (q,8) storage (q,8)
-op (I,4) module (I,4) phase (B,1) category (B,1) step (I,4) stack (i,4). ``seq`` is the row
-index. Codes of kind/phase/category are :class:`~torchmem.model.events.EventKind`,
+op (I,4) module (I,4) phase (B,1) category (B,1) step (I,4) stack (i,4) thread (H,2). ``seq``
+is the row index. Codes of kind/phase/category are :class:`~torchmem.model.events.EventKind`,
 :class:`~torchmem.model.events.Phase` and :class:`~torchmem.model.events.Category`; ``op`` and
 ``module`` index :attr:`Trace.strings` (index 0 is ``""``, meaning "none"), ``stack`` indexes
-:attr:`Trace.stacks` (-1 means "no stack").
+:attr:`Trace.stacks` (-1 means "no stack"); ``thread`` indexes :attr:`Trace.threads`, the names
+of the Python threads events happened on (index 0 is ``""``, meaning "not known").
+
+Writers append ``stack`` last: a reader on another thread (the trace streamer) may take
+``len(trace.stack)`` as the number of complete rows.
 
 Example:
     >>> from torchmem.model.events import EventKind, Category
@@ -50,6 +54,7 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("category", "B", 1),
     ("step", "I", 4),
     ("stack", "i", 4),
+    ("thread", "H", 2),
 )
 #: Bytes one held event costs in the columns (string tables are shared and not counted).
 BYTES_PER_EVENT = sum(size for _, _, size in COLUMNS)
@@ -93,13 +98,16 @@ class Trace:
         self.category = array("B")
         self.step = array("I")
         self.stack = array("i")
+        self.thread = array("H")
         self.devices: list[str] = []
         self.strings: list[str] = [""]
         self.stacks: list[tuple[str, ...]] = []
+        self.threads: list[str] = [""]
         self.metadata: dict[str, Any] = dict(metadata or {})
         self._device_index: dict[str, int] = {}
         self._string_index: dict[str, int] = {"": 0}
         self._stack_index: dict[tuple[str, ...], int] = {}
+        self._thread_index: dict[str, int] = {"": 0}
 
     # ---- building -------------------------------------------------------------------------
     def intern_device(self, device: str) -> int:
@@ -128,6 +136,26 @@ class Trace:
         if i is None:
             i = self._string_index[text] = len(self.strings)
             self.strings.append(text)
+        return i
+
+    def intern_thread(self, name: str | None) -> int:
+        """Index of a thread name in the thread table (0 for ``None``: "not known").
+
+        Example:
+            >>> t = Trace(); t.intern_thread("MainThread"), t.intern_thread(None)
+            (1, 0)
+        """
+        if not name:
+            return 0
+        i = self._thread_index.get(name)
+        if i is None:
+            if len(self.threads) >= 65535:
+                raise InvalidInputError(
+                    f"expected at most 65534 thread names in one trace, got one more ({name!r}); "
+                    "name threads by role rather than uniquely"
+                )
+            i = self._thread_index[name] = len(self.threads)
+            self.threads.append(name)
         return i
 
     def intern_stack(self, stack: Sequence[str] | None) -> int:
@@ -159,6 +187,7 @@ class Trace:
         category: Category | int = Category.OTHER,
         step: int = 0,
         stack: Sequence[str] | None = None,
+        thread: str | None = None,
     ) -> int:
         """Append one event and return its sequence number (slow path; the tracker appends
         to the columns directly).
@@ -178,6 +207,7 @@ class Trace:
         self.phase.append(int(phase))
         self.category.append(int(category))
         self.step.append(int(step))
+        self.thread.append(self.intern_thread(thread))
         self.stack.append(self.intern_stack(stack))
         return len(self.kind) - 1
 
@@ -186,8 +216,10 @@ class Trace:
         devices: Sequence[str],
         strings: Sequence[str],
         stacks: Sequence[Sequence[str]],
+        threads: Sequence[str] = ("",),
     ) -> None:
-        """Replace the device, string and stack tables (a reader fills the columns, then this).
+        """Replace the device, string, stack and thread tables (a reader fills the columns, then
+        this).
 
         ``strings[0]`` must be ``""``: index 0 of the ``op`` and ``module`` columns means "none".
 
@@ -200,17 +232,20 @@ class Trace:
             ...
             torchmem.errors.InvalidInputError: expected a string table that starts with "" (index 0 means no name), got ['aten::mm']; fix: put "" first
         """
-        if not strings or strings[0] != "":
-            raise InvalidInputError(
-                'expected a string table that starts with "" (index 0 means no name), got '
-                f'{list(strings[:3])}; fix: put "" first'
-            )
+        for what, table in (("string", strings), ("thread", threads)):
+            if not table or table[0] != "":
+                raise InvalidInputError(
+                    f'expected a {what} table that starts with "" (index 0 means no name), got '
+                    f'{list(table[:3])}; fix: put "" first'
+                )
         self.devices = list(devices)
         self.strings = list(strings)
         self.stacks = [tuple(s) for s in stacks]
         self._device_index = {d: i for i, d in enumerate(self.devices)}
         self._string_index = {s: i for i, s in enumerate(self.strings)}
         self._stack_index = {s: i for i, s in enumerate(self.stacks)}
+        self.threads = [str(t) for t in threads]
+        self._thread_index = {t: i for i, t in enumerate(self.threads)}
 
     def set_category(self, seq: int, category: Category | int) -> None:
         """Change the category recorded for event ``seq``.
@@ -256,6 +291,7 @@ class Trace:
             category=_CATS[self.category[seq]],
             step=self.step[seq],
             stack=self.stacks[st] if st >= 0 else None,
+            thread=self.threads[self.thread[seq]] or None,
         )
 
     def events(self, start: int = 0, stop: int | None = None) -> Iterator[Event]:

@@ -113,6 +113,7 @@ def render_summary(
     total_alloc = sum(b for _, b, _ in s.top_ops_allocated)
     table("Allocated over the run, by operator", s.top_ops_allocated, "operator", total_alloc)
     table("Allocated over the run, by module", s.top_modules_allocated, "module", total_alloc)
+    table("Allocated over the run, by thread", s.top_threads_allocated, "thread", total_alloc)
     if s.iterations:
         header = ["step", "peak", "live at end", "retained growth", "allocated"]
         its = s.iterations

@@ -46,6 +46,12 @@ Storage ids: ``Event.storage`` is the ALLOC's sequence number + 1. A storage res
 ALLOC of the new size (a new id). Frees that happen on another thread are recorded on the
 tracking thread at its next event.
 
+Threads: every ``threading.Thread`` started while the tracker is active runs under a mode of
+its own, and ``Event.thread`` names the thread of each allocation and free (``_threads`` says
+what happens to threads already running, and to those still running when the block ends).
+Other threads' events are queued and appended by the tracking thread at its next event (or when
+the block ends), so they have no module, phase ``other`` and category ``other``.
+
 Limits: allocations inside one aten kernel that never surface as an output (workspaces) are
 invisible (:func:`torchmem.track_lite` sees them); storages a kernel resizes without returning
 them are missed; frees of storages in reference cycles are recorded when the garbage collector
@@ -59,6 +65,7 @@ order, so every step of an event runs as a plain method or closure, with no indi
 - ``_phases``: step markers, phase regions, final categories, backward module attribution.
 - ``_hooks``: the global module and optimizer hooks (module names, the optimizer phase).
 - ``_hotpath``: the dispatch mode and the per-operator and per-free closures.
+- ``_threads``: the modes of threads started while tracking (``threading.Thread.start``).
 - ``_tracker``: :class:`Tracker` (read API, lifecycle) and :func:`track`.
 
 Example:

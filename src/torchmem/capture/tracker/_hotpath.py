@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -29,17 +30,21 @@ from torchmem.capture.tracker._hooks import _Hooks
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import (
     _ALLOC,
+    _C,
     _FREE,
     _P_BWD,
+    _P_OTHER,
     _PROVISIONAL,
     _TEMP,
     _perf_ns,
     _SRef,
 )
+from torchmem.capture.tracker._sites import call_site
 
 __all__: list[str] = []
 
 _strided = torch.strided
+_OTHER = int(_C.OTHER)
 
 
 class _Mode(TorchDispatchMode):
@@ -56,6 +61,25 @@ class _Mode(TorchDispatchMode):
         if info is None or info:
             self._on_outputs(func, out, info)
         return out
+
+
+def _classify(func: Any) -> tuple[str, int]:
+    """An operator's name and what its outputs are: 1 new storages, -1 written in place
+    (in-place / ``out=``: new only if resized), 0 aliases of inputs (views)."""
+    schema = func._schema
+    # lift_fresh returns (an alias of) a tensor built from Python data outside the
+    # dispatcher (torch.tensor(...)): its storage is new to us
+    if schema.name.startswith("aten::lift_fresh") or (
+        not func.is_view and all(r.alias_info is None for r in schema.returns)
+    ):
+        return schema.name, 1
+    if not func.is_view and any(
+        r.alias_info is not None and r.alias_info.is_write for r in schema.returns
+    ):
+        # in-place / out= operators allocate nothing, unless they resize their output's
+        # storage (resize_, out= into a too-small tensor): negative = "check the size"
+        return schema.name, -1
+    return schema.name, 0
 
 
 class _HotPath(_Hooks):
@@ -75,10 +99,11 @@ class _HotPath(_Hooks):
             tr.kind.append, tr.time_ns.append, tr.device.append, tr.nbytes.append,
             tr.storage.append,
         )
-        a_op, a_mod, a_phase, a_cat, a_step, a_stack = (
+        a_op, a_mod, a_phase, a_cat, a_step, a_thread, a_stack = (
             tr.op.append, tr.module.append, tr.phase.append, tr.category.append,
-            tr.step.append, tr.stack.append,
+            tr.step.append, tr.thread.append, tr.stack.append,
         )
+        me_thread = self._thread_idx
         kind_col = tr.kind
         fw_names = self._fw_names
         t0 = self._t0
@@ -91,14 +116,17 @@ class _HotPath(_Hooks):
         me = self
 
         pending = self._pending
+        orphans = self._orphans
         main_thread = self._thread
         get_ident = threading.get_ident
+        current_thread = threading.current_thread
+        intern, intern_thread, intern_stack = tr.intern, tr.intern_thread, tr.intern_stack
 
         def on_free(ref: _SRef) -> None:
             if get_ident() != main_thread:
                 # freed on another thread (a data-loader or autograd worker): record it on the
                 # tracking thread at its next event, so two threads never interleave appends
-                pending.append((ref, perf() - t0))
+                pending.append((ref, perf() - t0, current_thread().name, task() != -1))
                 return
             if pending:
                 drain()
@@ -106,21 +134,46 @@ class _HotPath(_Hooks):
 
         def drain() -> None:
             while pending:
-                ref, when = pending.popleft()
-                free(ref, when)
+                item = pending.popleft()
+                if len(item) == 4:
+                    free(item[0], item[1], intern_thread(item[2]), item[3])
+                else:
+                    thread_alloc(*item)
 
-        def free(ref: _SRef, when: int) -> None:
-            key = ref.key
-            if live_get(key) is not ref or not me._active:
+        def thread_alloc(ref: _SRef, when: int, tname: str, op: str, stack: Any, device: Any) -> None:
+            """An allocation another thread made (queued by ``on_thread_outputs``)."""
+            if not me._active:
                 return
-            del live[key]
+            dev = dev_cache.get(device)
+            if dev is None:
+                dev = me._dev_index(device)
+            ref.dev = dev
+            ref.seq = me._record(
+                _ALLOC, dev, ref.nbytes, -1, intern(op), 0, _P_OTHER, _OTHER, ref(),
+                thread=intern_thread(tname), when=when,
+                stack=-1 if stack is None else intern_stack(stack),
+            )
+
+        def free(ref: _SRef, when: int, thread: int = me_thread, bw: bool = False) -> None:
+            key = ref.key
+            if live_get(key) is ref:
+                del live[key]
+            elif orphans.pop(id(ref), None) is None:
+                return
+            if not me._active:
+                return
             seq = ref.seq
             if ref.region == me._region_id:
                 cat = _TEMP
                 cat_col[seq] = cat
             else:
                 cat = cat_col[seq]
-            if task() != -1:
+            if thread != me_thread:
+                # freed on another thread: an autograd worker's backward (the last module seen
+                # in backward), or a thread of the user's, outside the tracking thread's modules
+                phase = _P_BWD if bw else _P_OTHER
+                mod = me._bw_last if bw else 0
+            elif task() != -1:
                 phase = _P_BWD
                 mod = me._bw_module()
             else:
@@ -128,8 +181,9 @@ class _HotPath(_Hooks):
                 mod = fw_names[-1] if fw_names else 0
             dev = ref.dev
             nbytes = ref.nbytes
-            if me._slow:
-                me._record(_FREE, dev, nbytes, seq + 1, 0, mod, phase, cat, None)
+            if me._slow or thread != me_thread:
+                me._record(_FREE, dev, nbytes, seq + 1, 0, mod, phase, cat, None, thread=thread,
+                           when=when, stack=-2 if thread == me_thread else -1)
                 return
             a_kind(_FREE)
             a_time(when)
@@ -141,6 +195,7 @@ class _HotPath(_Hooks):
             a_phase(phase)
             a_cat(cat)
             a_step(me._step)
+            a_thread(me_thread)
             a_stack(-1)
             live_dev[dev] -= nbytes
 
@@ -214,34 +269,61 @@ class _HotPath(_Hooks):
                 a_phase(phase)
                 a_cat(cat)
                 a_step(me._step)
+                a_thread(me_thread)
                 a_stack(-1)
                 v = live_dev[dev] + nbytes
                 live_dev[dev] = v
                 if v > peak_dev[dev]:
                     peak_dev[dev] = v
 
+        wops: dict[Any, str] = {}  # operator -> its name if its outputs are new storages, else ""
+        skip_code = self._skip_code
+        getframe = sys._getframe
+
+        def on_thread_outputs(func: Any, out: Any, tname: str) -> None:
+            """Outputs of an operator run on another thread: queue their allocations."""
+            op = wops.get(func)
+            if op is None:
+                name, sign = _classify(func)
+                op = wops[func] = name if sign > 0 else ""
+            if not op:
+                return
+            if isinstance(out, Tensor):
+                tensors: Iterable[Any] = (out,)
+            elif isinstance(out, (tuple, list)):
+                tensors = iter_items(out)
+            else:
+                return
+            when = perf() - t0
+            stack = call_site(getframe(2), skip_code, me.stack_depth) if me.stacks else None
+            for t in tensors:
+                if t.layout is not strided:
+                    continue
+                s = t.untyped_storage()
+                key = s._cdata
+                old = live_get(key)
+                if old is not None:
+                    if old() is not None:
+                        continue
+                    orphans[id(old)] = old  # freed, its free still queued: the address is reused
+                ref = SRef(s, on_free)
+                ref.key = key
+                ref.seq = -1
+                ref.dev = -1
+                ref.nbytes = s.nbytes()
+                ref.region = -1  # not in the tracking thread's phase regions
+                live[key] = ref
+                pending.append((ref, when, tname, op, stack, t.device))
+
         self._on_free_cb = on_free
         self._on_outputs = on_outputs
+        self._on_thread_outputs = on_thread_outputs
         self._drain = drain
 
     def _op_info(self, func: Any) -> int:
         """String index of an operator whose outputs are new storages, 0 if they alias."""
-        schema = func._schema
-        # lift_fresh returns (an alias of) a tensor built from Python data outside the
-        # dispatcher (torch.tensor(...)): its storage is new to us
-        fresh = schema.name.startswith("aten::lift_fresh") or (
-            not func.is_view and all(r.alias_info is None for r in schema.returns)
-        )
-        if fresh:
-            info = self.trace.intern(schema.name)
-        elif not func.is_view and any(
-            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
-        ):
-            # in-place / out= operators allocate nothing, unless they resize their output's
-            # storage (resize_, out= into a too-small tensor): negative = "check the size"
-            info = -self.trace.intern(schema.name)
-        else:
-            info = 0
+        name, sign = _classify(func)
+        info = sign * self.trace.intern(name) if sign else 0
         self._ops[func] = info
         return info
 

@@ -143,10 +143,17 @@ class _Recorder:
         self._active = False
         self._used = False
         self._thread = threading.get_ident()
+        self._thread_idx = 0  # the tracking thread's name in the trace's thread table
         self._exit: list[Callable[[], None]] = []
         self._on_free_cb: Callable[[Any], None] = _ignore
         self._drain: Callable[[], None] = _ignore
-        self._pending: deque[tuple[_SRef, int]] = deque()
+        # events of other threads, recorded on the tracking thread at its next event (in order):
+        # frees (ref, when, thread name, in backward) and allocations (ref, when, thread name, op, stack,
+        # device); ``_orphans`` holds refs of storages freed there whose address was reused
+        # before their free was recorded
+        self._pending: deque[tuple[Any, ...]] = deque()
+        self._orphans: dict[int, _SRef] = {}
+        self._on_thread_outputs: Callable[[Any, Any, str], None] = _ignore
         self._on_outputs: Callable[[Any, Any, Any], None] = _ignore
         self.listener_errors: list[BaseException] = []
         self._slow = self.stacks or bool(self._listeners)
@@ -208,16 +215,25 @@ class _Recorder:
         phase: int,
         cat: int,
         storage: torch.UntypedStorage | None,
+        thread: int = -1,
+        when: int = -1,
+        stack: int = -2,
     ) -> int:
         """Append one event (general path: marks, initial state, stacks, listeners).
 
-        ``sid=-1`` means "this event's own sequence number + 1" (a new storage). Everything
+        ``sid=-1`` means "this event's own sequence number + 1" (a new storage). ``thread``,
+        ``when`` and ``stack`` (an interned stack) are given for an event that happened on
+        another thread (-1, -1, -2: the tracking thread, now, this call's stack). Everything
         that can allocate Python objects (and so run the garbage collector, whose frees call
         back into the tracker) happens before the appends, so the columns stay aligned.
         """
         tr = self.trace
-        stack = self._stack() if self.stacks else -1
-        now = _perf_ns() - self._t0 if kind != _ALLOC or self._active else 0
+        if stack == -2:
+            stack = self._stack() if self.stacks else -1
+        if when >= 0:
+            now = when
+        else:
+            now = _perf_ns() - self._t0 if kind != _ALLOC or self._active else 0
         seq = len(tr.kind)
         tr.kind.append(kind)
         tr.time_ns.append(now)
@@ -229,7 +245,8 @@ class _Recorder:
         tr.phase.append(phase)
         tr.category.append(cat)
         tr.step.append(self._step)
-        tr.stack.append(stack)
+        tr.thread.append(self._thread_idx if thread < 0 else thread)
+        tr.stack.append(stack)  # last: a streamer reading len(stack) sees complete rows
         if kind == _ALLOC:
             v = self._live_dev[dev] + nbytes
             self._live_dev[dev] = v

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torchmem.capture.storage import device_str
-from torchmem.capture.tracker._hotpath import _HotPath, _Mode
+from torchmem.capture.tracker._hotpath import _Mode
 from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
+from torchmem.capture.tracker._threads import _Threads
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
 from torchmem.model.events import Event
@@ -27,7 +28,7 @@ from torchmem.model.events import Event
 __all__ = ["Tracker", "track"]
 
 
-class Tracker(_HotPath):
+class Tracker(_Threads):
     """Records storage allocations and frees with operator, module, phase and category.
 
     Create it with :func:`track` (the constructor takes the same arguments). Between
@@ -124,6 +125,7 @@ class Tracker(_HotPath):
             )
         self._used = True
         self._thread = threading.get_ident()
+        self._thread_idx = self.trace.intern_thread(threading.current_thread().name)
         self._t0 = time.perf_counter_ns()
         self._make_hot_paths()
         self.trace.metadata["start_unix_ns"] = time.time_ns()
@@ -169,6 +171,7 @@ class Tracker(_HotPath):
         self._exit.append(h3.remove)
         h4 = optim_module.register_optimizer_step_post_hook(self._opt_post)
         self._exit.append(h4.remove)
+        self._install_threads()
         mode = _Mode(self)
         mode.__enter__()
         self._exit.append(lambda: mode.__exit__(None, None, None))
