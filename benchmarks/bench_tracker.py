@@ -24,8 +24,15 @@ Also: bytes the tracker holds per recorded event over a long run (tracemalloc de
 tracking session divided by its events; torch's tensor memory is not traced by tracemalloc),
 and the time to load a 1,000,000-event trace file.
 
+Streaming (``--stream``): torchmem.track(model, opt) against the same with ``path=`` (the trace
+streamed to a file by a background thread every half second, as ``torchmem run`` does), each run
+for at least 2 seconds so that several chunks are written; time is the CPU time of the whole
+process (time.process_time: the writer thread's work counts) and the wall time, per step, minimum
+over rounds; the final save when the block ends is reported separately.
+
 Run:  python benchmarks/bench_tracker.py            (about 6 minutes on 2 busy cores)
       python benchmarks/bench_tracker.py --quick    (fewer rounds)
+      python benchmarks/bench_tracker.py --stream   (streaming only, about 2 minutes)
 """
 
 from __future__ import annotations
@@ -208,13 +215,55 @@ def load_million(tmp: str) -> tuple[float, int]:
     return best, os.path.getsize(path)
 
 
+def bench_streaming(name: str, build: Any, rounds: int, tmp: str) -> None:
+    """Per-step cost of streaming the trace to disk, against the same tracker without it."""
+    torch.manual_seed(0)
+    step, net, opt = build()
+    step()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    n = max(20, int(2.0 / ((time.perf_counter() - t0) / 5)))  # about 2 s of steps per run
+    best = {k: (float("inf"), float("inf")) for k in ("in memory", "streamed")}
+    finish = float("inf")
+    for r in range(rounds):
+        for k in best:
+            path = os.path.join(tmp, f"{name}.tmtrace")
+            gc.collect()
+            tr = torchmem.track(net, opt, path=path if k == "streamed" else None)
+            with tr:
+                step()
+                c0, w0 = time.process_time(), time.perf_counter()
+                for _ in range(n):
+                    step()
+                cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+                e0 = time.perf_counter()
+            if k == "streamed":
+                finish = min(finish, time.perf_counter() - e0)
+            best[k] = (min(best[k][0], cpu / n), min(best[k][1], wall / n))
+        print(f"  {name} streaming: round {r + 1}/{rounds} done", file=sys.stderr)
+    (mc, mw), (sc, sw) = best["in memory"], best["streamed"]
+    print(f"\n{name}: {n} steps per run ({len(tr)} events), min over {rounds} rounds")
+    print(f"  {'variant':<12}{'CPU ms/step':>13}{'wall ms/step':>14}")
+    for k, (c, w) in best.items():
+        print(f"  {k:<12}{c * 1e3:>13.3f}{w * 1e3:>14.3f}")
+    print(f"  streamed / in memory: CPU {sc / mc:.3f}x, wall {sw / mw:.3f}x; the complete file "
+          f"written when the block ends: {finish * 1e3:.1f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--stream", action="store_true", help="only the streaming comparison")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rounds, n = (3, 10) if args.quick else (12, 20)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores (shared), 1 torch thread")
+    if args.stream:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, build in (("mlp", mlp), ("transformer", transformer)):
+                bench_streaming(name, build, 3 if args.quick else 5, tmp)
+        return 0
     for name, build in (("mlp", mlp), ("transformer", transformer)):
         best = bench_workload(name, build, rounds, n)
         u, f = best["untracked"], best["floor"]

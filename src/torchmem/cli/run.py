@@ -309,8 +309,10 @@ def run(args: argparse.Namespace) -> int:
 
         live = LiveView(label, sampler)
     listeners = [f.on_event for f in (watch, live) if f is not None]
+    # the trace streams to the output as the script runs (a killed run leaves a readable file);
+    # the complete trace replaces it when tracking ends
     tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
-                    listeners=listeners)
+                    listeners=listeners, path=args.output)
     if sampler is not None:
         sampler.start()
     namespace: dict[str, Any] = {}
@@ -332,7 +334,6 @@ def run(args: argparse.Namespace) -> int:
             print("torchmem run: the script was interrupted", file=sys.stderr)
         else:
             sys.stderr.write(_user_traceback(exc, args.script))
-    tracker.save(args.output)
 
     from torchmem.analysis.summary import summarize_trace
     from torchmem.render.summary import render_summary, summary_json

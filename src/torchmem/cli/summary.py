@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["add_arguments", "run"]
 
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from torchmem.render.summary import render_summary, summary_json
 
     trace = load_trace(args.trace)
+    if trace.metadata.get("cut_short"):
+        print(f"torchmem summary: {args.trace}: {trace.metadata['cut_short']}", file=sys.stderr)
     if args.device is not None and args.device not in trace.devices:
         raise InvalidInputError(
             f"device {args.device!r} is not in this trace; it has: {', '.join(trace.devices) or 'none'}"

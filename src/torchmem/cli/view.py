@@ -65,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"torchmem view: {msg} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
     progress(f"reading {src}")
+    from torchmem.io.tmtrace import is_cut_short  # noqa: PLC0415
+
+    if is_cut_short(src):
+        print(f"torchmem view: {src} was cut short: the run ended abruptly (killed) and this is "
+              "the trace it streamed to disk, without about its last second", file=sys.stderr)
     snap = load_snapshot(src)
     write_viewer(snap, out, title=args.title or src.name, progress=progress)
     size = out.stat().st_size

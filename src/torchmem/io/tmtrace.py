@@ -76,7 +76,7 @@ from torchmem.model.events import Category, Phase
 from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, Trace
 
 __all__ = [
-    "save_trace", "load_trace", "is_tmtrace", "TraceStreamer", "MAGIC", "FORMAT_VERSION",
+    "save_trace", "load_trace", "is_tmtrace", "is_cut_short", "TraceStreamer", "MAGIC", "FORMAT_VERSION",
     "PathLike",
 ]
 
@@ -153,6 +153,28 @@ def is_tmtrace(path: PathLike) -> bool:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:
         return False
+
+
+def is_cut_short(path: PathLike) -> bool:
+    """True when ``path`` is a streamed trace: a run that ended abruptly (killed) left it, so it
+    holds the events up to about a second before the end (see :class:`TraceStreamer`).
+
+    Example:
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.tmtrace"); save_trace(Trace(), p)
+        >>> is_cut_short(p), is_cut_short("/no/such/file.tmtrace")
+        (False, False)
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != MAGIC:
+                return False
+            (hlen,) = struct.unpack_from("<I", head, 12)
+            header = json.loads(f.read(hlen).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(header, dict) and header.get("layout") == "stream"
 
 
 def _read(name: str) -> bytes:

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ import torch
 from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._sites import call_site
 from torchmem.errors import InvalidInputError
+from torchmem.io.tmtrace import PathLike, TraceStreamer
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.trace import Trace
 
@@ -82,7 +84,17 @@ class _Recorder:
         modules: bool = True,
         step_marker: str = "optimizer",
         metadata: dict[str, Any] | None = None,
+        path: PathLike | None = None,
     ) -> None:
+        if path is not None:
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path) or not os.path.isdir(folder):
+                raise InvalidInputError(
+                    f"path {os.fspath(path)!r} cannot be written: expected a file path in an "
+                    "existing folder; create the folder or pass another path"
+                )
+        self.path = path
+        self._streamer: TraceStreamer | None = None
         if step_marker not in ("optimizer", "manual"):
             raise InvalidInputError(
                 f"step_marker must be 'optimizer' or 'manual', got {step_marker!r}; use 'manual' "

@@ -22,7 +22,7 @@ from torchmem.capture.tracker._hotpath import _Mode
 from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
 from torchmem.capture.tracker._threads import _Threads
 from torchmem.errors import InvalidInputError
-from torchmem.io.tmtrace import PathLike, save_trace
+from torchmem.io.tmtrace import PathLike, TraceStreamer, save_trace
 from torchmem.model.events import Event
 
 __all__ = ["Tracker", "track"]
@@ -130,9 +130,15 @@ class Tracker(_Threads):
         self._make_hot_paths()
         self.trace.metadata["start_unix_ns"] = time.time_ns()
         try:
+            if self.path is not None:
+                self._streamer = TraceStreamer(self.trace, self.path)
+                self._streamer.start()
             self._install()
         except BaseException:
             self._uninstall()
+            if self._streamer is not None:
+                self._streamer.close()
+                self._streamer = None
             raise
         self._active = True
         return self
@@ -144,7 +150,18 @@ class Tracker(_Threads):
                 self._end_region(_P_OTHER)
         finally:
             self._active = False
-            self._uninstall()
+            try:
+                self._uninstall()
+            finally:
+                self._finish_file()
+
+    def _finish_file(self) -> None:
+        """With ``path``: stop streaming and replace the streamed file with the complete one."""
+        streamer, self._streamer = self._streamer, None
+        if streamer is None or self.path is None:
+            return
+        streamer.close()
+        self.save(self.path)
 
     def _install(self) -> None:
         from torch.nn.modules import module as nn_module
@@ -200,6 +217,7 @@ def track(
     modules: bool = True,
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
+    path: PathLike | None = None,
 ) -> Tracker:
     """Track every storage created while the block runs; yields a :class:`Tracker`.
 
@@ -215,6 +233,10 @@ def track(
         step_marker: ``"optimizer"`` (a step marker after each step of the first optimizer seen)
             or ``"manual"`` (call ``tracker.step()``).
         metadata: extra JSON-able metadata stored in the trace file.
+        path: a ``.tmtrace`` file to stream the trace to while the block runs (new events are
+            written at least every half second, so a run killed by SIGKILL or the OOM killer
+            leaves a file that ``torchmem summary`` reads, missing at most its last second);
+            when the block ends the complete trace replaces it (as :meth:`Tracker.save`).
 
     Example:
         >>> import torch, torchmem
@@ -223,6 +245,12 @@ def track(
         ...     net(torch.randn(3, 4)).sum().backward()
         >>> sorted({e.module for e in tr.events() if e.phase.label == "backward" and e.module})
         ['Sequential.0', 'Sequential.1', 'Sequential.2']
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "run.tmtrace")
+        >>> with torchmem.track(path=p):              # streamed while it runs, complete after
+        ...     x = torch.ones(4)
+        >>> torchmem.load_trace(p).peak(), "cut_short" in torchmem.load_trace(p).metadata
+        ({'cpu': 16}, False)
     """
     return Tracker(
         *modules_and_optimizers,
@@ -232,4 +260,5 @@ def track(
         modules=modules,
         step_marker=step_marker,
         metadata=metadata,
+        path=path,
     )
