@@ -321,18 +321,16 @@ def by_thread(trace: Trace, device: int, top: int = 10) -> list[tuple[str, int, 
     """
     if len(trace.threads) <= 2:  # "" and at most one name
         return []
-    groups: dict[int, list[int]] = {}
+    total: dict[int, int] = {}
+    count: dict[int, int] = {}
     for k, d, b, t in zip(trace.kind, trace.device, trace.nbytes, trace.thread):
         if k == _ALLOC and d == device:
-            v = groups.get(t)
-            if v is None:
-                groups[t] = [b, 1]
-            else:
-                v[0] += b
-                v[1] += 1
-    if len(groups) < 2:
+            total[t] = total.get(t, 0) + b
+            count[t] = count.get(t, 0) + 1
+    if len(total) < 2:
         return []
-    return _top({(trace.threads[t] or "(unknown)"): v for t, v in groups.items()}, top)
+    names = trace.threads
+    return _top({(names[t] or "(unknown)"): [b, count[t]] for t, b in total.items()}, top)
 
 
 #: The call-site group of storages recorded without a Python stack (``stacks=False``).

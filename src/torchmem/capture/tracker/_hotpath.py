@@ -82,6 +82,13 @@ def _classify(func: Any) -> tuple[str, int]:
     return schema.name, 0
 
 
+def _output_tensors(out: Any) -> Iterable[Any]:
+    """The tensors of an operator's output (none for a non-tensor result)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    return iter_items(out) if isinstance(out, (tuple, list)) else ()
+
+
 class _HotPath(_Hooks):
     """Builds the callbacks the dispatch mode and the storages' weak references call."""
 
@@ -288,12 +295,7 @@ class _HotPath(_Hooks):
                 op = wops[func] = name if sign > 0 else ""
             if not op:
                 return
-            if isinstance(out, Tensor):
-                tensors: Iterable[Any] = (out,)
-            elif isinstance(out, (tuple, list)):
-                tensors = iter_items(out)
-            else:
-                return
+            tensors = _output_tensors(out)
             when = perf() - t0
             stack = call_site(getframe(2), skip_code, me.stack_depth) if me.stacks else None
             for t in tensors:
