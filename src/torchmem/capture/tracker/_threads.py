@@ -19,6 +19,12 @@ What happens to which thread:
 
 ``Thread.start`` is restored when the block ends.
 
+Limits: another thread's events reach the trace when the tracking thread records its next
+event (or when the block ends), so while the tracking thread waits without running an operator
+(``thread.join()``, ``time.sleep``) they are held in a queue, and a trace streamed to disk
+(``track(path=...)``) gets them then. A storage another thread resizes in place (``resize_``) is
+not seen there.
+
 Example:
     >>> import threading, torch, torchmem
     >>> with torchmem.track() as tr:
