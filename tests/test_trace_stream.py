@@ -129,7 +129,9 @@ def test_the_end_of_block_file_is_the_one_save_writes(tmp_path: Path) -> None:
     assert [_key(e) for e in midway.events()] == [_key(e) for e in tr.events()]
 
 
-def test_a_partial_last_chunk_is_dropped_and_said(tmp_path: Path) -> None:
+def test_a_partial_last_chunk_is_dropped_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tr = Trace()
     path = tmp_path / "s.tmtrace"
     st = TraceStreamer(tr, path, interval=1)
@@ -146,6 +148,12 @@ def test_a_partial_last_chunk_is_dropped_and_said(tmp_path: Path) -> None:
         ("aten::ones", 100, "MainThread"), ("aten::zeros", 300, "worker"), (None, 100, "worker")
     ]
     assert whole.peak() == {"cpu": 400}
+    from torchmem.cli import main
+
+    assert main(["view", str(path), "-o", str(tmp_path / "v.html")]) == 0
+    assert "was cut short" in capsys.readouterr().err
+    assert main(["summary", str(path)]) == 0
+    assert "ended abruptly" in capsys.readouterr().err
     path.write_bytes(data[:-5])  # killed while writing the second chunk
     cut = load_trace(path)
     assert [(e.op, e.nbytes) for e in cut.events()] == [("aten::ones", 100)]
