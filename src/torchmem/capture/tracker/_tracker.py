@@ -202,6 +202,8 @@ class Tracker(_Threads):
             except Exception as e:  # keep removing the rest
                 errors.append(e)
         self._live.clear()  # drops the weak references: no callback after exit
+        self._pending.clear()  # (drained at exit) and other threads' refs with it
+        self._orphans.clear()
         self._fw_names.clear()
         self._fw_mods.clear()
         del self._seq_bounds[:], self._seq_owner[:]
