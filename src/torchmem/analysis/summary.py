@@ -13,6 +13,12 @@ Definitions:
     its *peak* is the highest live byte count inside it, its *retained growth* is live bytes at
     its end minus live bytes at its start. Steady training shows growth ~0 after the first
     iterations; a leak shows the same positive growth every iteration.
+  * *leak suspect*: the live bytes at the ends of all complete iterations trend upwards, by the
+    rule of :func:`~torchmem.analysis.leak_trend` (warm-up iterations excluded, a robust slope,
+    thresholds above the loop's own noise); ``growth`` holds the trend and the call sites and
+    modules that keep growing (:func:`~torchmem.analysis.growth`). In torchmem 0.1 the rule
+    was "every iteration after the first grew"; a steady leak is flagged by both, a noisy clean
+    loop by neither, and a leak that starts late only by the trend.
 
 Example:
     >>> from torchmem.model.trace import Trace
@@ -33,6 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchmem.analysis._growth import GrowthReport, growth
 from torchmem.io.convert import event_entry_index
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
@@ -75,6 +82,15 @@ class TraceSummary:
     :class:`~torchmem.model.trace.Trace` (``Event.seq``, for :meth:`~torchmem.model.trace.Trace.event`).
     Both are -1 when nothing was allocated.
 
+    ``leak_suspect`` is ``growth.leak``: the trend of live bytes at iteration ends (see
+    :func:`~torchmem.analysis.leak_trend`). ``to_dict()["growth"]`` holds that trend:
+    ``leak``, ``bytes_per_iteration`` (the robust slope, rounded), ``slope``, ``noise`` (bytes),
+    ``start_step`` (the first iteration that grew, -1 if none), ``growth_bytes`` (from the onset
+    to the last iteration), ``warmup`` (iterations not judged), ``steps`` and ``end_bytes`` (the
+    live bytes at each complete iteration's end) and ``growing``: the call sites and modules that
+    keep growing, each with ``grouping`` (``"call_site"`` or ``"module"``), ``name``,
+    ``bytes_per_iteration``, ``slope``, ``start_step``, ``growth_bytes`` and ``end_bytes``.
+
     Example:
         >>> from torchmem.model.trace import Trace
         >>> summarize_trace(Trace()).to_dict()["events"]
@@ -99,6 +115,7 @@ class TraceSummary:
     leak_suspect: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
     peak_index: int = -1
+    growth: GrowthReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (bytes are ints).
@@ -117,6 +134,7 @@ class TraceSummary:
             "top_stacks_at_peak",
         ):
             d[key] = [{"name": n, "bytes": b, "count": c} for n, b, c in d[key]]
+        d["growth"] = self.growth.to_dict() if self.growth is not None else None
         return d
 
     def _repr_html_(self) -> str:
@@ -276,9 +294,7 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
     # pass 2: what is alive at the peak
     g = live_groups(trace, want, peak_seq)
     at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
-    full = [it for it in iters if it.complete]
-    tail = full[1:] if len(full) > 2 else []  # the first iteration builds state (grads, optimizer)
-    leak = len(tail) >= 2 and all(it.retained_growth > 0 for it in tail)
+    trend = growth(trace, device, top=top) if device is not None else GrowthReport(None)
     return TraceSummary(
         device=device,
         events=n,
@@ -295,9 +311,10 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         phases_at_peak=_by_bytes(g["phase"]),
         top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
-        leak_suspect=leak,
+        leak_suspect=trend.leak,
         metadata=dict(trace.metadata),
         peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
+        growth=trend,
     )
 
 
