@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchmem.analysis._growth import NO_SITE as _NO_SITE
 from torchmem.analysis._growth import GrowthReport, growth
 from torchmem.io.convert import event_entry_index
 from torchmem.model.events import Category, EventKind, Phase
@@ -319,7 +320,7 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
 
 
 #: The call-site group of storages recorded without a Python stack (``stacks=False``).
-NO_SITE = "(no call site)"
+NO_SITE = _NO_SITE
 #: The groupings of :func:`live_groups`, in the order tables show them.
 GROUPINGS = ("category", "module", "operator", "call_site", "phase")
 
