@@ -6,7 +6,8 @@ gradients and optimizer state; a loop with varying batch sizes ends some iterati
 others), so the judgement is on the whole series. :func:`leak_trend` is the rule; it takes the
 live bytes at the end of each complete iteration, ``e[0..n-1]``:
 
-1. **Warm-up.** The first ``w = max(1, n // 10)`` iterations build state and are not judged;
+1. **Warm-up.** The first ``w = min(10, max(1, n // 10))`` iterations build state (gradients,
+   optimizer state, caches) and are not judged;
    ``e[w-1]``, the live bytes when the warm-up ends, is the baseline. The window is
    ``W = e[w-1:]``.
 2. **Noise.** ``noise = 1.4826 * MAD(d) / sqrt(2)``, the robust standard deviation of one
@@ -57,6 +58,8 @@ _MARK = int(EventKind.MARK)
 #: A growing group's call site when the allocation was recorded without a Python stack.
 NO_SITE = "(no call site)"
 NO_MODULE = "(no module)"
+#: The most iterations the default warm-up skips.
+WARMUP_CAP = 10
 #: How many times the noise the trend's growth must exceed.
 NOISE_FACTOR = 4.0
 #: How many times the noise the last end must exceed every end before the onset.
@@ -104,20 +107,21 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def default_warmup(n: int) -> int:
-    """Warm-up iterations for ``n`` complete iterations: ``max(1, n // 10)``.
+    """Warm-up iterations for ``n`` complete iterations: ``min(10, max(1, n // 10))`` (a
+    cap, so that a leak starting at iteration 100 of a long run is seen from there).
 
     Example:
-        >>> default_warmup(5), default_warmup(40)
-        (1, 4)
+        >>> default_warmup(5), default_warmup(40), default_warmup(10_000)
+        (1, 4, 10)
     """
-    return max(1, n // 10)
+    return min(WARMUP_CAP, max(1, n // 10))
 
 
 def leak_trend(ends: Sequence[int], warmup: Optional[int] = None) -> LeakTrend:
     """Judge whether ``ends`` (live bytes at the end of each complete iteration) trend upwards.
 
-    The rule is in this module's docstring; ``warmup`` (default ``max(1, n // 10)``) is how many
-    leading iterations are not judged.
+    The rule is in this module's docstring; ``warmup`` (default :func:`default_warmup`) is how
+    many leading iterations are not judged.
 
     Example:
         >>> leak_trend([4096, 4104, 4112]).leak, leak_trend([4096, 4104, 4104]).leak
