@@ -236,6 +236,9 @@ def test_rule_on_hand_series() -> None:
     assert leak_trend([10, 20, 30, 10]).start == -1
     # the warm-up is not judged: a big first iteration and a flat rest is clean
     assert not leak_trend([0, 1 << 20, 1 << 20, 1 << 20, 1 << 20]).leak
+    # a leak every third iteration (a periodic log) is a trend too; the rate is 4096 / 3
+    periodic = leak_trend([4096 * (k // 3) for k in range(30)])
+    assert periodic.leak and abs(periodic.slope - 4096 / 3) < 4096 / 3 * 0.1
     # at least two growing iterations after the warm-up
     assert not leak_trend([0, 8, 16], warmup=2).leak and leak_trend([0, 8, 16]).leak
 
