@@ -308,17 +308,39 @@ def growth(
     strings, stacks = trace.strings, trace.stacks
     step_op = trace.strings.index("step") if "step" in trace.strings else -1
 
-    # groups are numbered: call sites by stack id (+1; 0 is "no stack"), modules after them
-    site_of_stack: dict[int, int] = {}
-    site_index: dict[str, int] = {NO_SITE: 0}
+    # groups (call sites, modules) are numbered in gnames/live_g; events touch *cells* (a stack
+    # id and a module id): one update per event, folded into the groups at each step marker
+    site_index: dict[str, int] = {}
     mod_group: dict[int, int] = {}
-    gnames: list[tuple[str, str]] = [("call_site", NO_SITE)]  # group -> (grouping, name)
-    live_g: list[int] = [0]
-    owner: dict[int, tuple[int, int, int]] = {}  # storage -> (site group, module group, bytes)
+    gnames: list[tuple[str, str]] = []  # group -> (grouping, name)
+    live_g: list[int] = []
+    cells: dict[int, int] = {}  # (stack id + 1) << 32 | module id -> cell
+    cell_groups: list[tuple[int, int]] = []  # cell -> (site group, module group)
+    live_c: list[int] = []
+    rec_c: list[int] = []  # a cell's live bytes when last folded into its groups
+    owner: dict[int, int] = {}  # storage -> cell
     dirty: set[int] = set()
     hist: dict[int, tuple[list[int], list[int]]] = {}  # group -> (iteration indices, values)
     ends: list[int] = []
     steps: list[int] = []
+
+    def group(grouping: str, name: str, index: dict[Any, int], key: Any) -> int:
+        g = index.get(key)
+        if g is None:
+            g = index[key] = len(live_g)
+            gnames.append((grouping, name))
+            live_g.append(0)
+        return g
+
+    def new_cell(st: int, m: int) -> int:
+        frames = stacks[st] if st >= 0 else ()
+        site = frames[-1] if frames else NO_SITE
+        cell_groups.append((group("call_site", site, site_index, site),
+                            group("module", strings[m] or NO_MODULE, mod_group, m)))
+        live_c.append(0)
+        rec_c.append(0)
+        return len(live_c) - 1
+
     live = 0
     for i in range(len(kind)):
         k = kind[i]
@@ -327,50 +349,43 @@ def growth(
                 it = len(ends)
                 ends.append(live)
                 steps.append(step_col[i])
-                for g in dirty:
+                touched: set[int] = set()
+                for c in dirty:
+                    delta = live_c[c] - rec_c[c]
+                    if delta:
+                        rec_c[c] = live_c[c]
+                        sg, mg = cell_groups[c]
+                        live_g[sg] += delta
+                        live_g[mg] += delta
+                        touched.add(sg)
+                        touched.add(mg)
+                dirty.clear()
+                for g in touched:
                     h = hist.get(g)
                     if h is None:
                         hist[g] = ([it], [live_g[g]])
                     else:
                         h[0].append(it)
                         h[1].append(live_g[g])
-                dirty.clear()
             continue
         if dev[i] != want:
             continue
         b = nbytes[i]
         if k == _ALLOC:
             live += b
-            st = stack_col[i]
-            sg = site_of_stack.get(st)
-            if sg is None:
-                frames = stacks[st] if st >= 0 else ()
-                name = frames[-1] if frames else NO_SITE
-                sg = site_index.get(name)
-                if sg is None:
-                    sg = site_index[name] = len(live_g)
-                    gnames.append(("call_site", name))
-                    live_g.append(0)
-                site_of_stack[st] = sg
-            m = mod_col[i]
-            mg = mod_group.get(m)
-            if mg is None:
-                mg = mod_group[m] = len(live_g)
-                gnames.append(("module", strings[m] or NO_MODULE))
-                live_g.append(0)
-            live_g[sg] += b
-            live_g[mg] += b
-            dirty.add(sg)
-            dirty.add(mg)
-            owner[sid_col[i]] = (sg, mg, b)
+            key = (stack_col[i] + 1) << 32 | mod_col[i]
+            cell = cells.get(key)
+            if cell is None:
+                cell = cells[key] = new_cell(stack_col[i], mod_col[i])
+            live_c[cell] += b
+            dirty.add(cell)
+            owner[sid_col[i]] = cell
         elif k == _FREE:
             live -= b
-            o = owner.pop(sid_col[i], None)
-            if o is not None:
-                live_g[o[0]] -= o[2]
-                live_g[o[1]] -= o[2]
-                dirty.add(o[0])
-                dirty.add(o[1])
+            c = owner.pop(sid_col[i], -1)
+            if c >= 0:
+                live_c[c] -= b
+                dirty.add(c)
 
     n = len(ends)
     trend = leak_trend(ends, warmup)
