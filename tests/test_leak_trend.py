@@ -296,3 +296,5 @@ def test_growth_equals_an_independent_count_per_group() -> None:
     assert kept.bytes_per_iteration == 40
     assert isinstance(summarize(tr).growth, GrowthReport)
     assert summarize(tr).to_dict()["growth"] == r.to_dict()
+    html = summarize(tr)._repr_html_()
+    assert "growing over iterations" in html and '<td>c.py:3:h</td><td class="num">40 B</td>' in html

@@ -146,8 +146,8 @@ class TraceSummary:
             >>> from torchmem.model.events import EventKind as K
             >>> tr = Trace(); _ = tr.append(K.ALLOC, 0, "cpu", 2048, 1, op="aten::zeros")
             >>> html = summarize_trace(tr)._repr_html_()
-            >>> "2.00 KiB" in html and "<td>aten::zeros</td>" in html
-            True
+            >>> "2.00 KiB" in html and "<td>aten::zeros</td>" in html, "growing" in html
+            (True, False)
         """
         return _summary_html(self)
 
@@ -165,6 +165,11 @@ def _summary_html(self: TraceSummary) -> str:
     cats = html_table("live at the peak, by category", ["category", "bytes"],
                       [[c, fmt_bytes(n)] for c, n in self.categories_at_peak.items() if n])
 
+    rows = [[g.grouping.replace("_", " "), g.name, fmt_bytes(g.bytes_per_iteration),
+             g.start_step] for g in (self.growth.growing if self.growth else [])]
+    growing = html_table("growing over iterations (live bytes at iteration ends trend up)",
+                         ["by", "name", "per iteration", "from step"], rows) if rows else ""
+
     def tops(title: str, first: str, rows: list[tuple[str, int, int]]) -> str:
         return html_table(title, [first, "bytes", "count"],
                           [[n, fmt_bytes(b), k] for n, b, k in rows])
@@ -175,6 +180,7 @@ def _summary_html(self: TraceSummary) -> str:
         tops("operators live at the peak", "operator", self.top_ops_at_peak),
         tops("modules live at the peak", "module", self.top_modules_at_peak),
         tops("call sites live at the peak", "call site", self.top_stacks_at_peak),
+        growing,
     )
 
 
