@@ -216,6 +216,7 @@ def test_summary_command_prints_the_growing_table(
                                                         "42.97 KiB"]
     assert ("Possible leak: live memory grows by 3.91 KiB per iteration from step 1 on"
             in " ".join(text.split()))
+    assert "growing at train.py:11:<module> (+3.91 KiB per iteration from step 1)" in text
     assert main(["summary", "--json", "t.tmtrace"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["growth"] == growth(load_trace("t.tmtrace")).to_dict()

@@ -148,13 +148,15 @@ def render_summary(
             show_edge=False, pad_edge=False))
     if s.leak_suspect and g is not None:
         n_judged = len(g.end_bytes) - g.warmup
-        top = g.growing[0] if g.growing else None
+        # name a call site (where to look) before a module when one grows
+        top = next((x for x in g.growing if x.grouping == "call_site"),
+                   g.growing[0] if g.growing else None)
         console.print(
             f"[bold red]Possible leak:[/bold red] live memory grows by "
             f"{format_bytes(g.bytes_per_iteration)} per iteration from step {g.start_step} on "
             f"({_fmt_signed(g.growth_bytes)} in all; trend over the {n_judged} iterations after "
             f"{g.warmup} warm-up)"
-            + (f"; most from {short_site(top.name) if top.grouping == 'call_site' else top.name}"
+            + (f"; growing at {short_site(top.name) if top.grouping == 'call_site' else top.name}"
                f" ({_fmt_signed(top.bytes_per_iteration)} per iteration from step {top.start_step})"
                if top else "")
             + ". Look for tensors kept across iterations (e.g. appending losses without .item()).",
