@@ -70,11 +70,11 @@ TOP_LEVEL = [
 NAMESPACES: dict[str, list[str]] = {
     "torchmem.analysis": [
         "CreepReport", "DevicePeak", "DeviceStats", "DiffRow", "GpuGap", "GpuReading",
-        "GroupDelta", "IterationDelta", "IterationMemory", "IterationStat", "OomEvent",
+        "GroupDelta", "GrowingGroup", "GrowthReport", "IterationDelta", "LeakTrend", "IterationMemory", "IterationStat", "OomEvent",
         "OomExplanation", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats",
         "StackGroup", "TraceDiff", "TraceRow", "TraceSummary",
-        "creep", "diff", "events", "explain_oom", "flame", "gpu_gap", "oom", "peak", "stats",
-        "summarize",
+        "creep", "diff", "events", "explain_oom", "flame", "gpu_gap", "growth", "leak_trend",
+        "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
         "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",

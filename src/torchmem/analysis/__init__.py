@@ -19,6 +19,8 @@ flame         folded stacks for flame-graph tools                 ``torchmem.fol
 oom           out-of-memory entries explained                     ``torchmem.oom_report``
 explain_oom   why an OOM happened, the fix, or the closest call   (new)
 creep         reserved creeping up over iterations (late OOMs)    (new)
+growth        live bytes trending up over iterations (leaks), and (new)
+              the call sites and modules that keep growing
 gpu_gap       nvidia-smi's used bytes split, each with its source (new)
 summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
 ============  ==================================================  ============================
@@ -55,6 +57,7 @@ from torchmem.analysis._diff import (
 from torchmem.analysis._events import TraceRow, events
 from torchmem.analysis._flame import flame
 from torchmem.analysis._gpu_gap import GpuGap, GpuReading, gpu_gap
+from torchmem.analysis._growth import GrowingGroup, GrowthReport, LeakTrend, growth, leak_trend
 from torchmem.analysis._oom import OomEvent, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
@@ -72,6 +75,8 @@ __all__ = [
     "explain_oom",
     "creep",
     "gpu_gap",
+    "growth",
+    "leak_trend",
     "summarize",
     "SnapshotStats",
     "DeviceStats",
@@ -93,4 +98,7 @@ __all__ = [
     "GpuGap",
     "TraceSummary",
     "IterationStat",
+    "GrowthReport",
+    "GrowingGroup",
+    "LeakTrend",
 ]

@@ -13,6 +13,12 @@ Definitions:
     its *peak* is the highest live byte count inside it, its *retained growth* is live bytes at
     its end minus live bytes at its start. Steady training shows growth ~0 after the first
     iterations; a leak shows the same positive growth every iteration.
+  * *leak suspect*: the live bytes at the ends of all complete iterations trend upwards, by the
+    rule of :func:`~torchmem.analysis.leak_trend` (warm-up iterations excluded, a robust slope,
+    thresholds above the loop's own noise); ``growth`` holds the trend and the call sites and
+    modules that keep growing (:func:`~torchmem.analysis.growth`). In torchmem 0.1 the rule
+    was "every iteration after the first grew"; a steady leak is flagged by both, a noisy clean
+    loop by neither, and a leak that starts late only by the trend.
 
 Example:
     >>> from torchmem.model.trace import Trace
@@ -33,6 +39,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from torchmem.analysis._growth import NO_SITE as _NO_SITE
+from torchmem.analysis._growth import GrowthReport, growth
 from torchmem.io.convert import event_entry_index
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
@@ -75,6 +83,15 @@ class TraceSummary:
     :class:`~torchmem.model.trace.Trace` (``Event.seq``, for :meth:`~torchmem.model.trace.Trace.event`).
     Both are -1 when nothing was allocated.
 
+    ``leak_suspect`` is ``growth.leak``: the trend of live bytes at iteration ends (see
+    :func:`~torchmem.analysis.leak_trend`). ``to_dict()["growth"]`` holds that trend:
+    ``leak``, ``bytes_per_iteration`` (the robust slope, rounded), ``slope``, ``noise`` (bytes),
+    ``start_step`` (the first iteration that grew, -1 if none), ``growth_bytes`` (from the onset
+    to the last iteration), ``warmup`` (iterations not judged), ``steps`` and ``end_bytes`` (the
+    live bytes at each complete iteration's end) and ``growing``: the call sites and modules that
+    keep growing, each with ``grouping`` (``"call_site"`` or ``"module"``), ``name``,
+    ``bytes_per_iteration``, ``slope``, ``start_step``, ``growth_bytes`` and ``end_bytes``.
+
     Example:
         >>> from torchmem.model.trace import Trace
         >>> summarize_trace(Trace()).to_dict()["events"]
@@ -100,6 +117,7 @@ class TraceSummary:
     metadata: dict[str, Any] = field(default_factory=dict)
     peak_index: int = -1
     top_threads_allocated: list[tuple[str, int, int]] = field(default_factory=list)
+    growth: GrowthReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (bytes are ints).
@@ -119,6 +137,7 @@ class TraceSummary:
             "top_threads_allocated",
         ):
             d[key] = [{"name": n, "bytes": b, "count": c} for n, b, c in d[key]]
+        d["growth"] = self.growth.to_dict() if self.growth is not None else None
         return d
 
     def _repr_html_(self) -> str:
@@ -129,8 +148,8 @@ class TraceSummary:
             >>> from torchmem.model.events import EventKind as K
             >>> tr = Trace(); _ = tr.append(K.ALLOC, 0, "cpu", 2048, 1, op="aten::zeros")
             >>> html = summarize_trace(tr)._repr_html_()
-            >>> "2.00 KiB" in html and "<td>aten::zeros</td>" in html
-            True
+            >>> "2.00 KiB" in html and "<td>aten::zeros</td>" in html, "growing" in html
+            (True, False)
         """
         return _summary_html(self)
 
@@ -148,6 +167,11 @@ def _summary_html(self: TraceSummary) -> str:
     cats = html_table("live at the peak, by category", ["category", "bytes"],
                       [[c, fmt_bytes(n)] for c, n in self.categories_at_peak.items() if n])
 
+    rows = [[g.grouping.replace("_", " "), g.name, fmt_bytes(g.bytes_per_iteration),
+             g.start_step] for g in (self.growth.growing if self.growth else [])]
+    growing = html_table("growing over iterations (live bytes at iteration ends trend up)",
+                         ["by", "name", "per iteration", "from step"], rows) if rows else ""
+
     def tops(title: str, first: str, rows: list[tuple[str, int, int]]) -> str:
         return html_table(title, [first, "bytes", "count"],
                           [[n, fmt_bytes(b), k] for n, b, k in rows])
@@ -158,6 +182,7 @@ def _summary_html(self: TraceSummary) -> str:
         tops("operators live at the peak", "operator", self.top_ops_at_peak),
         tops("modules live at the peak", "module", self.top_modules_at_peak),
         tops("call sites live at the peak", "call site", self.top_stacks_at_peak),
+        growing,
     )
 
 
@@ -278,9 +303,7 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
     # pass 2: what is alive at the peak
     g = live_groups(trace, want, peak_seq)
     at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
-    full = [it for it in iters if it.complete]
-    tail = full[1:] if len(full) > 2 else []  # the first iteration builds state (grads, optimizer)
-    leak = len(tail) >= 2 and all(it.retained_growth > 0 for it in tail)
+    trend = growth(trace, device, top=top) if device is not None else GrowthReport(None)
     return TraceSummary(
         device=device,
         events=n,
@@ -297,10 +320,11 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         phases_at_peak=_by_bytes(g["phase"]),
         top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
-        leak_suspect=leak,
+        leak_suspect=trend.leak,
         metadata=dict(trace.metadata),
         peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
         top_threads_allocated=by_thread(trace, want, top),
+        growth=trend,
     )
 
 
@@ -334,7 +358,7 @@ def by_thread(trace: Trace, device: int, top: int = 10) -> list[tuple[str, int, 
 
 
 #: The call-site group of storages recorded without a Python stack (``stacks=False``).
-NO_SITE = "(no call site)"
+NO_SITE = _NO_SITE
 #: The groupings of :func:`live_groups`, in the order tables show them.
 GROUPINGS = ("category", "module", "operator", "call_site", "phase")
 

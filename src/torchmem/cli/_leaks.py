@@ -4,7 +4,10 @@ A tracker listener keeps a weak reference to every storage allocated after the f
 marker (so the model, its optimizer state and the first step's buffers are not candidates) and
 drops it when the storage is freed. When the summary suspects a leak, the largest storages
 still alive are explained with :func:`torchmem.capture.retention.why_alive`, each path ending
-with where the storage was allocated.
+with where the storage was allocated. Given the call sites that the trend analysis
+(:func:`torchmem.analysis.growth`) found growing, only storages allocated there, from the step
+where the growth starts on, are candidates: a gradient replaced every step is not explained as
+a leak.
 
 Example:
     >>> import torch, torchmem
@@ -110,20 +113,28 @@ class LeakWatch:
         elif event.kind is EventKind.FREE:
             self._live.pop(event.storage, None)
 
-    def explain(self, n: int, roots: dict[str, Any]) -> list[LeakExplanation]:
+    def explain(self, n: int, roots: dict[str, Any], *, sites: Optional[set[str]] = None,
+                start_step: int = 0) -> list[LeakExplanation]:
         """Retention paths of the ``n`` largest storages still alive, largest first.
 
         Storages of the last iteration that allocated anything are left out: they are that
         iteration's state (its gradients, its loss), replaced in the next one, not a leak.
+        ``sites`` (innermost frames, ``"file:line:function"``, as
+        :class:`~torchmem.analysis.GrowingGroup` names call sites) keeps only storages allocated
+        there; ``start_step`` only those allocated in that step or later.
 
         Example:
-            >>> LeakWatch().explain(0, {})
+            >>> LeakWatch().explain(0, {}, sites={"train.py:9:main"}, start_step=2)
             []
         """
         alive = []
         for ref, event in self._live.values():
+            if event.step >= self._last_step or event.step < start_step:
+                continue
+            if sites is not None and (not event.stack or event.stack[-1] not in sites):
+                continue
             s = ref()
-            if s is not None and event.step < self._last_step:
+            if s is not None:
                 alive.append((event, s))
         alive.sort(key=lambda es: (-es[0].nbytes, es[0].seq))
         out = []

@@ -335,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stderr.write(_user_traceback(exc, args.script))
 
-    from torchmem.analysis.summary import summarize_trace
+    from torchmem.analysis.summary import NO_SITE, summarize_trace
     from torchmem.render.summary import render_summary, summary_json
 
     summary = summarize_trace(tracker.trace, top=args.top)
@@ -349,7 +349,11 @@ def run(args: argparse.Namespace) -> int:
                  if not k.startswith("__")}
         if exc is not None:
             roots[f"{script_name}'s uncaught {type(exc).__name__}"] = exc
-        leaks = watch.explain(why_n, roots)
+        g = summary.growth
+        sites = {gg.name for gg in g.growing if gg.grouping == "call_site"} if g else set()
+        sites.discard(NO_SITE)
+        leaks = watch.explain(why_n, roots, sites=sites or None,
+                              start_step=max(0, g.start_step) if g else 0)
     namespace.clear()
     if args.json:
         data = json.loads(summary_json(summary))

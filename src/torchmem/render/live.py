@@ -5,9 +5,10 @@ The producer (``torchmem.cli._live``: a tracker listener and the host-memory sam
 redraws at most twice a second; :func:`live_text` draws it to a string (tests, logs).
 
 Per device: live and peak bytes, by category (live now, and live at the peak), the iteration
-count (step markers), the growth of the last iterations and a leak warning when live bytes grew
-in every iteration after the first (three or more complete iterations, as
-:func:`torchmem.analysis.summarize` judges it); then host memory per process (the script and its
+count (step markers), the growth of the last iterations and a leak warning when the live bytes
+at iteration ends trend upwards (the rule of :func:`torchmem.analysis.leak_trend`, which
+:func:`torchmem.analysis.summarize` applies too: warm-up excluded, a robust slope above the
+loop's own noise); then host memory per process (the script and its
 DataLoader workers); on a CUDA device also the caching allocator's allocated and reserved
 bytes (what ``nvidia-smi`` counts, less the CUDA context). While the run goes, categories are the tracker's provisional ones (by phase:
 forward -> activation, backward and optimizer -> temporary); the final panel has the final ones.
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional
 
+from torchmem.analysis._growth import LeakTrend, leak_trend
 from torchmem.units import format_bytes
 
 __all__ = ["DeviceLive", "HostRow", "LiveState", "leak_suspected", "live_panel", "live_text"]
@@ -35,16 +38,20 @@ __all__ = ["DeviceLive", "HostRow", "LiveState", "leak_suspected", "live_panel",
 GROWTH_SHOWN = 5
 
 
+def _trend(growth: list[int]) -> LeakTrend:
+    ends = list(accumulate(growth))  # the rule reads differences: any starting level will do
+    return leak_trend(ends)
+
+
 def leak_suspected(growth: list[int]) -> bool:
-    """The summary's rule on complete iterations: ignoring the first (it builds gradients and
-    optimizer state), at least two more, each of which grew.
+    """The summary's rule (:func:`torchmem.analysis.leak_trend`) on the complete iterations'
+    retained growths: the live bytes at iteration ends trend upwards after the warm-up.
 
     Example:
         >>> leak_suspected([4096, 8, 8]), leak_suspected([4096, 8, 0]), leak_suspected([4096, 8])
         (True, False, False)
     """
-    tail = growth[1:] if len(growth) > 2 else []
-    return len(tail) >= 2 and all(g > 0 for g in tail)
+    return _trend(growth).leak
 
 
 @dataclass
@@ -150,9 +157,10 @@ def live_panel(state: LiveState) -> Any:
                 table.add_row(cat, format_bytes(live), format_bytes(at_peak))
         parts.append(table)
         if dev.leak:
+            trend = _trend(dev.growth)
             parts.append(Text(
-                f"leak suspected on {dev.device}: live bytes grew in each of the last "
-                f"{len(dev.growth) - 1} iterations ({_signed(dev.growth[-1])} in the latest)",
+                f"leak suspected on {dev.device}: +{format_bytes(trend.bytes_per_iteration)} per "
+                f"iteration since iteration {trend.start} ({_signed(dev.growth[-1])} latest)",
                 style="bold red"))
     if state.host:
         host = Table(title="host memory", title_justify="left", show_edge=False,

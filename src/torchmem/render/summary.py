@@ -132,12 +132,36 @@ def render_summary(
             for it in shown
         ]
         console.print(rich_table("Iterations", header, it_rows, right=header, show_edge=False))
-    if s.leak_suspect:
-        growth = [it.retained_growth for it in s.iterations[1:] if it.complete]
+    g = s.growth
+    if g is not None and g.growing:
+        budget = max(30, console.width - 60)
+        rows = [
+            ("call site" if gg.grouping == "call_site" else "module",
+             shorten_site(short_site(gg.name), budget) if gg.grouping == "call_site" else gg.name,
+             _fmt_signed(gg.bytes_per_iteration), str(gg.start_step),
+             _fmt_signed(gg.growth_bytes), format_bytes(gg.end_bytes[-1]))
+            for gg in g.growing
+        ]
+        console.print(rich_table(
+            "Growing over iterations (live bytes at iteration ends trend up)",
+            ["by", "name", "per iteration", "from step", "growth", "live at end"], rows,
+            right=("per iteration", "from step", "growth", "live at end"), no_wrap=("name",),
+            show_edge=False, pad_edge=False))
+    if s.leak_suspect and g is not None:
+        n_judged = len(g.end_bytes) - g.warmup
+        # name a call site (where to look) before a module when one grows
+        top = next((x for x in g.growing if x.grouping == "call_site"),
+                   g.growing[0] if g.growing else None)
         console.print(
-            f"[bold red]Possible leak:[/bold red] live memory grew in every iteration after the "
-            f"first (by {format_bytes(min(growth))} to {format_bytes(max(growth))} each). "
-            "Look for tensors kept across iterations (e.g. appending losses without .item())."
+            f"[bold red]Possible leak:[/bold red] live memory grows by "
+            f"{format_bytes(g.bytes_per_iteration)} per iteration from step {g.start_step} on "
+            f"({_fmt_signed(g.growth_bytes)} in all; trend over the {n_judged} iterations after "
+            f"{g.warmup} warm-up)"
+            + (f"; growing at {short_site(top.name) if top.grouping == 'call_site' else top.name}"
+               f" ({_fmt_signed(top.bytes_per_iteration)} per iteration from step {top.start_step})"
+               if top else "")
+            + ". Look for tensors kept across iterations (e.g. appending losses without .item()).",
+            soft_wrap=True,  # one line: the terminal wraps it, no line of its own starts mid-way
         )
 
 
