@@ -358,7 +358,8 @@ class oom_guard:
     With ``explain=True`` (default) the explanation of ``torchmem oom`` is written beside the
     snapshot: ``<path>.oom.txt`` (the words) and ``<path>.oom.json`` (``torchmem oom --json``).
     It runs ``torchmem oom`` in a child Python process (the analysis is not part of the
-    recording layer, and a failing explanation must never hide the OOM): allow a few seconds.
+    recording layer, and a failing explanation must never hide the OOM): allow a few seconds;
+    after 120 s it is abandoned with a warning and the error is re-raised as it is.
     ``written`` and ``explained`` hold the paths written.
 
     Example:
@@ -467,7 +468,7 @@ def _write_explanation(path: str, exc: BaseException) -> list[str]:
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code, "oom", path, "--json"], capture_output=True, text=True,
-            timeout=600, env=env, check=False,
+            timeout=120, env=env, check=False,  # never hold the OOM back for long
         )
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
