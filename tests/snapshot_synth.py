@@ -88,7 +88,7 @@ def expandable() -> dict[str, Any]:
 def oom(fragmented: bool) -> dict[str, Any]:
     """A 40 MiB segment with two live 10 MiB blocks and two free 10 MiB holes; then a 20 MiB
     request fails. ``fragmented``: the device still had 5 MiB free (10+10+5 >= 20: fragmentation);
-    otherwise the request is 40 MiB (20+5 < 40: device full)."""
+    otherwise the request is 40 MiB (20+5 < 40: exhaustion)."""
     base = 0x30000000
     req = 20 * MiB if fragmented else 40 * MiB
     trace = [

@@ -278,7 +278,7 @@ def test_oom_fragmentation_vs_full_device() -> None:
     f, g = frag[0], full[0]
     assert (f.requested_bytes, f.device_free_bytes, f.cached_free_bytes) == (20 * MiB, 5 * MiB, 20 * MiB)
     assert f.largest_free_block == 10 * MiB and f.verdict == "fragmentation"
-    assert g.requested_bytes == 40 * MiB and g.verdict == "device full"
+    assert g.requested_bytes == 40 * MiB and g.verdict == "exhaustion"
     assert f.reserved_bytes == 40 * MiB and f.allocated_bytes == 20 * MiB
     assert "fragmentation" in render_oom(frag) and "truly full" in render_oom(full)
 

@@ -13,7 +13,7 @@ Example:
     >>> s = from_pytorch({"segments": [], "device_traces": [[{"action": "oom",
     ...     "device_free": 0, "size": 1024, "stream": 0, "frames": []}]]})
     >>> [o.verdict for o in oom(s)]
-    ['device full']
+    ['exhaustion']
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ class OomEvent:
 
     ``verdict`` is ``"fragmentation"`` when the device's free bytes plus the allocator's cached
     free bytes would have covered the request (memory existed but not as one contiguous block),
-    else ``"device full"``. ``cached_free_bytes`` is reserved minus allocated at that moment;
+    else ``"exhaustion"``. ``cached_free_bytes`` is reserved minus allocated at that moment;
     ``largest_free_block`` is known only when nothing changed between the OOM and the snapshot.
 
     Example:
-        >>> OomEvent(0, "cuda:0", 5, None, 1024, 0, 0, 0, 0, None, "device full", "").to_dict()["verdict"]
-        'device full'
+        >>> OomEvent(0, "cuda:0", 5, None, 1024, 0, 0, 0, 0, None, "exhaustion", "").to_dict()["verdict"]
+        'exhaustion'
     """
 
     device: int
@@ -136,7 +136,7 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
                     "max_split_size_mb."
                 )
             else:
-                verdict = "device full"
+                verdict = "exhaustion"
                 why = (
                     f"{_fb(size)} was requested but only {_fb(free)} was free on the device "
                     f"and {_fb(cached)} cached free in the allocator: the device is truly full; "
