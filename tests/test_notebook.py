@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from test_viewer_browser import browser as browser  # the shared Chromium fixture
 from torchmem.units import format_bytes
 
 nbformat = pytest.importorskip("nbformat")
@@ -25,9 +25,6 @@ pytest.importorskip("ipykernel")
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 SNAP = DATA / "DeComFL__memory.pickle"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 BUILD = '''
 def build(batch):
@@ -180,17 +177,6 @@ def test_bad_input_to_the_magics(executed: Any) -> None:
     assert "got int" in _error(executed.cells[10])
     assert _error(executed.cells[11]) == (
         "UsageError: %%torchmem --top expects a whole number >= 1, got 0")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("needs Debian's chromium at /usr/bin/chromium")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.mark.browser
