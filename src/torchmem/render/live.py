@@ -30,6 +30,7 @@ from itertools import accumulate
 from typing import Any, Optional
 
 from torchmem.analysis._growth import LeakTrend, leak_trend
+from torchmem.render.text import signed_bytes
 from torchmem.units import format_bytes
 
 __all__ = ["DeviceLive", "HostRow", "LiveState", "leak_suspected", "live_panel", "live_text"]
@@ -115,10 +116,6 @@ class LiveState:
     final: bool = False
 
 
-def _signed(n: int) -> str:
-    return "0 B" if n == 0 else ("+" if n > 0 else "-") + format_bytes(abs(n))
-
-
 def live_panel(state: LiveState) -> Any:
     """The panel as a rich renderable.
 
@@ -144,7 +141,7 @@ def live_panel(state: LiveState) -> Any:
             parts.append(Text(f"allocator: allocated {format_bytes(allocated)}, reserved "
                               f"{format_bytes(reserved)} (tensors, workspaces and cache)"))
         if dev.growth:
-            shown = ", ".join(_signed(g) for g in dev.growth[-GROWTH_SHOWN:])
+            shown = ", ".join(signed_bytes(g) for g in dev.growth[-GROWTH_SHOWN:])
             parts.append(Text(f"growth per iteration (latest last): {shown}"))
         table = Table(show_edge=False, pad_edge=False, box=None)
         for name in ("category", "live", "at peak"):
@@ -160,7 +157,7 @@ def live_panel(state: LiveState) -> Any:
             trend = _trend(dev.growth)
             parts.append(Text(
                 f"leak suspected on {dev.device}: +{format_bytes(trend.bytes_per_iteration)} per "
-                f"iteration since iteration {trend.start} ({_signed(dev.growth[-1])} latest)",
+                f"iteration since iteration {trend.start} ({signed_bytes(dev.growth[-1])} latest)",
                 style="bold red"))
     if state.host:
         host = Table(title="host memory", title_justify="left", show_edge=False,
@@ -169,7 +166,7 @@ def live_panel(state: LiveState) -> Any:
             host.add_column(name, justify="left" if name in ("pid", "role") else "right")
         for row in state.host:
             host.add_row(str(row.pid), row.role, format_bytes(row.rss), format_bytes(row.uss),
-                         _signed(row.uss_growth))
+                         signed_bytes(row.uss_growth))
         parts += [Text(""), host]
     title = f"torchmem run --live: {state.label}  ({state.elapsed_s:.1f} s)"
     if state.final:

@@ -20,18 +20,12 @@ import sys
 from typing import IO, Any
 
 from torchmem.analysis.summary import TraceSummary
-from torchmem.render.text import rich_table, shorten_site
+from torchmem.render.text import rich_table, shorten_site, signed_bytes
 from torchmem.units import format_bytes
 
 __all__ = ["render_summary", "summary_json"]
 
 _NUMBERS = ("bytes", "%", "storages")
-
-
-def _fmt_signed(n: int) -> str:
-    if n == 0:
-        return "0 B"
-    return ("+" if n > 0 else "-") + format_bytes(abs(n))
 
 
 def summary_json(summary: TraceSummary, indent: int | None = 2) -> str:
@@ -126,7 +120,7 @@ def render_summary(
                 str(it.step) if it.complete else f"{it.step} (after last step)",
                 format_bytes(it.peak_bytes),
                 format_bytes(it.end_bytes),
-                _fmt_signed(it.retained_growth),
+                signed_bytes(it.retained_growth),
                 format_bytes(it.allocated_bytes),
             )
             for it in shown
@@ -138,8 +132,8 @@ def render_summary(
         rows = [
             ("call site" if gg.grouping == "call_site" else "module",
              shorten_site(short_site(gg.name), budget) if gg.grouping == "call_site" else gg.name,
-             _fmt_signed(gg.bytes_per_iteration), str(gg.start_step),
-             _fmt_signed(gg.growth_bytes), format_bytes(gg.end_bytes[-1]))
+             signed_bytes(gg.bytes_per_iteration), str(gg.start_step),
+             signed_bytes(gg.growth_bytes), format_bytes(gg.end_bytes[-1]))
             for gg in g.growing
         ]
         console.print(rich_table(
@@ -155,10 +149,10 @@ def render_summary(
         console.print(
             f"[bold red]Possible leak:[/bold red] live memory grows by "
             f"{format_bytes(g.bytes_per_iteration)} per iteration from step {g.start_step} on "
-            f"({_fmt_signed(g.growth_bytes)} in all; trend over the {n_judged} iterations after "
+            f"({signed_bytes(g.growth_bytes)} in all; trend over the {n_judged} iterations after "
             f"{g.warmup} warm-up)"
             + (f"; growing at {short_site(top.name) if top.grouping == 'call_site' else top.name}"
-               f" ({_fmt_signed(top.bytes_per_iteration)} per iteration from step {top.start_step})"
+               f" ({signed_bytes(top.bytes_per_iteration)} per iteration from step {top.start_step})"
                if top else "")
             + ". Look for tensors kept across iterations (e.g. appending losses without .item()).",
             soft_wrap=True,  # one line: the terminal wraps it, no line of its own starts mid-way
