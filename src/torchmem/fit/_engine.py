@@ -72,9 +72,10 @@ _KEYS = {
     Category.TEMPORARY: "temporary",
     Category.INPUT: "input",
     Category.OTHER: "other",
+    Category.COMMUNICATION: "communication",
 }
 _REPORT_KEYS = ("parameter", "gradient", "optimizer_state", "activation", "temporary",
-                "input", "other", "kv_cache", "workspace")
+                "input", "other", "kv_cache", "workspace", "communication")
 
 
 class BuildError(InvalidInputError):

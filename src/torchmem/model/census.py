@@ -51,6 +51,7 @@ CATEGORY_ORDER: tuple[str, ...] = (
     "activation",
     "input",
     "temporary",
+    "communication",
     "other",
 )
 

@@ -92,6 +92,8 @@ class Category(_Labeled):
     OPTIMIZER_STATE = 5
     INPUT = 6
     TEMPORARY = 7
+    #: buffers of collective operations (all_reduce buckets, all_gather / reduce_scatter outputs)
+    COMMUNICATION = 8
 
 
 @dataclass(frozen=True)

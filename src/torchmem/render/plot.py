@@ -38,6 +38,7 @@ _COLORS = {
     "activation": "#55a868",
     "input": "#937860",
     "temporary": "#c44e52",
+    "communication": "#da8bc3",
     "other": "#8c8c8c",
 }
 _ORDER = [
@@ -48,6 +49,7 @@ _ORDER = [
     "input",
     "activation",
     "temporary",
+    "communication",
     "other",
 ]
 _PHASE_COLORS = {

@@ -7,8 +7,8 @@
     '#9c755f', '#86bcb6', '#d37295', '#8cd17d', '#b6992d', '#499894', '#79706e', '#d4a6c8', '#a0cbe8', '#ffbe7d',
     '#f1ce63', '#bab0ac'];
   // Colours of torchmem's allocation categories (payload category_names order: other, parameter,
-  // buffer, gradient, activation, optimizer_state, input, temporary), then "not known".
-  const CAT_COLORS = ['#9aa3b2', '#4e79a7', '#76b7b2', '#f28e2c', '#59a14f', '#af7aa1', '#edc949', '#e15759', '#d4d8de'];
+  // buffer, gradient, activation, optimizer_state, input, temporary, communication), then "not known".
+  const CAT_COLORS = ['#9aa3b2', '#4e79a7', '#76b7b2', '#f28e2c', '#59a14f', '#af7aa1', '#edc949', '#e15759', '#d37295', '#d4d8de'];
   const CAT0 = PALETTE.length;
   PALETTE.push(...CAT_COLORS);
   const T_START = performance.now();
