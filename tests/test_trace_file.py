@@ -125,3 +125,27 @@ def test_plot_without_matplotlib_gives_a_clear_error(tmp_path: Path, monkeypatch
     with pytest.raises(MissingPlotDependency, match=r"pip install 'torchmem\[plot\]'"):
         plot_timeline(trace, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_save_refuses_a_trace_with_a_short_column(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # columns filled by hand without the thread column (as an old generator did) used to be
+    # written, and the file then read back as corrupt: now nothing is written
+    from torchmem.errors import InvalidInputError
+    from torchmem.model.events import EventKind
+    from torchmem.model.trace import COLUMNS, Trace
+
+    tr = Trace()
+    tr.intern_device("cpu")
+    for name, _, _ in COLUMNS:
+        if name != "thread":
+            getattr(tr, name).extend([0] * 3)
+    tr.kind[:] = type(tr.kind)(tr.kind.typecode, [int(EventKind.ALLOC)] * 3)
+    tr.stack[:] = type(tr.stack)(tr.stack.typecode, [-1] * 3)  # no stacks recorded
+    path = tmp_path / "short.tmtrace"
+    with pytest.raises(InvalidInputError, match=r"thread \(0\)"):
+        save_trace(tr, path)
+    assert not path.exists() and not (tmp_path / "short.tmtrace.part").exists()
+    tr.thread.extend([0] * 3)
+    tr.intern_thread("MainThread")
+    save_trace(tr, path)
+    assert len(load_trace(path)) == 3

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from torchmem._device import device_name
+from torchmem.capture._quiet import quiet_profiler
 from torchmem.capture.tracker import Listener
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -82,14 +83,16 @@ class LiteTracker:
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._prof = torch.profiler.profile(activities=acts, profile_memory=True)
-        self._prof.__enter__()
+        with quiet_profiler():  # the profiler's "profiler_start" line is not the user's business
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         prof, self._prof = self._prof, None
         if prof is None:
             return
-        prof.__exit__(None, None, None)
+        with quiet_profiler():
+            prof.__exit__(None, None, None)
         t0 = time.perf_counter()
         self._convert(prof)
         self.convert_seconds = time.perf_counter() - t0

@@ -114,6 +114,14 @@ def save_trace(trace: Trace, path: PathLike) -> None:
         >>> save_trace(Trace(), p); len(load_trace(p))
         0
     """
+    short = [f"{name} ({len(getattr(trace, name))})" for name, _, _ in COLUMNS
+             if len(getattr(trace, name)) != len(trace)]
+    if short:  # a file with a short column would read back as corrupt: refuse to write it
+        raise InvalidInputError(
+            f"cannot save this trace: it has {len(trace)} events but the column(s) "
+            f"{', '.join(short)} have other lengths; append events with Trace.append (it fills "
+            "every column) or extend every column named in torchmem.model.trace.COLUMNS by the same count"
+        )
     header = {
         "format": "torchmem-trace",
         "version": FORMAT_VERSION,
