@@ -16,6 +16,9 @@ counted); each figure is the minimum over rounds of the mean step time:
   torchmem    torchmem.track(model, opt): ops, modules (forward and backward), phases,
               categories, step markers
   torchmem-nomod  torchmem.track(model, opt, modules=False): no module hooks
+  torchmem-fast   torchmem.track(model, opt, mode="fast"): allocator-level capture in C++ (a
+              wrapper around PyTorch's CPU allocator, RecordFunction callbacks for operators,
+              module/optimizer hooks for module and phase), converted in C++ when the block ends
   torchmem-lite   torchmem.track_lite(): the profiler's allocator events converted to torchmem
               events when the block ends (no modules/categories/stacks)
   tf-floor    the step under a TorchFunctionMode that does nothing (the floor of a tracker
@@ -203,6 +206,7 @@ def variants(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]
         "torchmem": (lambda: torchmem.track(net, opt), None),
         "torchmem-nomod": (lambda: torchmem.track(net, opt, modules=False), None),
         "torchmem-lite": (torchmem.track_lite, None),
+        "torchmem-fast": (lambda: torchmem.track(net, opt, mode="fast"), None),
     }
     if _memray_tracker() is not None:
         out["memray"] = (_memray_tracker(), None)

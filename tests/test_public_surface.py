@@ -77,7 +77,7 @@ NAMESPACES: dict[str, list[str]] = {
         "oom", "peak", "stats", "summarize",
     ],
     "torchmem.capture": [
-        "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
+        "FastTracker", "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
         "Tracker", "host_memory", "inspect_memory", "is_oom_error",
         "oom_guard", "overlaps", "record_history", "same_storage", "snapshot", "start_recording",
         "stop_recording", "storage_bytes", "storage_id", "storage_nbytes", "storage_of",

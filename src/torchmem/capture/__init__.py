@@ -11,6 +11,8 @@
 - :mod:`~torchmem.capture.host`: :func:`host_memory` and :class:`HostSampler`, RSS/USS/PSS of
   the process tree (DataLoader workers included).
 - :mod:`~torchmem.capture.lite`: :func:`track_lite`, the profiler-based cheap tracker.
+- :mod:`~torchmem.capture.fast`: :class:`FastTracker`, ``track(..., mode="fast")``: allocator-level
+  capture in C++ with the dispatch tracker's attribution.
 - :mod:`~torchmem.capture.recording`: :func:`record_history`, :func:`snapshot`, :func:`oom_guard`
   (PyTorch's CUDA allocator history; the tracker on other devices); :func:`start_recording` and
   :func:`stop_recording` are aliases of ``record_history(...).start()`` and ``.stop()``.
@@ -36,6 +38,7 @@ from torchmem._lazy import MISSING, load_export
 
 if TYPE_CHECKING:  # the same names, statically, for type checkers
     from torchmem.capture.census import inspect_memory
+    from torchmem.capture.fast import FastTracker
     from torchmem.capture.host import HostSampler, host_memory
     from torchmem.capture.lite import LiteTracker, track_lite
     from torchmem.capture.recording import (
@@ -66,6 +69,7 @@ if TYPE_CHECKING:  # the same names, statically, for type checkers
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(["inspect_memory"], "torchmem.capture.census"),
     **dict.fromkeys(["LiteTracker", "track_lite"], "torchmem.capture.lite"),
+    **dict.fromkeys(["FastTracker"], "torchmem.capture.fast"),
     **dict.fromkeys(["HostSampler", "host_memory"], "torchmem.capture.host"),
     **dict.fromkeys(
         ["is_oom_error", "oom_guard", "record_history", "snapshot", "start_recording",
@@ -83,6 +87,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "FastTracker",
     "HostSampler",
     "LiteTracker",
     "Listener",

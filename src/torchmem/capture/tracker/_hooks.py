@@ -25,29 +25,13 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
+from torchmem.capture._names import _path_below
 from torchmem.capture.tracker._phases import _graph_task_id, _Phases
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
 
 __all__: list[str] = []
 
 _OPT_SENTINEL: Any = torch.nn.Identity()  # marks the optimizer entry on the module stack
-
-
-def _path_below(parent: torch.nn.Module, m: torch.nn.Module, pname: str) -> str:
-    """``m``'s qualified name under ``parent`` (``"Net.h.0"``), as ``named_modules()`` gives it.
-
-    A direct child is found at once; a module reached through a container that is never called
-    itself (the blocks of a ``ModuleList`` or ``ModuleDict``) is found in the parent's subtree,
-    so each layer keeps its index. A module that is not below ``parent`` (called from a
-    parent's forward without being registered in it) is named by its type under the parent.
-    """
-    for attr, child in parent._modules.items():
-        if child is m:
-            return f"{pname}.{attr}"
-    for qualified, sub in parent.named_modules():
-        if sub is m and qualified:
-            return f"{pname}.{qualified}"
-    return f"{pname}.{type(m).__name__}"
 
 
 class _Hooks(_Phases):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._hotpath import _Mode
@@ -24,6 +24,9 @@ from torchmem.capture.tracker._threads import _Threads
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, TraceStreamer, save_trace
 from torchmem.model.events import Event
+
+if TYPE_CHECKING:
+    from torchmem.capture.fast import FastTracker
 
 __all__ = ["Tracker", "track"]
 
@@ -211,6 +214,7 @@ class Tracker(_Threads):
             raise errors[0]
 
 
+@overload
 def track(
     *modules_and_optimizers: Any,
     stacks: bool = False,
@@ -220,7 +224,49 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
-) -> Tracker:
+    mode: Literal["ops"] = "ops",
+) -> Tracker: ...
+
+
+@overload
+def track(
+    *modules_and_optimizers: Any,
+    stacks: bool = False,
+    stack_depth: int = 8,
+    listeners: Iterable[Listener] = (),
+    modules: bool = True,
+    step_marker: str = "optimizer",
+    metadata: dict[str, Any] | None = None,
+    path: PathLike | None = None,
+    mode: Literal["fast"],
+) -> FastTracker: ...
+
+
+@overload
+def track(
+    *modules_and_optimizers: Any,
+    stacks: bool = False,
+    stack_depth: int = 8,
+    listeners: Iterable[Listener] = (),
+    modules: bool = True,
+    step_marker: str = "optimizer",
+    metadata: dict[str, Any] | None = None,
+    path: PathLike | None = None,
+    mode: str = "ops",
+) -> Tracker | FastTracker: ...
+
+
+def track(
+    *modules_and_optimizers: Any,
+    stacks: bool = False,
+    stack_depth: int = 8,
+    listeners: Iterable[Listener] = (),
+    modules: bool = True,
+    step_marker: str = "optimizer",
+    metadata: dict[str, Any] | None = None,
+    path: PathLike | None = None,
+    mode: str = "ops",
+) -> Tracker | FastTracker:
     """Track every storage created while the block runs; yields a :class:`Tracker`.
 
     Args:
@@ -239,6 +285,12 @@ def track(
             written at least every half second, so a run killed by SIGKILL or the OOM killer
             leaves a file that ``torchmem summary`` reads, missing at most its last second);
             when the block ends the complete trace replaces it (as :meth:`Tracker.save`).
+        mode: ``"ops"`` (default): the dispatch tracker, which sees every operator's outputs
+            (CPU and CUDA, stacks, listeners, streaming). ``"fast"``: allocator-level capture in
+            C++ with the same attribution (module, phase, category, operator, exact peak) at a
+            fraction of the cost, CPU memory only, no stacks/listeners/streaming; returns a
+            :class:`~torchmem.capture.FastTracker` (see :mod:`torchmem.capture.fast`). Its
+            native part is built once per torch version (needs a C++ compiler and ninja).
 
     Example:
         >>> import torch, torchmem
@@ -254,6 +306,23 @@ def track(
         >>> torchmem.load_trace(p).peak(), "cut_short" in torchmem.load_trace(p).metadata
         ({'cpu': 16}, False)
     """
+    if mode == "fast":
+        bad = [name for name, on in (("stacks=True", stacks), ("listeners", bool(list(listeners))))
+               if on]
+        if bad:
+            raise InvalidInputError(
+                f"mode='fast' does not support {' and '.join(bad)} (it runs no Python per "
+                "allocation); use mode='ops' for stacks and live listeners"
+            )
+        from torchmem.capture.fast import FastTracker
+
+        return FastTracker(*modules_and_optimizers, modules=modules, step_marker=step_marker,
+                           metadata=metadata, path=path)
+    if mode != "ops":
+        raise InvalidInputError(
+            f"mode must be 'ops' (the dispatch tracker) or 'fast' (allocator-level, CPU), got "
+            f"{mode!r}"
+        )
     return Tracker(
         *modules_and_optimizers,
         stacks=stacks,
