@@ -391,15 +391,15 @@ def main() -> int:
             f"  torchmem-lite: {best['torchmem-lite'] / u:.2f}x in-step, {tot['torchmem-lite'] / u:.2f}x "
             f"with the profiler's finalisation and the conversion when the block ends"
         )
-        lowest = min(("alloc-only", "tf-floor", "floor"), key=lambda k: tot[k])
         verdicts.append(
-            f"{name}: the cheapest capture that can name modules and phases costs "
-            f"{tot[lowest] / u:.2f}x untracked in total ({lowest}), before any attribution work "
-            f"(target of a fast full-attribution mode: <= 1.2x)"
+            f"{name}: torchmem mode='fast' {tot['torchmem-fast'] / u:.2f}x untracked in total "
+            f"(target <= 1.2), {tot['memtracker'] / tot['torchmem-fast']:.1f}x faster than "
+            f"MemTracker (target >= 5); mode='ops' {tot['torchmem'] / u:.2f}x; the profiler-based "
+            f"alternatives: alloc-only {tot['alloc-only'] / u:.2f}x (no operator names), "
+            f"track_lite {tot['torchmem-lite'] / u:.2f}x"
         )
         if "memray" in best:
-            verdicts.append(f"{name}: memray {tot['memray'] / u:.2f}x untracked in total, torchmem "
-                            f"(full attribution) {tot['torchmem'] / u:.2f}x")
+            verdicts.append(f"{name}: memray {tot['memray'] / u:.2f}x untracked in total")
     print()
     for v in verdicts:
         print(v)

@@ -211,3 +211,41 @@ def test_bad_arguments() -> None:
         pass
     with pytest.raises(InvalidInputError, match="already used"):
         tr.__enter__()
+
+
+def _run_json(*args: str, tmp: Path) -> dict:  # type: ignore[type-arg]
+    import json
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", *args, "--json", "--no-host",
+         "-o", str(tmp / f"{args[1]}.tmtrace")],
+        capture_output=True, text=True, timeout=600, cwd=tmp,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def test_torchmem_run_mode_fast_matches_mode_ops(tmp_path: Path) -> None:
+    ops = _run_json("--mode", "ops", "--example", tmp=tmp_path)
+    fast = _run_json("--mode", "fast", "--example", tmp=tmp_path)
+    extra = fast["peak"]["cpu"] - ops["peak"]["cpu"]
+    # the same run seen twice; the allocator also makes the optimizer's 0-d scalar tensors that
+    # no dispatcher call returns (a few bytes of temporaries), nothing else differs
+    assert 0 <= extra <= 64
+    cats_f, cats_o = fast["categories_at_peak"], ops["categories_at_peak"]
+    assert {k: v for k, v in cats_f.items() if k != "temporary"} == {
+        k: v for k, v in cats_o.items() if k != "temporary"}
+    assert cats_f.get("temporary", 0) - cats_o.get("temporary", 0) == extra
+    assert fast["steps"] == ops["steps"] == 4
+    assert [it["retained_growth"] for it in fast["iterations"]] == [
+        it["retained_growth"] for it in ops["iterations"]]
+
+
+def test_torchmem_run_mode_fast_refuses_live() -> None:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torchmem", "run", "--mode", "fast", "--live",
+                           "--example"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--live needs --mode ops" in proc.stderr and "Traceback" not in proc.stderr
