@@ -31,6 +31,21 @@ if ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 
+# track(mode="fast") builds a small C++ part with PyTorch's extension builder (ninja comes with
+# the test extras; the compiler is Debian's g++).
+if ! command -v g++ >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing Debian's g++ for track(mode='fast')"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+    else
+        echo "!! no C++ compiler and none can be installed here: mode='fast' tests will be skipped"
+    fi
+fi
+# build it once before the tests run in parallel (they would all wait on the first build)
+python -c "from torchmem.capture.fast import native_available; from torchmem.capture.fast._build import load_native; native_available() and load_native()" \
+    || echo "!! the fast tracker's C++ part did not build: mode='fast' tests will fail"
+
 echo "== ruff"
 python -m ruff check src tests benchmarks
 echo "== import-linter (layers, torch-free core, producers never render, no cycles; see pyproject.toml)"
