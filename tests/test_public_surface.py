@@ -73,8 +73,9 @@ NAMESPACES: dict[str, list[str]] = {
         "GroupDelta", "GrowingGroup", "GrowthReport", "IterationDelta", "LeakTrend", "IterationMemory", "IterationStat", "OomEvent",
         "OomExplanation", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats",
         "StackGroup", "TraceDiff", "TraceRow", "TraceSummary",
+        "Attribution", "AttributionRow", "CollectiveRow", "RankDifference", "RankMerge", "RankStats",
         "creep", "diff", "events", "explain_oom", "flame", "gpu_gap", "growth", "leak_trend",
-        "oom", "peak", "stats", "summarize",
+        "merge_ranks", "oom", "peak", "rank_stats", "stats", "summarize",
     ],
     "torchmem.capture": [
         "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
