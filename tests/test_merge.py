@@ -147,6 +147,14 @@ def test_difference_of_hand_built_ranks() -> None:
     assert rows["call_site"] == {"fsdp.py:10:gather": (3000, 1000, 2000),
                                  "model.py:5:forward": (500, 0, 500),
                                  NO_SITE: (4064, 4864, -800)}
+    assert rows["combined"] == {
+        "communication | Net.l1 | fsdp.py:10:gather": (3000, 1000, 2000),
+        "activation | Net.l1 | model.py:5:forward": (500, 0, 500),
+        "gradient | Net.l0 | (no call site)": (0, 700, -700),
+        "other | (no module) | (no call site)": (0, 100, -100),
+        "parameter | Net.l0 | (no call site)": (4000, 4000, 0),
+        "temporary | Net.l0 | (no call site)": (64, 64, 0),
+    }
     for g, a in d.groupings.items():  # every grouping sums to the difference exactly
         assert sum(r.delta for r in a.rows) + a.rest == 1700, g
         assert a.rest == 0
@@ -156,6 +164,7 @@ def test_difference_of_hand_built_ranks() -> None:
     assert d.groupings["category"].named_share == pytest.approx(1800 / 1700)
     assert d.groupings["module"].named == 1800
     assert d.groupings["call_site"].named == 2500
+    assert d.groupings["combined"].named == 1800
     assert d.named_share == pytest.approx(1800 / 1700)
     # the first rows are the largest changes
     assert d.groupings["category"].rows[0].name == "communication"

@@ -130,8 +130,9 @@ NAMESPACES: dict[str, list[str]] = {
         "MovePlan", "memory_aware_deepcopy", "memory_aware_to", "move_module", "plan_move",
     ],
     "torchmem.render": [
-        "plot_timeline", "render_diff", "render_oom", "render_peak", "render_report",
-        "render_stats", "render_summary", "render_trace", "summary_json", "write_viewer",
+        "merge_json", "plot_timeline", "render_diff", "render_merge", "render_oom", "render_peak",
+        "render_report", "render_stats", "render_summary", "render_trace", "summary_json",
+        "write_viewer",
     ],
     "torchmem.render.viewer": [
         "build_payload", "encode_payload", "render_html", "write_viewer",
