@@ -117,3 +117,31 @@ def test_bad_sets_of_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         merge_files([str(tmp_path / "none*.tmtrace")])
     assert main(["merge", str(a), "--top", "0"]) == 2
     assert "--top must be at least 1" in capsys.readouterr().err
+
+
+def test_jobs_give_the_same_merge(tmp_path: Path) -> None:
+    _write(tmp_path, [0, 1, 2, 3, 5], 6, n=600)
+    one = merge_files([str(tmp_path / "job.rank*.tmtrace")], top=5)
+    two = merge_files([str(tmp_path / "job.rank*.tmtrace")], top=5, jobs=2)
+    assert one.to_dict() == two.to_dict() and two.missing == [4]
+    with pytest.raises(InvalidInputError, match="jobs must be"):
+        merge_files([str(tmp_path / "job.rank0.tmtrace")], jobs=0)
+
+
+def test_summary_of_several_rank_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for r in (0, 1):
+        save_trace(_hand_rank(r), tmp_path / f"hand.rank{r}.tmtrace")
+    a, b = str(tmp_path / "hand.rank0.tmtrace"), str(tmp_path / "hand.rank1.tmtrace")
+    assert main(["summary", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "Job hand: 2 of 2 rank(s), complete" in out and "imbalance 1.29x" in out
+    assert main(["summary", a, b, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["difference"]["bytes"] == 1700 and d["ranks_present"] == [0, 1]
+    assert main(["summary", a, b, "--device", "cpu"]) == 2
+    assert "--device picks the device of one trace" in capsys.readouterr().err
+    assert main(["summary", a]) == 0  # one trace: the summary of that trace, as before
+    assert "Peak 7.39 KiB on cpu" in capsys.readouterr().out
+    save_trace(random_rank(1, 3, 100, 0, job="hand"), tmp_path / "other.tmtrace")
+    assert main(["summary", a, str(tmp_path / "other.tmtrace")]) == 2
+    assert "not from the same job" in capsys.readouterr().err

@@ -135,7 +135,7 @@ NAMESPACES: dict[str, list[str]] = {
         "write_viewer",
     ],
     "torchmem.render.viewer": [
-        "build_payload", "encode_payload", "render_html", "write_viewer",
+        "build_payload", "encode_payload", "render_html", "write_rank_viewer", "write_viewer",
     ],
     "torchmem.sim": [
         "AllocatorConfig", "CachingAllocator", "ReplayResult", "WhatIf", "replay", "round_size",

@@ -432,7 +432,7 @@ def rank_stats(trace: Trace, *, name: str | None = None) -> RankStats:
         rank, world, _str_meta(trace, "job_id"), device, n, peak, peak_seq,
         trace.time_ns[peak_seq] if peak_seq >= 0 else 0, finals[device], peaks, finals,
         iterations, trend.bytes_per_iteration, trend.leak, at_peak,
-        _collectives(trace, amask, set(alive)), **_extra(trace, name),
+        _collectives(trace, amask, alive), **_extra(trace, name),
     )
 
 
@@ -557,23 +557,38 @@ def _groups(trace: Trace, rows: list[int]) -> dict[str, dict[str, int]]:
     return out
 
 
-def _collectives(trace: Trace, amask: bytes, alive: set[int]) -> list[CollectiveRow]:
+def _collectives(trace: Trace, amask: bytes, alive: list[int]) -> list[CollectiveRow]:
     flag = [1 if is_collective(s) else 0 for s in trace.strings]
     sel = trace.category.tobytes().translate(_IS_COMM_CAT)
     if any(flag):
         sel = _or(sel, bytes(map(flag.__getitem__, trace.op)))
+    sel = _and(sel, amask)
+    if not sel.count(1):
+        return []
+    at_peak = bytearray(len(trace))
+    for i in alive:
+        at_peak[i] = 1
+    # one pass over the selected allocations, keyed by operator code * 256 + category code
+    total: dict[int, int] = {}
+    count: dict[int, int] = {}
+    live: dict[int, int] = {}
+    for o, c, b, a in zip(compress(trace.op, sel), compress(trace.category, sel),
+                          compress(trace.nbytes, sel), compress(at_peak, sel)):
+        k = o * 256 + c
+        total[k] = total.get(k, 0) + b
+        count[k] = count.get(k, 0) + 1
+        if a:
+            live[k] = live.get(k, 0) + b
     rows: dict[str, list[Any]] = {}
-    strings, nbytes, cat = trace.strings, trace.nbytes, trace.category
-    for i in _rows(_and(sel, amask)):
-        name = strings[trace.op[i]] or UNNAMED["operator"]
-        v = rows.setdefault(name, [0, 0, 0, {}])
-        b = nbytes[i]
+    for k, b in total.items():
+        name = trace.strings[k >> 8] or UNNAMED["operator"]
+        v = rows.get(name)
+        if v is None:
+            v = rows[name] = [0, 0, 0, {}]
         v[0] += b
-        v[1] += 1
-        if i in alive:
-            v[2] += b
-        c = _CATS[cat[i]]
-        v[3][c] = v[3].get(c, 0) + b
+        v[1] += count[k]
+        v[2] += live.get(k, 0)
+        v[3][_CATS[k & 255]] = v[3].get(_CATS[k & 255], 0) + b
     return sorted(
         (CollectiveRow(k, max(v[3], key=v[3].get), v[0], v[1], v[2]) for k, v in rows.items()),
         key=lambda r: (-r.allocated, r.operator),
@@ -598,10 +613,11 @@ def _attribute(heavy: RankStats, light: RankStats, top: int) -> RankDifference:
 
 
 def merge_ranks(
-    traces: Iterable[Trace], *, names: Sequence[str] | None = None, top: int = 10
+    traces: Iterable[Trace | RankStats], *, names: Sequence[str] | None = None, top: int = 10
 ) -> RankMerge:
     """Merge the traces of one job's ranks (any order; each is reduced by :func:`rank_stats`
-    and then dropped, so pass a generator to hold one trace at a time).
+    and then dropped, so pass a generator to hold one trace at a time). Ranks already reduced
+    (a :class:`RankStats`, e.g. from worker processes) are taken as they are.
 
     ``names`` (file names, in the order of ``traces``) are used in error messages; ``top`` is
     how many names each per-rank table and attribution keeps. Raises
@@ -623,7 +639,9 @@ def merge_ranks(
     first: RankStats | None = None
     for i, trace in enumerate(traces):
         name = names[i] if names is not None and i < len(names) else f"trace {i}"
-        s = rank_stats(trace, name=name)
+        s = trace if isinstance(trace, RankStats) else rank_stats(trace, name=name)
+        if s.name is None:
+            s.name = name
         if first is None:
             first = s
         elif (s.job_id, s.world_size) != (first.job_id, first.world_size):

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
-    from torchmem.analysis import RankMerge
+    from torchmem.analysis import RankMerge, RankStats
     from torchmem.model.trace import Trace
 
-__all__ = ["add_arguments", "run", "merge_files", "expand_paths"]
+__all__ = ["add_arguments", "run", "merge_files", "expand_paths", "show"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--top", type=int, default=10, help="rows per table (default 10)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("-j", "--jobs", type=int, default=1,
+                        help="processes reading the traces side by side (default 1; each holds "
+                             "one trace at a time)")
 
 
 def _natural(path: str) -> list[object]:
@@ -85,9 +88,12 @@ def merge_files(
     *,
     top: int = 10,
     progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> RankMerge:
     """Merge the rank trace files ``paths`` (see :func:`expand_paths`) one at a time and, with
-    ``out``, write the merged view there as JSON. ``progress`` receives a line per file.
+    ``out``, write the merged view there as JSON. ``progress`` receives a line per file;
+    ``jobs`` > 1 reads and reduces the files in that many worker processes (one trace in memory
+    per process).
 
     Raises :class:`~torchmem.errors.MissingFileError` / :class:`~torchmem.errors.TraceFormatError`
     for a file that is not there or not a trace, and
@@ -120,15 +126,31 @@ def merge_files(
             f"no rank trace matches {', '.join(os.fspath(x) for x in paths) or 'nothing'}; expected "
             "files such as NAME.rank0.tmtrace written by 'torchmem run --nproc-per-node'"
         )
+    if not isinstance(jobs, int) or jobs < 1:
+        raise InvalidInputError(f"jobs must be an int >= 1, got {jobs!r}")
     t0 = time.perf_counter()
+
+    def say(i: int, path: str, verb: str) -> None:
+        if progress is not None:
+            progress(f"{verb} {path} ({i + 1}/{len(files)}, {time.perf_counter() - t0:.1f} s)")
 
     def traces() -> Iterator[Trace]:
         for i, path in enumerate(files):
-            if progress is not None:
-                progress(f"reading {path} ({i + 1}/{len(files)}, {time.perf_counter() - t0:.1f} s)")
+            say(i, path, "reading")
             yield load_trace(path)
 
-    merged = merge_ranks(traces(), names=files, top=top)
+    if jobs > 1 and len(files) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(files))) as pool:
+            def reduced() -> Iterator[RankStats]:
+                for i, (path, s) in enumerate(zip(files, pool.map(_reduce, files))):
+                    say(i, path, "read")
+                    yield s
+
+            merged = merge_ranks(reduced(), names=files, top=top)
+    else:
+        merged = merge_ranks(traces(), names=files, top=top)
     if out is not None:
         tmp = f"{os.fspath(out)}.part"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -138,20 +160,27 @@ def merge_files(
     return merged
 
 
+def _reduce(path: str) -> RankStats:
+    """One file's figures, in a worker process."""
+    from torchmem.analysis import rank_stats
+    from torchmem.io.tmtrace import load_trace
+
+    return rank_stats(load_trace(path), name=path)
+
+
 def run(args: argparse.Namespace) -> int:
     """Merge, print the merged view (or JSON) and write ``-o``; missing or cut-short ranks are
     also named on stderr.
 
     Example:
         >>> ns = argparse.Namespace(traces=["/no/such.rank0.tmtrace"], output=None, json=False,
-        ...                         top=10, quiet=True)
+        ...                         top=10, quiet=True, jobs=1)
         >>> run(ns)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         torchmem.errors.MissingFileError: /no/such.rank0.tmtrace: no such file; ...
     """
     from torchmem.errors import InvalidInputError
-    from torchmem.render.ranks import merge_json, render_merge
 
     if args.top < 1:
         raise InvalidInputError(f"--top must be at least 1, got {args.top}")
@@ -160,18 +189,38 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"torchmem merge: {msg}", file=sys.stderr)
 
-    merged = merge_files(args.traces, args.output, top=args.top, progress=progress)
-    if merged.missing:
-        print(f"torchmem merge: MISSING rank(s) {', '.join(map(str, merged.missing))} of "
-              f"world size {merged.world_size}: the merge is incomplete", file=sys.stderr)
-    for r in merged.ranks:
-        if r.cut_short:
-            print(f"torchmem merge: rank {r.rank} ({r.name}) was cut short: {r.cut_short}",
-                  file=sys.stderr)
-    if args.json:
-        print(merge_json(merged))
-    else:
-        render_merge(merged)
+    merged = merge_files(args.traces, args.output, top=args.top, progress=progress,
+                         jobs=args.jobs)
+    show(merged, as_json=args.json, prog="torchmem merge")
     if args.output:
         progress(f"wrote {args.output}")
     return 0
+
+
+def show(merged: RankMerge, *, as_json: bool = False, prog: str = "torchmem merge") -> None:
+    """Print the merged view (or its JSON) to stdout, and name missing and cut-short ranks on
+    stderr, so that an incomplete merge is never read as complete.
+
+    Example:
+        >>> import contextlib, io
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.analysis import merge_ranks
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        ...     show(merge_ranks([Trace({"rank": 0, "world_size": 2})]))
+        >>> err.getvalue().strip()
+        'torchmem merge: MISSING rank(s) 1 of world size 2: the merge is incomplete'
+    """
+    from torchmem.render.ranks import merge_json, render_merge
+
+    if merged.missing:
+        print(f"{prog}: MISSING rank(s) {', '.join(map(str, merged.missing))} of world size "
+              f"{merged.world_size}: the merge is incomplete", file=sys.stderr)
+    for r in merged.ranks:
+        if r.cut_short:
+            print(f"{prog}: rank {r.rank} ({r.name}) was cut short: {r.cut_short}",
+                  file=sys.stderr)
+    if as_json:
+        print(merge_json(merged))
+    else:
+        render_merge(merged)
