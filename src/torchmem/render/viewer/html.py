@@ -38,6 +38,8 @@ __all__ = ["render_html", "write_viewer", "write_rank_viewer"]
 #: timeline, the allocator state history with the segments and stats tabs, the wiring). The
 #: parts are concatenated as they are, so the page carries one script.
 _SCRIPTS = ("viewer-core.js", "viewer-timeline.js", "viewer-state.js", "viewer-wiring.js")
+#: The part only pages of a job's ranks carry (before the wiring, inside the same IIFE).
+_RANK_SCRIPT = "viewer-ranks.js"
 
 
 def _asset(name: str) -> str:
@@ -75,11 +77,14 @@ def _page(payload: dict[str, Any], progress: ProgressFn | None) -> str:
         progress("encoding payload")
     data = encode_payload(payload)
     page = _asset("viewer.html")
+    scripts = list(_SCRIPTS)
+    if payload.get("ranks") is not None:
+        scripts.insert(scripts.index("viewer-wiring.js"), _RANK_SCRIPT)
     t = _html.escape(payload["title"])
     # Only the template's own placeholders are replaced; the data is base64 (no '<' possible).
     return (
         page.replace("/*__CSS__*/", _compact(_asset("viewer.css")))
-        .replace("/*__JS__*/", _compact("\n".join(_asset(name) for name in _SCRIPTS)))
+        .replace("/*__JS__*/", _compact("\n".join(_asset(name) for name in scripts)))
         .replace("__PAYLOAD__", data)
         .replace("__TITLE__", t)
     )
