@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from torchmem.analysis import RankMerge, RankStats
     from torchmem.model.trace import Trace
 
-__all__ = ["add_arguments", "run", "merge_files", "expand_paths", "show"]
+__all__ = ["add_arguments", "run", "merge_files", "expand_paths", "show", "warn_incomplete"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -213,14 +213,30 @@ def show(merged: RankMerge, *, as_json: bool = False, prog: str = "torchmem merg
     """
     from torchmem.render.ranks import merge_json, render_merge
 
-    if merged.missing:
-        print(f"{prog}: MISSING rank(s) {', '.join(map(str, merged.missing))} of world size "
-              f"{merged.world_size}: the merge is incomplete", file=sys.stderr)
-    for r in merged.ranks:
-        if r.cut_short:
-            print(f"{prog}: rank {r.rank} ({r.name}) was cut short: {r.cut_short}",
-                  file=sys.stderr)
+    warn_incomplete(merged, prog)
     if as_json:
         print(merge_json(merged))
     else:
         render_merge(merged)
+
+
+def warn_incomplete(merged: RankMerge, prog: str, consequence: str = "the merge is incomplete") -> None:
+    """Name the missing and the cut-short ranks of ``merged`` on stderr.
+
+    Example:
+        >>> import contextlib, io
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.analysis import merge_ranks
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     warn_incomplete(merge_ranks([Trace({"rank": 1, "world_size": 2})]), "x")
+        >>> err.getvalue().strip()
+        'x: MISSING rank(s) 0 of world size 2: the merge is incomplete'
+    """
+    if merged.missing:
+        print(f"{prog}: MISSING rank(s) {', '.join(map(str, merged.missing))} of world size "
+              f"{merged.world_size}: {consequence}", file=sys.stderr)
+    for r in merged.ranks:
+        if r.cut_short:
+            print(f"{prog}: rank {r.rank} ({r.name}) was cut short: {r.cut_short}",
+                  file=sys.stderr)

@@ -105,7 +105,7 @@ def _ranks(args: argparse.Namespace, paths: list[str], progress: Callable[[str],
     """Several rank traces: check them as one job (the merge), then write the ranks' page."""
     import re  # noqa: PLC0415
 
-    from torchmem.cli.merge import expand_paths, merge_files  # noqa: PLC0415
+    from torchmem.cli.merge import expand_paths, merge_files, warn_incomplete  # noqa: PLC0415
     from torchmem.errors import InvalidInputError  # noqa: PLC0415
     from torchmem.io.tmtrace import load_trace  # noqa: PLC0415
     from torchmem.render.viewer.html import write_rank_viewer  # noqa: PLC0415
@@ -113,13 +113,7 @@ def _ranks(args: argparse.Namespace, paths: list[str], progress: Callable[[str],
 
     files = expand_paths(paths)
     merged = merge_files(files, progress=progress)  # one job? which ranks? (one trace at a time)
-    if merged.missing:
-        print(f"torchmem view: MISSING rank(s) {', '.join(map(str, merged.missing))} of world "
-              f"size {merged.world_size}: the page shows the ranks present only", file=sys.stderr)
-    for r in merged.ranks:
-        if r.cut_short:
-            print(f"torchmem view: rank {r.rank} ({r.name}) was cut short: {r.cut_short}",
-                  file=sys.stderr)
+    warn_incomplete(merged, "torchmem view", "the page shows the ranks present only")
     present = [r.rank for r in merged.ranks]
     if args.ranks:
         try:

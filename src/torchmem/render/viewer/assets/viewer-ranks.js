@@ -44,10 +44,11 @@
       ctx.strokeStyle = mine ? '#111a2b' : 'rgba(70,80,100,.45)';
       ctx.lineWidth = mine ? 2 : 1;
       ctx.beginPath();
-      let best = -1;
+      let best = -1, py = 0;
       for (let i = 0; i < r.t.length; i++) {
         const x = ml + (r.t[i] - tl.x0) / span * W, y = mt + H - r.live[i] / ymax * H;
-        if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+        if (i === 0) ctx.moveTo(x, y); else { ctx.lineTo(x, py); ctx.lineTo(x, y); }  // steps
+        py = y;
         if (r.t[i] >= tl.x0 && r.t[i] <= tl.x1 && (best < 0 || r.live[i] > r.live[best])) best = i;
       }
       ctx.stroke();
