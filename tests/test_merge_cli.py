@@ -38,6 +38,10 @@ def test_merge_files_equal_summaries_of_each_file(tmp_path: Path) -> None:
                                                         s.iterations)
     d = json.loads(out.read_text())
     assert d["complete"] and d["world_size"] == 4
+    for r, p in zip(d["ranks"], paths):  # iterations column-wise, as summarize_trace counts them
+        its = summarize_trace(load_trace(p)).iterations
+        assert r["iterations"]["retained_growth"] == [it.retained_growth for it in its]
+        assert r["iterations"]["complete"] == [it.complete for it in its] and len(its) >= 5
     assert [r["peak"] for r in d["ranks"]] == [r.peak for r in m.ranks]
     peaks = {r.rank: r.peak for r in m.ranks}
     assert d["heaviest"] == max(peaks, key=peaks.__getitem__)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import operator
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import accumulate, compress, repeat
@@ -311,7 +312,8 @@ class RankMerge:
         return {k: {r.rank: r.at_peak[grouping].get(k, 0) for r in self.ranks} for k in keep}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (bytes as ints; per-name tables keyed by rank as a string).
+        """JSON-ready dict (bytes as ints; per-name tables keyed by rank as a string; each
+        rank's ``iterations`` column-wise: ``{"step": [...], "retained_growth": [...], ...}``).
 
         Example:
             >>> from torchmem.model.trace import Trace
@@ -323,6 +325,9 @@ class RankMerge:
         for r in self.ranks:
             d = asdict(r)
             d["steps"] = r.steps
+            # column-wise: one list per field (thousands of iterations per rank stay small)
+            d["iterations"] = {k: [getattr(it, k) for it in r.iterations]
+                               for k in IterationStat.__dataclass_fields__}
             d["at_peak"] = {g: dict(sorted(v.items(), key=lambda kv: -kv[1])[: self.top])
                             for g, v in r.at_peak.items()}
             ranks.append(d)
@@ -568,17 +573,25 @@ def _collectives(trace: Trace, amask: bytes, alive: list[int]) -> list[Collectiv
     at_peak = bytearray(len(trace))
     for i in alive:
         at_peak[i] = 1
-    # one pass over the selected allocations, keyed by operator code * 256 + category code
+    # the selected allocations keyed by operator code * 256 + category code; a few keys are
+    # summed with C-level passes, many with one Python pass
+    keys = list(map(operator.add, map(operator.mul, compress(trace.op, sel), repeat(256)),
+                    compress(trace.category, sel)))
+    sizes = list(compress(trace.nbytes, sel))
+    live_sel = bytes(compress(at_peak, sel))
+    count = Counter(keys)
     total: dict[int, int] = {}
-    count: dict[int, int] = {}
     live: dict[int, int] = {}
-    for o, c, b, a in zip(compress(trace.op, sel), compress(trace.category, sel),
-                          compress(trace.nbytes, sel), compress(at_peak, sel)):
-        k = o * 256 + c
-        total[k] = total.get(k, 0) + b
-        count[k] = count.get(k, 0) + 1
-        if a:
-            live[k] = live.get(k, 0) + b
+    if len(count) <= 16:
+        for k in count:
+            m = bytes(map(k.__eq__, keys))
+            total[k] = sum(compress(sizes, m))
+            live[k] = sum(compress(sizes, _and(m, live_sel)))
+    else:
+        for k, b, a in zip(keys, sizes, live_sel):
+            total[k] = total.get(k, 0) + b
+            if a:
+                live[k] = live.get(k, 0) + b
     rows: dict[str, list[Any]] = {}
     for k, b in total.items():
         name = trace.strings[k >> 8] or UNNAMED["operator"]

@@ -154,7 +154,7 @@ def merge_files(
     if out is not None:
         tmp = f"{os.fspath(out)}.part"
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(merge_json(merged))
+            f.write(merge_json(merged, indent=None))  # compact: 64 ranks of long runs
             f.write("\n")
         os.replace(tmp, out)
     return merged
