@@ -66,6 +66,7 @@
       colPos[x] = best;
       if (bv > ymax) ymax = bv;
     }
+    if (P.ranks && timeMode) ymax = Math.max(ymax, rankCurvesMax(x0, x1));
     ymax *= 1.05;
     tl.ymax = ymax;
     tl.colEvent = colPos;
@@ -113,8 +114,9 @@
     ctx.putImageData(img, tl.ml, tl.mt);
     tl.pick = pick;
     drawAxes(ctx, ymax);
+    const curves = P.ranks && timeMode ? drawRankCurves(ctx, ymax) : 0;
     const ms = performance.now() - t0;
-    api._tl = { bands, columns: W, drawMs: ms, draws: api._tl.draws + 1, ymax };
+    api._tl = { bands, columns: W, drawMs: ms, draws: api._tl.draws + 1, ymax, rankCurves: curves };
     if (api.firstDrawMs === null) api.firstDrawMs = performance.now() - T_START + (performance.timeOrigin ? 0 : 0);
     const from = Math.max(0, Math.floor(toPos(x0))), to = Math.min(n, Math.ceil(toPos(x1)));
     if (!tl.rangeEdited) {  // a redraw never overwrites a range the user is typing
@@ -126,7 +128,8 @@
     $('timeline-summary').innerHTML = 'events ' + from + '&ndash;' + to + ' of ' + n + ' &middot; ' + d.n_allocs + ' allocations (' + d.n_pre +
       ' from before the trace) &middot; peak in view <b>' + fmtBytes(peak) + '</b> after event #' + Math.max(0, peakAt - 1) +
       ' &middot; ' + bands + ' allocations drawn &middot; drawn in ' + ms.toFixed(0) + ' ms' +
-      (d.has_time && n ? ' &middot; time ' + (d.col.ev_time[Math.min(from, n - 1)] / 1e6).toFixed(4) + ' s &ndash; ' + (d.col.ev_time[Math.max(0, Math.min(to, n) - 1)] / 1e6).toFixed(4) + ' s' : '');
+      (d.has_time && n ? ' &middot; time ' + (d.col.ev_time[Math.min(from, n - 1)] / 1e6).toFixed(4) + ' s &ndash; ' + (d.col.ev_time[Math.max(0, Math.min(to, n) - 1)] / 1e6).toFixed(4) + ' s' : '') +
+      (P.ranks ? rankNote(timeMode, curves) : '');
   }
   // The legend under the timeline: categories present, with the bytes live at the peak.
   function tlLegend() {

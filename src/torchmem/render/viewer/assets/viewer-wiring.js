@@ -10,10 +10,12 @@
     if (name === 'stats') renderStats();
   }
   function selectDevice(i) {
+    const keep = P.ranks && D && tl.mode === 'time' ? [tl.x0, tl.x1] : null;
     D = prepareDevice(P.devices[i]);
     st.pos = -1;
     tl.mode = 'event'; modeLabels();
     tl.x0 = 0; tl.x1 = D.N;
+    if (P.ranks) rankView(keep);
     $('xmode-wrap').style.display = D.tcum ? '' : 'none';
     $('ev-slider').max = D.n_events;
     $('device').value = String(i);
@@ -71,6 +73,7 @@
       P = await decode();
       api.decodeMs = performance.now() - T_START;
       const sel = $('device');
+      if (P.ranks) setupRanks(sel, selectDevice);
       P.devices.forEach((d, i) => {
         const o = document.createElement('option');
         o.value = i;
