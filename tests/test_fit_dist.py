@@ -215,6 +215,62 @@ def test_build_may_init_the_group_and_a_mesh_itself():
     assert e.collectives["c10d::_allgather_base_"]["largest_buffer_bytes"] == 16 * 4 * (4 * 64 + 4)
 
 
+def test_hsdp_shards_on_the_mesh_shard_dimension():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).cuda()
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        opt = torch.optim.AdamW(net.parameters())
+        x = torch.randn(batch, 256, device="cuda")
+
+        def step():
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    e = estimate(build, batch_size=8, world_size=8)
+    shards = 4 * 2 * (256 // 4 * 256 + 256 // 4)  # sharded 4 ways, replicated twice
+    assert e.model_state["parameter"] == e.model_state["gradient"] == shards
+    # the gradients are all-reduced across the 2 replicas after the reduce-scatter
+    assert e.collectives["c10d::allreduce_"]["largest_buffer_bytes"] == shards // 2
+
+
+def test_tensor_parallel_holds_its_slices():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cuda", (8,))
+        net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                  torch.nn.Linear(1024, 256)).cuda()
+        parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.AdamW(net.parameters())
+        x = torch.randn(batch, 256, device="cuda")
+
+        def step():
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    e = estimate(build, batch_size=8, world_size=8)
+    # colwise: 1024/8 output rows and their bias; rowwise: 1024/8 input columns, full bias
+    params = 4 * (128 * 256 + 128 + 256 * 128 + 256)
+    assert e.model_state["parameter"] == e.model_state["gradient"] == params
+    # the rowwise layer's partial outputs are all-reduced: batch x 256 floats
+    assert e.collectives["_c10d_functional::all_reduce"]["largest_buffer_bytes"] == 8 * 256 * 4
+
+
 def test_an_initialised_default_group_is_an_error_and_is_left_alone():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -13,7 +13,8 @@
   create); the build's own ``dist.init_process_group(...)`` is accepted and does nothing.
   On exit the group is destroyed and every patch is undone, so a second estimate starts clean.
 - **Device meshes** (``init_device_mesh``, which ``fully_shard`` calls) are built outside the
-  fake mode: a mesh is a small host-side table of ranks, and its values are read.
+  fake mode (a mesh is a small host-side table of ranks, and its values are read), and a
+  ``"cuda"`` mesh is a mesh of the fake GPU, the fake CPU device (:mod:`torchmem.fit._env`).
 - **DTensor** (what ``fully_shard`` turns parameters into): the tracker and the simulator see
   the *local* operations a DTensor operator runs, never the global-size wrapper (their dispatch
   returns ``NotImplemented`` for DTensor arguments, as PyTorch's ``FSDPMemTracker`` does), and
@@ -353,7 +354,8 @@ class FakeWorld:
     def _replace_everywhere(self, original: Any, replacement: Any, name: str) -> None:
         """``name`` in every loaded module (and the build's globals) bound to ``original``."""
         for mod in list(sys.modules.values()):
-            if getattr(mod, name, None) is original:
+            # the module's own namespace only: a lazy module's __getattr__ is never called
+            if getattr(mod, "__dict__", {}).get(name) is original:
                 self._set(mod, name, replacement)
         for g in self._extra:
             if g.get(name) is original:
@@ -374,9 +376,11 @@ class FakeWorld:
         original_mesh = dm.init_device_mesh
 
         @functools.wraps(original_mesh)
-        def init_device_mesh(*args: Any, **kwargs: Any) -> Any:
+        def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+            if device_type == "cuda":  # the fake GPU is the (fake) CPU device
+                device_type = "cpu"
             with _disable_current_modes():
-                return original_mesh(*args, **kwargs)
+                return original_mesh(device_type, *args, **kwargs)
 
         self._replace_everywhere(original_mesh, init_device_mesh, "init_device_mesh")
 
@@ -422,12 +426,17 @@ def _destroy() -> None:
 
 
 def _local_ops_only(original: Callable[..., Any], dtensor: type) -> Callable[..., Any]:
-    """A mode's dispatch that lets DTensor run first, so the mode sees its local operations."""
+    """A mode's dispatch that lets DTensor run first, so the mode sees its local operations;
+    ``wait_tensor`` returns its argument, as in eager mode (its fake implementation makes a
+    new tensor, which would count a functional collective's output twice)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
 
     def __torch_dispatch__(self: Any, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if any(issubclass(t, dtensor) for t in types):
             return NotImplemented
+        if func is wait:
+            return args[0]
         return original(self, func, types, args, kwargs)
 
     return __torch_dispatch__
