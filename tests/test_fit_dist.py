@@ -215,6 +215,36 @@ def test_build_may_init_the_group_and_a_mesh_itself():
     assert e.collectives["c10d::_allgather_base_"]["largest_buffer_bytes"] == 16 * 4 * (4 * 64 + 4)
 
 
+def test_meta_device_init_allocates_only_the_shards():
+    def build(batch):
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):  # the usual way to build a model too big for one GPU
+            net = torch.nn.Sequential(*[torch.nn.Linear(i, o) for o, i in SHAPES])
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        net.to_empty(device="cuda")
+        for layer in net:
+            layer.reset_parameters()
+        opt = torch.optim.AdamW(net.parameters())
+        x = torch.randn(batch, SHAPES[0][1], device="cuda")
+
+        def step():
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    meta = estimate(build, batch_size=32, world_size=8)
+    eager = estimate(_fsdp_build, batch_size=32, world_size=8)
+    shards = 4 * sum(_shard_numel(s, 8) for s in _param_shapes())
+    assert meta.model_state["parameter"] == meta.model_state["gradient"] == shards
+    # the same step; meta tensors are no memory, and the build never holds a full layer
+    assert meta.peak_requested_bytes == eager.peak_requested_bytes
+    assert meta.by_category == eager.by_category
+
+
 def test_hsdp_shards_on_the_mesh_shard_dimension():
     def build(batch):
         from torch.distributed.device_mesh import init_device_mesh

@@ -53,6 +53,7 @@ import contextlib
 import functools
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -333,6 +334,10 @@ class FakeWorld:
                     os.environ[name] = value
                     stack.callback(os.environ.pop, name, None)
             self._patch_all()
+            warned = stack.enter_context(warnings.catch_warnings())
+            del warned
+            # a "cuda" mesh is a CPU mesh here; fake tensors have no random values anyway
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have")
         except BaseException:
             stack.close()
             raise
@@ -445,7 +450,9 @@ def _local_ops_only(original: Callable[..., Any], dtensor: type) -> Callable[...
 def _show_resize(storage: torch.UntypedStorage) -> None:
     """Tell the tracker a storage changed size: an in-place ``set_`` on it (the tracker records
     a free of the old size and an allocation of the new one)."""
-    view = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    # a fake tensor's storage is a meta storage; the estimate's tensors are fake CPU tensors
+    device = "cpu" if storage.device.type == "meta" else storage.device
+    view = torch.empty(0, dtype=torch.uint8, device=device)
     view.set_(storage)  # type: ignore[call-overload]
     del view
 

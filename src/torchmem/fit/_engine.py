@@ -178,6 +178,8 @@ class _State:
     def listener(self, ev: Any, storage: Any) -> None:
         if self.oom is not None:  # the run stops at the first out-of-memory point
             return
+        if ev.device == "meta":  # no memory anywhere (a model built on the meta device)
+            return
         kind = ev.kind
         if kind == _ALLOC:
             n = ev.nbytes
@@ -540,6 +542,8 @@ def _live_at(
     for ev in tracker.events():
         if ev.seq > last_seq:
             break
+        if ev.device == "meta":
+            continue
         if ev.kind == _ALLOC:
             sid = ev.storage
             key = "kv_cache" if sid in kv_ids else over.get(sid) or _KEYS.get(ev.category, "other")
