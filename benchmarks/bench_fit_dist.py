@@ -126,6 +126,7 @@ def run(method: str, quick: bool, n: int) -> dict:
 
 
 def gib(n: int | None) -> str:
+    """GiB with three decimals (per-rank figures are small)."""
     return f"{'-':>11}" if n is None else f"{n / 2**30:7.3f} GiB"
 
 

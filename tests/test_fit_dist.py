@@ -56,15 +56,7 @@ def _fsdp_build(batch: int, reshard: bool = True):
         layers.append(layer)
     net = torch.nn.Sequential(*layers)
     fully_shard(net, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(net.parameters())
-    x = torch.randn(batch, SHAPES[0][1], device="cuda")
-
-    def step():
-        net(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
+    return _adamw_step(net, batch, SHAPES[0][1])
 
 
 def _ddp_build(batch: int, view: bool = False):
@@ -72,14 +64,18 @@ def _ddp_build(batch: int, view: bool = False):
 
     net = torch.nn.Sequential(*[torch.nn.Linear(i, o) for o, i in SHAPES]).cuda()
     model = DDP(net, gradient_as_bucket_view=view)
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(batch, SHAPES[0][1], device="cuda")
+    return _adamw_step(model, batch, SHAPES[0][1])
+
+
+def _adamw_step(net, batch: int, width: int):
+    """An AdamW training step of ``net`` on a fake-CUDA batch of ``width`` features."""
+    opt = torch.optim.AdamW(net.parameters())
+    x = torch.randn(batch, width, device="cuda")
 
     def step():
-        model(x).sum().backward()
+        net(x).sum().backward()
         opt.step()
         opt.zero_grad()
-
     return step
 
 
@@ -255,14 +251,7 @@ def test_hsdp_shards_on_the_mesh_shard_dimension():
         for layer in net:
             fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        opt = torch.optim.AdamW(net.parameters())
-        x = torch.randn(batch, 256, device="cuda")
-
-        def step():
-            net(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
+        return _adamw_step(net, batch, 256)
 
     e = estimate(build, batch_size=8, world_size=8)
     shards = 4 * 2 * (256 // 4 * 256 + 256 // 4)  # sharded 4 ways, replicated twice
@@ -284,14 +273,7 @@ def test_tensor_parallel_holds_its_slices():
         net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
                                   torch.nn.Linear(1024, 256)).cuda()
         parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        opt = torch.optim.AdamW(net.parameters())
-        x = torch.randn(batch, 256, device="cuda")
-
-        def step():
-            net(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
+        return _adamw_step(net, batch, 256)
 
     e = estimate(build, batch_size=8, world_size=8)
     # colwise: 1024/8 output rows and their bias; rowwise: 1024/8 input columns, full bias
