@@ -23,6 +23,9 @@ fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the w
 search range in which nothing fits, ...). ``--hf-config config.json --task
 forward|generate|train`` estimates a transformers model from its config alone instead of a
 build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there too.
+``--world-size N`` estimates rank 0 of an N-rank job: ``build`` may call ``fully_shard`` or wrap
+in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
+model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
 Example:
     >>> from torchmem.cli import main
@@ -88,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps to run (default 2: the second sees optimizer "
                              "state and cached blocks; --hf-config forward/generate: 1 call)")
+    parser.add_argument("--world-size", type=_world_size, default=None, metavar="N",
+                        help="estimate one rank (rank 0) of an N-rank job: build runs with a "
+                             "fake process group of N ranks, so it may call fully_shard (FSDP2) "
+                             "or wrap in DistributedDataParallel; shards, all-gathers, "
+                             "reduce-scatters and DDP buckets get their per-rank sizes and the "
+                             "collectives' buffers are reported as 'communication'")
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
@@ -101,6 +110,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from torchmem.cli._estimate_hf import add_arguments as add_hf_arguments
 
     add_hf_arguments(parser)
+
+
+def _world_size(text: str) -> int:
+    """``--world-size`` as an int >= 1 (argparse reports the error with the option's name).
+
+    Example:
+        >>> _world_size("64")
+        64
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected the number of ranks, an int >= 1 (e.g. --world-size 8), got {text!r}")
+    return n
 
 
 def _fmt(n: int) -> str:
@@ -153,6 +179,7 @@ def render_text(est: Any, file: Any = None) -> None:
         if v:
             c.add_row(k, _fmt(v))
     con.print(c)
+    _render_ranks(est, con)
     if est.by_module:
         m = Table(title="live at the peak, by module (top 15)", show_header=True)
         m.add_column("module")
@@ -175,6 +202,30 @@ def render_text(est: Any, file: Any = None) -> None:
         con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for note in est.notes:
         con.print(f"note: {note}")
+
+
+def _render_ranks(est: Any, con: Any) -> None:
+    """A per-rank estimate's model state and collectives (nothing for a one-GPU estimate)."""
+    from rich.table import Table
+
+    if getattr(est, "world_size", None) is None:
+        return
+    if est.model_state:
+        t = Table(title=f"rank 0 of {est.world_size}: model state at the end of "
+                        "optimizer.step()", show_header=True)
+        t.add_column("category")
+        t.add_column("bytes", justify="right")
+        for k, v in est.model_state.items():
+            t.add_row(k, _fmt(v))
+        con.print(t)
+    if est.collectives:
+        c = Table(title="collectives (per rank)", show_header=True)
+        c.add_column("operator")
+        c.add_column("calls", justify="right")
+        c.add_column("largest buffer", justify="right")
+        for name, stat in est.collectives.items():
+            c.add_row(name, str(stat["calls"]), _fmt(stat["largest_buffer_bytes"]))
+        con.print(c)
 
 
 def parse_value(text: str) -> Any:
@@ -328,6 +379,12 @@ def run(args: argparse.Namespace) -> int:
     keep = bool(args.output) or bool(getattr(args, "suggest", False))  # --suggest replays it
     options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
                                    keep_snapshot=keep, margin=margin)
+    if getattr(args, "hf_config", None) and getattr(args, "world_size", None) is not None:
+        raise InvalidInputError(
+            "--world-size runs a build function's sharding (fully_shard, DDP) on a fake process "
+            "group; --hf-config builds an unsharded model; fix: drop --world-size, or write a "
+            "build(batch_size) that shards the model and pass it as FILE:build"
+        )
     if getattr(args, "hf_config", None):
         from torchmem.cli._estimate_hf import estimate_from_args
 
@@ -345,7 +402,8 @@ def run(args: argparse.Namespace) -> int:
         est = estimate(
             build, card, args.batch_size, params=params, maximize=maximize,
             steps=2 if args.steps is None else args.steps, progress=say,
-            kv_cache_attr=getattr(args, "kv_cache_attr", None) or None, **options,
+            kv_cache_attr=getattr(args, "kv_cache_attr", None) or None,
+            world_size=getattr(args, "world_size", None), **options,
         )
     if args.output:
         if est.snapshot is None:

@@ -28,12 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, Torchm
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._cuda import CudaEmulation
+from torchmem.fit._dist import DistWatch, FakeWorld, check_world_size
 from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
@@ -138,6 +140,8 @@ class _State:
         self.sid_of: dict[int, int] = {}
         self.key_of: dict[int, int] = {}
         self.end_seq = -1
+        #: a per-rank estimate's categories and collectives (:mod:`torchmem.fit._dist`)
+        self.dist: Any = None
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
 
@@ -174,6 +178,8 @@ class _State:
     def listener(self, ev: Any, storage: Any) -> None:
         if self.oom is not None:  # the run stops at the first out-of-memory point
             return
+        if ev.device == "meta":  # no memory anywhere (a model built on the meta device)
+            return
         kind = ev.kind
         if kind == _ALLOC:
             n = ev.nbytes
@@ -182,6 +188,8 @@ class _State:
                 key = storage._cdata
                 self.sid_of[key] = ev.storage
                 self.key_of[ev.storage] = key
+                if self.dist is not None:
+                    self.dist.on_alloc(key, ev.storage, ev.op)
             if n:
                 addr = self._malloc(n, ev, ev.op, "tensor storage")
                 if addr is None:
@@ -197,6 +205,8 @@ class _State:
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
+                if self.dist is not None:
+                    self.dist.on_free(key)
             addr = self.addr.pop(ev.storage, None)
             if addr is not None:
                 self.sim.free(addr)
@@ -264,6 +274,8 @@ class _SimMode(TorchDispatchMode):
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
+        if st.dist is not None:
+            st.dist.after_op(func, args, kwargs, out)
         if st.oom is None:
             st.after_op(func, args, kwargs, out)
         if st.oom is not None:
@@ -342,6 +354,7 @@ def run_once(
     keep_snapshot: bool = False,
     params: Mapping[str, Any] | None = None,
     kv_cache_attr: Sequence[str] | None = None,
+    world_size: int | None = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -351,6 +364,9 @@ def run_once(
     transformers' cache objects and in the module attributes named by ``kv_cache_attr``
     (:mod:`torchmem.fit._kv`); transformers (``generate()``, its mask code) runs with its own
     value reads answered as on a GPU (:mod:`torchmem.fit._generate`).
+
+    ``world_size=N`` runs rank 0 of an ``N``-rank job under a fake process group
+    (:mod:`torchmem.fit._dist`): ``build`` may call ``fully_shard`` or wrap in DDP.
 
     Example:
         >>> import torch
@@ -369,6 +385,7 @@ def run_once(
         raise InvalidInputError(f"steps must be an int >= 1, got {steps!r}")
     card = _gpu(gpu)
     attrs = check_attrs(kv_cache_attr)
+    world = check_world_size(world_size)
     kw = dict(params or {})
     call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
@@ -385,8 +402,9 @@ def run_once(
     failure: InvalidInputError | None = None
     gen = GenerationPatches()
     kv = KVWatch(attrs, st.sid_of.get)
-    with tracker:
-        with FakeTensorMode(allow_non_fake_inputs=True), fake_cuda(
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _world(world, fake_mode, build, st, tracker), tracker:
+        with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
             total_bytes=card.total_bytes,
             context_bytes=card.context_bytes,
@@ -431,6 +449,8 @@ def run_once(
                 finally:
                     gen.remove()
                     st.end_seq = len(tracker) - 1
+                    if st.dist is not None:
+                        st.dist.walk()  # the state at the end, before build's objects go
                     if keep_snapshot and failure is None:
                         # the state at the end of the last step (or at the OOM point), before
                         # build's objects are dropped
@@ -446,7 +466,25 @@ def run_once(
     est.params = kw
     est.attention_kernel, attention_notes = emu.attention_report()
     est.notes.extend(attention_notes)
+    if world is not None:
+        _dist_result(est, world, st, tracker)
     return est
+
+
+@contextlib.contextmanager
+def _world(
+    world: int | None, fake_mode: Any, build: Any, st: _State, tracker: Any
+) -> Iterator[None]:
+    """For a per-rank estimate (``world`` ranks): the fake process group and the watch of
+    the run's categories and collectives (:mod:`torchmem.fit._dist`); nothing otherwise."""
+    if world is None:
+        yield
+        return
+    with FakeWorld(world, fake_mode, [getattr(build, "__globals__", {})], (_SimMode,)), DistWatch(
+        st.sid_of.get, lambda: len(tracker)
+    ) as watch:
+        st.dist = watch
+        yield
 
 
 class _Null:
@@ -466,16 +504,7 @@ def _result(
     kv_ids = kv.ids if kv is not None else set()
     by_mod: dict[str, int] = {}
     if st.peak_req_seq >= 0:
-        live: dict[int, tuple[int, str, str]] = {}
-        for ev in tracker.events():
-            if ev.seq > st.peak_req_seq:
-                break
-            if ev.kind == _ALLOC:
-                key = "kv_cache" if ev.storage in kv_ids else _KEYS.get(ev.category, "other")
-                live[ev.storage] = (ev.nbytes, key, ev.module or "")
-            elif ev.kind == _FREE:
-                live.pop(ev.storage, None)
-        for n, key, mod in live.values():
+        for n, key, mod in _live_at(tracker, st.peak_req_seq, st, kv_ids).values():
             by_cat[key] += n
             name = mod or "(outside any module)"
             by_mod[name] = by_mod.get(name, 0) + n
@@ -501,6 +530,47 @@ def _result(
         compute_capability=card.compute_capability,
         snapshot=st.snapshot,
         kv_cache=_kv_cache(kv, by_cat["kv_cache"], st, tracker),
+    )
+
+
+def _live_at(
+    tracker: Any, last_seq: int, st: _State, kv_ids: set[int] | frozenset[int] = frozenset()
+) -> dict[int, tuple[int, str, str]]:
+    """The storages live after event ``last_seq``: id -> (bytes, report key, module)."""
+    over: dict[int, str] = st.dist.cat if st.dist is not None else {}
+    live: dict[int, tuple[int, str, str]] = {}
+    for ev in tracker.events():
+        if ev.seq > last_seq:
+            break
+        if ev.device == "meta":
+            continue
+        if ev.kind == _ALLOC:
+            sid = ev.storage
+            key = "kv_cache" if sid in kv_ids else over.get(sid) or _KEYS.get(ev.category, "other")
+            live[sid] = (ev.nbytes, key, ev.module or "")
+        elif ev.kind == _FREE:
+            live.pop(ev.storage, None)
+    return live
+
+
+def _dist_result(est: Estimate, world: int, st: _State, tracker: Any) -> None:
+    """A per-rank estimate's own figures: the world size, the model state at the end of the
+    last ``optimizer.step()``, the collectives and their largest buffers."""
+    watch = st.dist
+    est.world_size = world
+    est.collectives = {
+        name: {"calls": calls, "largest_buffer_bytes": size}
+        for name, (calls, size) in sorted(watch.collectives.items())
+    }
+    if watch.model_state_pos > 0:
+        state = dict.fromkeys(("parameter", "gradient", "optimizer_state", "communication"), 0)
+        for n, key, _ in _live_at(tracker, watch.model_state_pos - 1, st).values():
+            if key in state:
+                state[key] += n
+        est.model_state = state
+    est.notes.append(
+        f"rank 0 of {world} (a fake process group: collectives move no data; every buffer "
+        "has its per-rank size)"
     )
 
 

@@ -59,16 +59,30 @@ def _fake_apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.n
     """``Module._apply`` for fake parameters: PyTorch swaps fake parameters with
     ``swap_tensors``, which fails while anything holds a weak reference to them (the tracker
     does); a conversion is applied in place with ``.data =``, as for real CPU/CUDA tensors, and
-    a no-op conversion (``.to("cuda")`` here) leaves the parameter alone."""
+    a no-op conversion (``.to("cuda")`` here) leaves the parameter alone. A tensor subclass
+    with inner tensors (a DTensor shard of ``fully_shard``: ``to_empty`` after building on the
+    meta device) cannot take ``.data =``: it is swapped as PyTorch does, or replaced by a new
+    parameter when something holds a weak reference to it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     if recurse:
         for m in self.children():
             m._apply(fn)
-    for p in self._parameters.values():
+    for k, p in self._parameters.items():
         if p is None:
             continue
         with torch.no_grad():
             q = fn(p)
-        if q is not p:
+        wrapper = bool(is_traceable_wrapper_subclass(q) or is_traceable_wrapper_subclass(p))
+        if q is p:
+            pass
+        elif wrapper:
+            new = torch.nn.Parameter(q, requires_grad=p.requires_grad)
+            try:
+                torch.utils.swap_tensors(p, new)
+            except RuntimeError:
+                self._parameters[k] = p = new
+        else:
             p.data = q
         g = p.grad
         if g is not None:

@@ -126,6 +126,13 @@ class Estimate:
     kernel(s) ``scaled_dot_product_attention`` ran (``"flash"``, ``"efficient"``, ``"math"``;
     ``None`` when it was not called).
 
+    A per-rank estimate (``world_size=N``: rank 0 of an ``N``-rank job under a fake process
+    group, :mod:`torchmem.fit._dist`) sets ``world_size``; ``by_category["communication"]``
+    holds the collectives' buffers live at the peak; ``model_state`` gives the
+    ``parameter``, ``gradient``, ``optimizer_state`` and ``communication`` bytes live at the
+    end of the last ``optimizer.step()`` (empty when the step never calls one);
+    ``collectives`` gives each collective operator's calls and largest buffer.
+
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
         ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
@@ -163,6 +170,9 @@ class Estimate:
     margin_rule: str = ""
     fits_without_margin: bool | None = None
     attention_kernel: str | None = None
+    world_size: int | None = None
+    model_state: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def usable_bytes(self) -> int:
@@ -208,6 +218,8 @@ class Estimate:
 
         what = f", batch {self.batch_size}" if self.batch_size is not None else ""
         what += "".join(f", {k} {v}" for k, v in self.params.items())
+        if self.world_size is not None:
+            what += f", rank 0 of {self.world_size}"
         kept = f"; margin {format_bytes(self.margin_bytes)} kept free" if self.margin_bytes else ""
         return (f"{self.gpu}{what}: {'FITS' if self.fits else 'DOES NOT FIT'} (headroom "
                 f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.usable_bytes)} "
@@ -293,6 +305,9 @@ class Estimate:
             d["probes"] = [{self.maximized or "batch_size": v, "fits": f} for v, f in self.probes]
         if self.kv_cache is not None:
             d.update(self.kv_cache.to_dict())
+        if self.world_size is not None:
+            d.update(world_size=self.world_size, model_state=dict(self.model_state),
+                     collectives={k: dict(v) for k, v in self.collectives.items()})
         if self.notes:
             d["notes"] = list(self.notes)
         return d

@@ -31,6 +31,7 @@ from typing import Any
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
+from torchmem.fit._dist import check_world_size
 from torchmem.fit._engine import BuildFn, run_once
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._margin import MarginSpec, check_margin, describe_margin, margin_for
@@ -149,6 +150,7 @@ def estimate(
     keep_snapshot: bool = False,
     margin: int | str | None = None,
     kv_cache_attr: Sequence[str] | None = None,
+    world_size: int | None = None,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -200,6 +202,17 @@ def estimate(
     token and per sequence): the tensors transformers' cache objects hold, or those held by
     the module attributes named in ``kv_cache_attr`` (``["k_cache", "v_cache"]``).
 
+    ``world_size=N`` estimates one rank (rank 0) of an ``N``-rank job without the ranks:
+    torchmem creates PyTorch's fake process group of ``N`` ranks for ``build`` and ``step``,
+    so ``build`` may call ``fully_shard`` (FSDP2) or wrap the model in
+    ``DistributedDataParallel``; shards, all-gathers, reduce-scatters and DDP's gradient
+    buckets get their real per-rank sizes, and the collectives' buffers are
+    ``by_category["communication"]``. ``Estimate.model_state`` gives the parameter,
+    gradient, optimizer-state and communication bytes at the end of the last
+    ``optimizer.step()`` and ``Estimate.collectives`` each collective's calls and largest
+    buffer (:mod:`torchmem.fit._dist` says how; a process group already initialised in this
+    process is an error). The group is destroyed afterwards.
+
     Bad input raises :class:`~torchmem.errors.InvalidInputError`: a build that raises or
     returns no callable, or code that needs tensor values fake tensors do not have (``.item()``,
     ``.numpy()``, data-dependent shapes); the message names the file and line.
@@ -216,6 +229,7 @@ def estimate(
     """
     card = _gpu(gpu)
     margin = check_margin(margin)
+    world_size = check_world_size(world_size)
     kw = dict(params or {})
     if not all(isinstance(k, str) for k in kw):
         raise InvalidInputError(f"params must map keyword names to values, got keys {list(kw)}")
@@ -251,7 +265,8 @@ def estimate(
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
-                     params={**kw, **extra}, kv_cache_attr=kv_cache_attr)
+                     params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
+                     world_size=world_size)
         return _apply_margin(e, margin, card)
 
     if maximize is None:

@@ -1,0 +1,374 @@
+"""Per-rank estimates (``estimate(..., world_size=N)``, ``torchmem estimate --world-size N``)
+against arithmetic and against PyTorch's own ``FSDPMemTracker``.
+
+Arithmetic (what one rank holds, rank 0 of ``N``):
+
+- FSDP2 (``fully_shard``) shards every parameter on dim 0 into ``ceil(d0 / N)`` rows, padded so
+  that every rank holds the same number of rows: a ``(d0, *rest)`` parameter takes
+  ``ceil(d0 / N) * prod(rest) * itemsize`` bytes, its sharded gradient (the reduce-scatter's
+  output) the same. AdamW's state is ``exp_avg`` and ``exp_avg_sq`` of each local shard (rank 0's
+  shard is a full ``ceil(d0 / N)`` rows) plus one 4-byte ``step`` tensor per parameter
+  (``torch.tensor(0.0)``, which PyTorch keeps on the host when not capturable/fused; the
+  estimator counts it, as it does on one GPU). A group's all-gather buffer is
+  ``N x`` the group's padded shard numel; the reduce-scatter input the same.
+- DDP keeps full parameters, full gradients and optimizer state, plus the reducer's gradient
+  buckets, which together hold one more copy of every gradient (none with
+  ``gradient_as_bucket_view=True``, where the gradients are views of the buckets).
+
+FSDPMemTracker (``torch.distributed._tools.fsdp2_mem_tracker``) runs on the same
+configuration on CPU with the fake process group and fake tensors: its peak total is the
+estimate's peak of requested bytes exactly, category by category (``parameter`` = its sharded +
+unsharded parameters, ``gradient`` = sharded + unsharded gradients, ``communication`` = its
+all-gather + reduce-scatter buffers). The differences are of scope, not of size: FSDPMemTracker
+reports no allocator figures (torchmem adds the caching allocator's rounding, segments and the
+cuBLAS workspaces, ``peak_allocated``/``peak_reserved``), starts counting where its context
+starts (the estimate also sees ``build``: full-size parameters before sharding), and the
+build below shards layer by layer so that the training step holds the peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchmem.cli import main
+from torchmem.errors import InvalidInputError
+from torchmem.fit import estimate
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+#: (out, in) of the linear layers: dim 0 does not divide by 8 or 64, so shards are padded
+SHAPES = [(100, 96), (30, 100)]
+
+
+def _fsdp_build(batch: int, reshard: bool = True):
+    from torch.distributed.fsdp import fully_shard
+
+    layers = []
+    for out, inp in SHAPES:  # shard layer by layer: the training step holds the peak
+        layer = torch.nn.Linear(inp, out, device="cuda")
+        fully_shard(layer, reshard_after_forward=reshard)
+        layers.append(layer)
+    net = torch.nn.Sequential(*layers)
+    fully_shard(net, reshard_after_forward=reshard)
+    return _adamw_step(net, batch, SHAPES[0][1])
+
+
+def _ddp_build(batch: int, view: bool = False):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(i, o) for o, i in SHAPES]).cuda()
+    model = DDP(net, gradient_as_bucket_view=view)
+    return _adamw_step(model, batch, SHAPES[0][1])
+
+
+def _adamw_step(net, batch: int, width: int):
+    """An AdamW training step of ``net`` on a fake-CUDA batch of ``width`` features."""
+    opt = torch.optim.AdamW(net.parameters())
+    x = torch.randn(batch, width, device="cuda")
+
+    def step():
+        net(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _param_shapes() -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
+    for o, i in SHAPES:
+        out += [(o, i), (o,)]
+    return out
+
+
+def _shard_numel(shape: tuple[int, ...], n: int) -> int:
+    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_fsdp_model_state_is_the_arithmetic(n):
+    shapes = _param_shapes()
+    shards = 4 * sum(_shard_numel(s, n) for s in shapes)
+    e = estimate(_fsdp_build, gpu="H100-80GB", batch_size=32, world_size=n)
+    assert e.world_size == n and e.fits
+    assert e.model_state == {
+        "parameter": shards,
+        "gradient": shards,
+        "optimizer_state": 2 * shards + 4 * len(shapes),
+        "communication": 0,
+    }
+    if n == 1:  # one rank: FSDP2 uses the parameters as they are, no collective at all
+        assert e.collectives == {} and e.by_category["communication"] == 0
+        return
+    # one group per layer: the all-gather output and the reduce-scatter input are N shards
+    group = [4 * (_shard_numel((o, i), n) + _shard_numel((o,), n)) for o, i in SHAPES]
+    ag = e.collectives["c10d::_allgather_base_"]
+    rs = e.collectives["c10d::_reduce_scatter_base_"]
+    assert ag["largest_buffer_bytes"] == rs["largest_buffer_bytes"] == n * max(group)
+    # 2 steps x 2 groups: all-gathered in forward and again in backward, reduce-scattered once
+    assert (ag["calls"], rs["calls"]) == (8, 4)
+    assert e.by_category["communication"] > 0
+    assert not dist.is_initialized()  # torn down: nothing left for the next estimate
+
+
+def test_fsdp_without_reshard_gathers_once_per_step():
+    e = estimate(_fsdp_build, batch_size=32, world_size=8, params={"reshard": False})
+    assert e.collectives["c10d::_allgather_base_"]["calls"] == 4
+    assert e.collectives["c10d::_reduce_scatter_base_"]["calls"] == 4
+
+
+def test_fsdp_shards_shrink_the_peak():
+    small = estimate(_fsdp_build, batch_size=32, world_size=64)
+    big = estimate(_fsdp_build, batch_size=32, world_size=2)
+    assert small.peak_requested_bytes < big.peak_requested_bytes
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_peak_equals_fsdp_mem_tracker(n):
+    """PyTorch's FSDPMemTracker on the same model, optimizer and step, rank 0 of ``n`` on the
+    fake process group: the same peak, split the same way."""
+    from torch._subclasses import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from torchmem.fit._dist import FakeWorld
+
+    e = estimate(_fsdp_build, gpu="H100-80GB", batch_size=32, world_size=n)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with FakeWorld(n, fake), fake:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = []
+        for out, inp in SHAPES:
+            layer = torch.nn.Linear(inp, out)
+            fully_shard(layer)
+            layers.append(layer)
+        net = torch.nn.Sequential(*layers)
+        fully_shard(net)
+        opt = torch.optim.AdamW(net.parameters())
+        x = torch.randn(32, SHAPES[0][1])
+        tracker = FSDPMemTracker(net, opt)
+        tracker.track_inputs((x,))
+        with tracker:
+            for _ in range(2):
+                net(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    theirs = {str(k.value) if hasattr(k, "value") else k: v for k, v in peak.items()}
+    assert e.peak_requested_bytes == theirs["Total"]
+    cat = e.by_category
+    assert cat["parameter"] == theirs["Sharded Param"] + theirs["Unsharded Param"]
+    assert cat["gradient"] == theirs["Sharded Grad"] + theirs["Unsharded Grad"]
+    assert cat["communication"] == theirs["All Gather"] + theirs["Reduce Scatter"]
+    assert cat["optimizer_state"] == theirs["OptState"]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+@pytest.mark.parametrize("view", [False, True])
+def test_ddp_model_state_is_the_arithmetic(n, view):
+    full = 4 * sum(math.prod(s) for s in _param_shapes())
+    e = estimate(_ddp_build, batch_size=32, world_size=n, params={"view": view})
+    assert e.model_state == {
+        "parameter": full,
+        "gradient": full,
+        "optimizer_state": 2 * full + 4 * len(_param_shapes()),
+        # the buckets hold a second copy of the gradients, or are the gradients
+        "communication": 0 if view else full,
+    }
+    calls = e.collectives["c10d::allreduce_"]["calls"]
+    assert calls % 2 == 0 and calls >= 2  # each step all-reduces every bucket once
+    assert e.collectives["c10d::allreduce_"]["largest_buffer_bytes"] <= full
+    assert not dist.is_initialized()
+
+
+def test_ddp_does_not_depend_on_world_size():
+    a = estimate(_ddp_build, batch_size=32, world_size=2)
+    b = estimate(_ddp_build, batch_size=32, world_size=64)
+    assert a.peak_requested_bytes == b.peak_requested_bytes
+    assert a.by_category == b.by_category
+
+
+def test_build_may_init_the_group_and_a_mesh_itself():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("nccl")  # accepted: the fake group is already the default
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        net = torch.nn.Linear(64, 64, device="cuda")
+        fully_shard(net, mesh=mesh)
+        x = torch.randn(batch, 64, device="cuda")
+        return lambda: net(x).sum().backward()
+
+    e = estimate(build, batch_size=4, world_size=16, steps=1)
+    assert e.fits and e.world_size == 16
+    assert e.collectives["c10d::_allgather_base_"]["largest_buffer_bytes"] == 16 * 4 * (4 * 64 + 4)
+
+
+def test_meta_device_init_allocates_only_the_shards():
+    def build(batch):
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):  # the usual way to build a model too big for one GPU
+            net = torch.nn.Sequential(*[torch.nn.Linear(i, o) for o, i in SHAPES])
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        net.to_empty(device="cuda")
+        for layer in net:
+            layer.reset_parameters()
+        opt = torch.optim.AdamW(net.parameters())
+        x = torch.randn(batch, SHAPES[0][1], device="cuda")
+
+        def step():
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    meta = estimate(build, batch_size=32, world_size=8)
+    eager = estimate(_fsdp_build, batch_size=32, world_size=8)
+    shards = 4 * sum(_shard_numel(s, 8) for s in _param_shapes())
+    assert meta.model_state["parameter"] == meta.model_state["gradient"] == shards
+    # the same step; meta tensors are no memory, and the build never holds a full layer
+    assert meta.peak_requested_bytes == eager.peak_requested_bytes
+    assert meta.by_category == eager.by_category
+
+
+def test_hsdp_shards_on_the_mesh_shard_dimension():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)).cuda()
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        return _adamw_step(net, batch, 256)
+
+    e = estimate(build, batch_size=8, world_size=8)
+    shards = 4 * 2 * (256 // 4 * 256 + 256 // 4)  # sharded 4 ways, replicated twice
+    assert e.model_state["parameter"] == e.model_state["gradient"] == shards
+    # the gradients are all-reduced across the 2 replicas after the reduce-scatter
+    assert e.collectives["c10d::allreduce_"]["largest_buffer_bytes"] == shards // 2
+
+
+def test_tensor_parallel_holds_its_slices():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cuda", (8,))
+        net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                  torch.nn.Linear(1024, 256)).cuda()
+        parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return _adamw_step(net, batch, 256)
+
+    e = estimate(build, batch_size=8, world_size=8)
+    # colwise: 1024/8 output rows and their bias; rowwise: 1024/8 input columns, full bias
+    params = 4 * (128 * 256 + 128 + 256 * 128 + 256)
+    assert e.model_state["parameter"] == e.model_state["gradient"] == params
+    # the rowwise layer's partial outputs are all-reduced: batch x 256 floats
+    assert e.collectives["_c10d_functional::all_reduce"]["largest_buffer_bytes"] == 8 * 256 * 4
+
+
+def test_an_initialised_default_group_is_an_error_and_is_left_alone():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=3, store=FakeStore())
+    try:
+        with pytest.raises(InvalidInputError, match="already initialised.*world size 3"):
+            estimate(_fsdp_build, batch_size=2, world_size=8)
+        assert dist.is_initialized() and dist.get_world_size() == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_everything_is_restored_after_an_estimate():
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torchmem.capture.tracker._hotpath import _Mode
+    from torchmem.fit._engine import _SimMode
+
+    before = (torch.UntypedStorage.resize_, _Mode.__dict__["__torch_dispatch__"],
+              _SimMode.__dict__["__torch_dispatch__"], DistributedDataParallel.__new__,
+              dist.init_process_group)
+    estimate(_fsdp_build, batch_size=2, world_size=4, steps=1)
+    after = (torch.UntypedStorage.resize_, _Mode.__dict__["__torch_dispatch__"],
+             _SimMode.__dict__["__torch_dispatch__"], DistributedDataParallel.__new__,
+             dist.init_process_group)
+    assert before == after
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8", True])
+def test_bad_world_size_is_a_clear_error(bad):
+    with pytest.raises(InvalidInputError, match="world_size must be an int >= 1"):
+        estimate(_fsdp_build, batch_size=2, world_size=bad)
+
+
+@pytest.fixture
+def train(tmp_path):
+    path = tmp_path / "train_fsdp.py"
+    path.write_text(textwrap.dedent(f"""
+        import torch
+        from torch.distributed.fsdp import fully_shard
+        SHAPES = {SHAPES!r}
+
+        def build(batch_size):
+            layers = []
+            for out, inp in SHAPES:
+                layer = torch.nn.Linear(inp, out, device="cuda")
+                fully_shard(layer)
+                layers.append(layer)
+            net = torch.nn.Sequential(*layers)
+            fully_shard(net)
+            opt = torch.optim.AdamW(net.parameters())
+            x = torch.randn(batch_size, SHAPES[0][1], device="cuda")
+            def step():
+                net(x).sum().backward(); opt.step(); opt.zero_grad()
+            return step
+    """))
+    return str(path)
+
+
+def test_cli_world_size_json(train, capsys):
+    assert main(["estimate", f"{train}:build", "--world-size", "8", "--batch-size", "4",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    shards = 4 * sum(_shard_numel(s, 8) for s in _param_shapes())
+    assert d["world_size"] == 8
+    assert d["model_state"]["parameter"] == d["model_state"]["gradient"] == shards
+    assert "communication" in d["by_category"]
+
+
+def test_cli_world_size_text(train, capsys):
+    assert main(["estimate", f"{train}:build", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 64: FITS" in out
+    assert "c10d::_allgather_base_" in out and "model state" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "eight"])
+def test_cli_bad_world_size(train, capsys, value):
+    assert main(["estimate", f"{train}:build", "--world-size", value]) == 2
+    assert "--world-size: expected the number of ranks" in capsys.readouterr().err
+
+
+def test_cli_world_size_with_hf_config_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    code = main(["estimate", "--hf-config", str(cfg), "--world-size", "8"])
+    assert code == 2
+    assert "--world-size" in capsys.readouterr().err
