@@ -23,6 +23,7 @@ from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
 from torchmem.capture.tracker._threads import _Threads
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, TraceStreamer, save_trace
+from torchmem.model.aggregate import DEFAULT_KEEP_LAST
 from torchmem.model.events import Event
 
 __all__ = ["Tracker", "track"]
@@ -113,6 +114,8 @@ class Tracker(_Threads):
             {'cpu': 32}
         """
         self.trace.metadata["peak"] = self.peak()
+        if self._agg is not None:
+            self._agg.fold(self.trace)
         save_trace(self.trace, path)
 
     def __len__(self) -> int:
@@ -148,6 +151,8 @@ class Tracker(_Threads):
             if self._active:
                 self._drain()
                 self._end_region(_P_OTHER)
+                if self._agg is not None:
+                    self._agg.fold(self.trace)
         finally:
             self._active = False
             try:
@@ -220,6 +225,8 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
+    aggregate: bool | int = False,
+    keep_last: int = DEFAULT_KEEP_LAST,
 ) -> Tracker:
     """Track every storage created while the block runs; yields a :class:`Tracker`.
 
@@ -239,6 +246,13 @@ def track(
             written at least every half second, so a run killed by SIGKILL or the OOM killer
             leaves a file that ``torchmem summary`` reads, missing at most its last second);
             when the block ends the complete trace replaces it (as :meth:`Tracker.save`).
+        aggregate: bounded memory for long runs (:mod:`torchmem.model.aggregate`): ``True``
+            folds finished iterations into per-iteration figures, counters and the leak trend
+            at step markers and drops their events, keeping every event of each device's peak
+            iteration, of the last ``keep_last`` iterations and of the storages still alive;
+            an int ``N`` does so once the trace holds ``N`` events (full detail for shorter
+            runs). ``torchmem.analysis.summarize`` gives the same figures as for a full trace.
+        keep_last: complete iterations an aggregated trace keeps in full (default 5).
 
     Example:
         >>> import torch, torchmem
@@ -253,6 +267,11 @@ def track(
         ...     x = torch.ones(4)
         >>> torchmem.load_trace(p).peak(), "cut_short" in torchmem.load_trace(p).metadata
         ({'cpu': 16}, False)
+        >>> with torchmem.track(step_marker="manual", aggregate=1, keep_last=1) as tr:
+        ...     for _ in range(10):
+        ...         x = torch.ones(256); _ = tr.step()
+        >>> len(tr), tr.trace.aggregate.events, tr.peak()    # held: 2 iterations and their storages
+        (9, 29, {'cpu': 2048})
     """
     return Tracker(
         *modules_and_optimizers,
@@ -263,4 +282,6 @@ def track(
         step_marker=step_marker,
         metadata=metadata,
         path=path,
+        aggregate=aggregate,
+        keep_last=keep_last,
     )
