@@ -248,3 +248,22 @@ def test_corrupt_aggregate_is_a_format_error(tmp_path: Any) -> None:
     open(p, "wb").write(bytes(data))
     with pytest.raises(TraceFormatError, match="corrupt aggregate"):
         load_trace(p)
+
+
+def test_listeners_see_the_ids_of_the_whole_run() -> None:
+    """Listeners keep state by storage id (the live panel, the leak watch): in an aggregated run
+    they get the ids a full run gives, which never change while a storage lives."""
+    from torchmem.cli._live import LiveCounter
+
+    def with_listener(kw: dict[str, Any]) -> tuple[LiveCounter, list[tuple[int, int, int]]]:
+        counter = LiveCounter()
+        seen: list[tuple[int, int, int]] = []
+        _leak({"listeners": [counter.on_event,
+                             lambda e, s: seen.append((e.seq, int(e.kind), e.storage))], **kw})
+        return counter, seen
+
+    full, full_seen = with_listener({})
+    agg, agg_seen = with_listener({"aggregate": 1, "keep_last": 1})
+    assert agg_seen == full_seen  # same seq and storage ids, event by event
+    for name in ("live", "peak", "by_category", "at_peak", "growth", "iterations"):
+        assert getattr(agg, name) == getattr(full, name), name

@@ -28,9 +28,12 @@ at the peak and at the end, by every grouping, are exact in the compacted trace;
 dropped iterations do not come back: a row-level view (``torchmem trace``, the viewer) of an
 aggregated trace shows the kept iterations and the storages alive across them.
 
-Row numbers and storage ids are those of the compacted trace (a storage's id stays its ALLOC's
-row + 1, renumbered at each compaction); :meth:`Aggregate.compact` returns the old-to-new row
-map so that a producer renumbers what it holds (the tracker's live storages).
+Row numbers and storage ids are those of the compacted trace: a storage's id is its ALLOC's
+row + 1, as producers write it (a FREE repeats it), renumbered at each compaction;
+:meth:`Aggregate.compact` returns the old-to-new row map so that a producer renumbers the rows
+it holds (the tracker's live storages). :meth:`Aggregate.original_row` and
+:meth:`Aggregate.stable_id` give a row's index and a storage's id in the whole run (what a full
+trace would have said), which never change: the tracker hands those to its listeners.
 
 Runs without step markers are never compacted (there is no finished iteration to fold).
 
@@ -141,6 +144,7 @@ class Aggregate:
         self.compactions = 0
         self.fold_row = 0  # rows of the (compacted) trace folded so far
         self.retained = 0  # rows held right after the last compaction
+        self.orig = array("q")  # each of those rows' index in the whole run
         self.cur_step = 0
         self.initial = True  # still in the initial state (ALLOC rows at time 0, no operator)
         self.marks = array("q")  # step of each step marker, in order
@@ -344,6 +348,7 @@ class Aggregate:
                     elif keep[a]:
                         keep[i] = 1
         self._count_dropped(trace, keep, n)
+        self.orig = array("q", (self.original_row(i) for i in compress(range(n), keep)))
         pos = array("q", bytes(8 * n))
         j = 0
         for i in range(n):
@@ -397,6 +402,26 @@ class Aggregate:
                 v[3] += 1
 
     # ---- reading --------------------------------------------------------------------------
+    def original_row(self, row: int) -> int:
+        """The index in the whole run (a full trace's ``Event.seq``) of the held row ``row``.
+
+        Example:
+            >>> Aggregate().original_row(7)
+            7
+        """
+        held = len(self.orig)
+        return int(self.orig[row]) if row < held else row + self.dropped
+
+    def stable_id(self, storage: int) -> int:
+        """The id a full trace gives the storage whose id in the held rows is ``storage`` (its
+        ALLOC's index in the whole run + 1): it never changes while the storage lives.
+
+        Example:
+            >>> Aggregate().stable_id(3)
+            3
+        """
+        return self.original_row(storage - 1) + 1 if storage > 0 else storage
+
     def peak_of(self, device: int) -> int:
         """Peak live bytes of device index ``device`` over the whole run (folded so far).
 
@@ -503,6 +528,7 @@ class Aggregate:
             "compactions": self.compactions,
             "fold_row": self.fold_row,
             "retained": self.retained,
+            "orig": list(self.orig),
             "cur_step": self.cur_step,
             "initial": self.initial,
             "marks": list(self.marks),
@@ -541,6 +567,7 @@ class Aggregate:
             for name in ("events", "dropped", "compactions", "fold_row", "retained", "cur_step"):
                 setattr(a, name, int(data[name]))
             a.initial = bool(data["initial"])
+            a.orig.extend(int(x) for x in data["orig"])
             a.marks.extend(int(s) for s in data["marks"])
             a.devs = [_Dev.from_json(d) for d in data["devs"]]
             a.counters = {tuple(int(x) for x in row[:7]): [int(x) for x in row[7:11]]

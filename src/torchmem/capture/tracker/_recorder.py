@@ -25,6 +25,7 @@ import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from types import CodeType
 from typing import Any, Optional
 
@@ -286,6 +287,9 @@ class _Recorder:
             self._dev_index(torch.device("cpu"))
         if self._listeners:
             ev = tr.event(seq)
+            agg = self._agg
+            if agg is not None and agg.compactions:  # ids in the whole run: stable
+                ev = replace(ev, seq=agg.original_row(seq), storage=agg.stable_id(ev.storage))
             for fn in list(self._listeners):
                 try:
                     fn(ev, storage)
