@@ -267,3 +267,48 @@ def test_listeners_see_the_ids_of_the_whole_run() -> None:
     assert agg_seen == full_seen  # same seq and storage ids, event by event
     for name in ("live", "peak", "by_category", "at_peak", "growth", "iterations"):
         assert getattr(agg, name) == getattr(full, name), name
+
+
+LEAKY_SCRIPT = """
+import torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.Adam(net.parameters())
+kept = []
+for i in range(14):
+    loss = net(torch.randn(8 if i != 3 else 64, 16)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    kept.append(loss.detach().clone())
+"""
+
+
+def test_cli_run_aggregated_equals_full(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(LEAKY_SCRIPT)
+
+    def run(*opts: str) -> tuple[dict[str, Any], str]:
+        out = tmp_path / f"t{len(opts)}.tmtrace"
+        p = subprocess.run([sys.executable, "-m", "torchmem", "run", "--json", "--no-host",
+                            "--why", "0", "-o", str(out), *opts, str(script)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout), p.stderr
+
+    full, _ = run("--no-aggregate")
+    agg, err = run("--aggregate-after", "50", "--keep-last", "1")
+    assert full["aggregated"] is None
+    assert agg["aggregated"]["events_folded"] > 0 and "aggregated" in err
+    for key in full:
+        if key not in _RUN_DEPENDENT:
+            assert agg[key] == full[key], key
+    assert full["leak_suspect"] and full["iterations"][3]["peak_bytes"] == max(
+        it["peak_bytes"] for it in full["iterations"])
+    p = subprocess.run([sys.executable, "-m", "torchmem", "run", "--aggregate",
+                        "--aggregate-after", "5", str(script)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr
