@@ -312,3 +312,36 @@ def test_cli_run_aggregated_equals_full(tmp_path: Any) -> None:
                         "--aggregate-after", "5", str(script)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "not allowed with argument" in p.stderr
+
+
+def _two_devices(kw: dict[str, Any]) -> Any:
+    """CPU and meta storages, each device with its own peak iteration (meta's in step 2,
+    CPU's in step 5), and a meta storage made only from step 3 on."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with torchmem.track(net, opt, **kw) as tr:
+        for i in range(8):
+            m = torch.empty(1000 if i == 2 else 100, device="meta")
+            if i >= 3:
+                late = torch.empty(10 * i, device="meta")
+                del late
+            net(torch.randn(64 if i == 5 else 4, 8)).sum().backward()
+            opt.step()
+            del m
+    return tr
+
+
+def test_every_device_keeps_its_own_peak_iteration() -> None:
+    full = _two_devices({})
+    agg = _two_devices({"aggregate": 1, "keep_last": 1})
+    assert agg.trace.aggregate.dropped > 0
+    assert set(full.trace.devices) == {"cpu", "meta"}
+    for device in ("cpu", "meta"):
+        a = summarize_trace(full.trace, device=device).to_dict()
+        b = summarize_trace(agg.trace, device=device).to_dict()
+        for key in a:
+            if key not in _RUN_DEPENDENT:
+                assert b[key] == a[key], (device, key)
+    meta = summarize_trace(full.trace, device="meta")
+    assert max(meta.iterations, key=lambda it: it.peak_bytes).step == 2
