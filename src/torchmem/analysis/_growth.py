@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchmem.errors import InvalidInputError
+from torchmem.model.aggregate import fold_cells
 from torchmem.model.events import EventKind
 from torchmem.model.trace import Trace
 
@@ -349,18 +350,7 @@ def growth(
                 it = len(ends)
                 ends.append(live)
                 steps.append(step_col[i])
-                touched: set[int] = set()
-                for c in dirty:
-                    delta = live_c[c] - rec_c[c]
-                    if delta:
-                        rec_c[c] = live_c[c]
-                        sg, mg = cell_groups[c]
-                        live_g[sg] += delta
-                        live_g[mg] += delta
-                        touched.add(sg)
-                        touched.add(mg)
-                dirty.clear()
-                for g in touched:
+                for g in fold_cells(dirty, live_c, rec_c, cell_groups, live_g):
                     h = hist.get(g)
                     if h is None:
                         hist[g] = ([it], [live_g[g]])

@@ -310,32 +310,39 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
             IterationStat(cur_step, it_peak, it_start, live, live - it_start, it_alloc, False)
         )
 
-    # pass 2: what is alive at the peak
-    g = live_groups(trace, want, peak_seq)
-    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
+    # pass 2 (_at_peak): what is alive at the peak
     trend = growth(trace, device, top=top) if device is not None else GrowthReport(None)
     return TraceSummary(
         device=device,
         events=n,
         steps=steps,
         peak=peaks,
-        peak_seq=peak_seq,
-        peak_time_ns=trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
         final_live=dict(zip(trace.devices, end_live)),
         top_ops_allocated=_top({strings[k]: v for k, v in ops.items()}, top),
         top_modules_allocated=_top({(strings[k] or "(no module)"): v for k, v in mods.items()}, top),
-        top_ops_at_peak=_top(g["operator"], top),
-        top_modules_at_peak=_top(g["module"], top),
-        categories_at_peak=_by_bytes(g["category"]),
-        phases_at_peak=_by_bytes(g["phase"]),
-        top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
         leak_suspect=trend.leak,
         metadata=dict(trace.metadata),
-        peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
         top_threads_allocated=by_thread(trace, want, top),
         growth=trend,
+        **_at_peak(trace, want, peak_seq, top),
     )
+
+
+def _at_peak(trace: Trace, want: int, peak_seq: int, top: int) -> dict[str, Any]:
+    """The summary's fields about the peak (row ``peak_seq`` of device index ``want``)."""
+    g = live_groups(trace, want, peak_seq)
+    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
+    return {
+        "peak_seq": peak_seq,
+        "peak_time_ns": trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
+        "top_ops_at_peak": _top(g["operator"], top),
+        "top_modules_at_peak": _top(g["module"], top),
+        "categories_at_peak": _by_bytes(g["category"]),
+        "phases_at_peak": _by_bytes(g["phase"]),
+        "top_stacks_at_peak": _top(at_stacks, top),
+        "peak_index": event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
+    }
 
 
 def _summarize_aggregated(trace: Trace, top: int, device: str | None) -> TraceSummary:
@@ -372,8 +379,6 @@ def _summarize_aggregated(trace: Trace, top: int, device: str | None) -> TraceSu
     peak_seq = st.peak_row if st is not None else -1
     steps, rows = agg.iteration_table(want)
     iters = [IterationStat(*row) for row in rows]
-    g = live_groups(trace, want, peak_seq)
-    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
     trend = GrowthReport(None)
     if device is not None:
         ends = [it.end_bytes for it in iters if it.complete]
@@ -384,23 +389,16 @@ def _summarize_aggregated(trace: Trace, top: int, device: str | None) -> TraceSu
         events=agg.events,
         steps=steps,
         peak=peaks,
-        peak_seq=peak_seq,
-        peak_time_ns=trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
         final_live={d: agg.devs[i].live if i < len(agg.devs) else 0 for i, d in enumerate(devices)},
         top_ops_allocated=_top(ops, top),
         top_modules_allocated=_top(mods, top),
-        top_ops_at_peak=_top(g["operator"], top),
-        top_modules_at_peak=_top(g["module"], top),
-        categories_at_peak=_by_bytes(g["category"]),
-        phases_at_peak=_by_bytes(g["phase"]),
-        top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
         leak_suspect=trend.leak,
         metadata=dict(trace.metadata),
-        peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
         top_threads_allocated=thread_rows,
         growth=trend,
         aggregated=agg.describe(),
+        **_at_peak(trace, want, peak_seq, top),
     )
 
 

@@ -78,6 +78,35 @@ NO_MODULE = "(no module)"
 _FORMAT = 1
 
 
+def fold_cells(
+    dirty: set[int], live_c: list[int], rec_c: list[int], cell_groups: list[tuple[int, int]],
+    live_g: list[int],
+) -> set[int]:
+    """At an iteration's end: add the change of each cell touched since the last end (``dirty``,
+    emptied) to its two groups (a call site's and a module's); returns the groups that changed.
+
+    A *cell* is one (call site, module) pair: an event updates one cell, the groups are updated
+    once per iteration (the leak trend's input, here and in ``torchmem.analysis.growth``).
+
+    Example:
+        >>> live_g = [0, 0]; dirty = {0}
+        >>> fold_cells(dirty, [8], [0], [(0, 1)], live_g), live_g, dirty
+        ({0, 1}, [8, 8], set())
+    """
+    touched = set()
+    for c in dirty:
+        delta = live_c[c] - rec_c[c]
+        if delta:
+            rec_c[c] = live_c[c]
+            sg, mg = cell_groups[c]
+            live_g[sg] += delta
+            live_g[mg] += delta
+            touched.add(sg)
+            touched.add(mg)
+    dirty.clear()
+    return touched
+
+
 class _Dev:
     """Running figures of one device (index into the trace's device table)."""
 
@@ -195,19 +224,8 @@ class Aggregate:
             st.it_start = st.it_peak = st.live
             st.it_alloc = 0
         self.cur_step = step + 1
-        live_c, rec_c, live_g, groups = self.live_c, self.rec_c, self.live_g, self.cell_groups
-        touched = set()
-        for c in self.dirty:
-            delta = live_c[c] - rec_c[c]
-            if delta:
-                rec_c[c] = live_c[c]
-                sg, mg = groups[c]
-                live_g[sg] += delta
-                live_g[mg] += delta
-                touched.add(sg)
-                touched.add(mg)
-        self.dirty.clear()
-        for g in touched:
+        live_g = self.live_g
+        for g in fold_cells(self.dirty, self.live_c, self.rec_c, self.cell_groups, live_g):
             h = self.hist.get(g)
             if h is None:
                 h = self.hist[g] = (array("q"), array("q"))
