@@ -43,15 +43,16 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from torchmem.errors import InvalidInputError
+from torchmem.model.aggregate import fold_cells
 from torchmem.model.events import EventKind
 from torchmem.model.trace import Trace
 
-__all__ = ["GrowingGroup", "GrowthReport", "LeakTrend", "growth", "leak_trend"]
+__all__ = ["GrowingGroup", "GrowthReport", "LeakTrend", "growth", "growth_from_series", "leak_trend"]
 
 _ALLOC = int(EventKind.ALLOC)
 _FREE = int(EventKind.FREE)
@@ -349,18 +350,7 @@ def growth(
                 it = len(ends)
                 ends.append(live)
                 steps.append(step_col[i])
-                touched: set[int] = set()
-                for c in dirty:
-                    delta = live_c[c] - rec_c[c]
-                    if delta:
-                        rec_c[c] = live_c[c]
-                        sg, mg = cell_groups[c]
-                        live_g[sg] += delta
-                        live_g[mg] += delta
-                        touched.add(sg)
-                        touched.add(mg)
-                dirty.clear()
-                for g in touched:
+                for g in fold_cells(dirty, live_c, rec_c, cell_groups, live_g):
                     h = hist.get(g)
                     if h is None:
                         hist[g] = ([it], [live_g[g]])
@@ -387,6 +377,31 @@ def growth(
                 live_c[c] -= b
                 dirty.add(c)
 
+    series = {g: (gnames[g][0], gnames[g][1], its, vals) for g, (its, vals) in hist.items()}
+    return growth_from_series(device, steps, ends, series, warmup=warmup, top=top)
+
+
+def growth_from_series(
+    device: Optional[str],
+    steps: Sequence[int],
+    ends: Sequence[int],
+    groups: Mapping[int, tuple[str, str, Sequence[int], Sequence[int]]],
+    *,
+    warmup: Optional[int] = None,
+    top: int = 10,
+) -> GrowthReport:
+    """:func:`growth` from series already gathered: ``steps``/``ends``, the step and the
+    device's live bytes at each complete iteration's end, and ``groups`` ``{id: (grouping,
+    name, iteration indexes, live bytes)}``, each call site's or module's live bytes at the
+    end of the iterations where they changed (an aggregated trace keeps these).
+
+    Example:
+        >>> r = growth_from_series("cpu", [0, 1, 2, 3], [8, 16, 24, 32],
+        ...                        {7: ("module", "Net", [0, 1, 2, 3], [8, 16, 24, 32])})
+        >>> r.leak, [(g.name, g.bytes_per_iteration) for g in r.growing]
+        (True, [('Net', 8)])
+    """
+    steps, ends = list(steps), list(ends)
     n = len(ends)
     trend = leak_trend(ends, warmup)
     report = GrowthReport(
@@ -399,7 +414,7 @@ def growth(
         return report
     base = trend.warmup - 1
     found: list[GrowingGroup] = []
-    for g, (its, vals) in hist.items():
+    for grouping, name, its, vals in groups.values():
         # a candidate ends its last iteration above where it stood when the warm-up ended
         j = bisect_right(its, base) - 1
         if vals[-1] <= (vals[j] if j >= 0 else 0):
@@ -414,7 +429,6 @@ def growth(
             series.append(cur)
         t = leak_trend(series, trend.warmup)
         if t.leak:
-            grouping, name = gnames[g]
             found.append(GrowingGroup(grouping, name, series, steps[t.start], t.slope,
                                       t.growth_bytes))
     found.sort(key=lambda gg: (-gg.slope, gg.grouping, gg.name))

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torchmem.analysis._growth import NO_SITE as _NO_SITE
-from torchmem.analysis._growth import GrowthReport, growth
+from torchmem.analysis._growth import GrowthReport, growth, growth_from_series
 from torchmem.io.convert import event_entry_index
 from torchmem.model.events import Category, EventKind, Phase
 from torchmem.model.trace import Trace
@@ -92,6 +92,11 @@ class TraceSummary:
     keep growing, each with ``grouping`` (``"call_site"`` or ``"module"``), ``name``,
     ``bytes_per_iteration``, ``slope``, ``start_step``, ``growth_bytes`` and ``end_bytes``.
 
+    ``aggregated`` is ``None`` for a trace that holds every event; for an aggregated run
+    (:mod:`torchmem.model.aggregate`) it says how many events were folded and what detail is
+    kept (``detail``): every figure above covers the whole run, and ``peak_seq``/``peak_index``
+    number the rows of the saved (compacted) trace.
+
     Example:
         >>> from torchmem.model.trace import Trace
         >>> summarize_trace(Trace()).to_dict()["events"]
@@ -118,6 +123,7 @@ class TraceSummary:
     peak_index: int = -1
     top_threads_allocated: list[tuple[str, int, int]] = field(default_factory=list)
     growth: GrowthReport | None = None
+    aggregated: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (bytes are ints).
@@ -125,7 +131,7 @@ class TraceSummary:
         Example:
             >>> from torchmem.model.trace import Trace
             >>> sorted(summarize_trace(Trace()).to_dict())[:3]
-            ['categories_at_peak', 'device', 'events']
+            ['aggregated', 'categories_at_peak', 'device']
         """
         d = asdict(self)
         for key in (
@@ -176,9 +182,11 @@ def _summary_html(self: TraceSummary) -> str:
         return html_table(title, [first, "bytes", "count"],
                           [[n, fmt_bytes(b), k] for n, b, k in rows])
 
+    note = html_table("aggregated run", ["detail"], [[self.aggregated["detail"]]]) if (
+        self.aggregated) else ""
     return html_block(
         f"torchmem trace summary ({dev}, peak {fmt_bytes(self.peak.get(dev, 0))})",
-        over, cats,
+        over, note, cats,
         tops("operators live at the peak", "operator", self.top_ops_at_peak),
         tops("modules live at the peak", "module", self.top_modules_at_peak),
         tops("call sites live at the peak", "call site", self.top_stacks_at_peak),
@@ -217,6 +225,8 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
         >>> [it.retained_growth for it in summarize_trace(tr).iterations], summarize_trace(tr).leak_suspect
         ([8, 8, 8], True)
     """
+    if trace.aggregate is not None:
+        return _summarize_aggregated(trace, top, device)
     end_live, peak_list, _ = trace._scan()  # one pass for the peaks and the final live bytes
     peaks = dict(zip(trace.devices, peak_list))
     if device is None:
@@ -300,31 +310,95 @@ def summarize_trace(trace: Trace, top: int = 10, device: str | None = None) -> T
             IterationStat(cur_step, it_peak, it_start, live, live - it_start, it_alloc, False)
         )
 
-    # pass 2: what is alive at the peak
-    g = live_groups(trace, want, peak_seq)
-    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
+    # pass 2 (_at_peak): what is alive at the peak
     trend = growth(trace, device, top=top) if device is not None else GrowthReport(None)
     return TraceSummary(
         device=device,
         events=n,
         steps=steps,
         peak=peaks,
-        peak_seq=peak_seq,
-        peak_time_ns=trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
         final_live=dict(zip(trace.devices, end_live)),
         top_ops_allocated=_top({strings[k]: v for k, v in ops.items()}, top),
         top_modules_allocated=_top({(strings[k] or "(no module)"): v for k, v in mods.items()}, top),
-        top_ops_at_peak=_top(g["operator"], top),
-        top_modules_at_peak=_top(g["module"], top),
-        categories_at_peak=_by_bytes(g["category"]),
-        phases_at_peak=_by_bytes(g["phase"]),
-        top_stacks_at_peak=_top(at_stacks, top),
         iterations=iters,
         leak_suspect=trend.leak,
         metadata=dict(trace.metadata),
-        peak_index=event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
         top_threads_allocated=by_thread(trace, want, top),
         growth=trend,
+        **_at_peak(trace, want, peak_seq, top),
+    )
+
+
+def _at_peak(trace: Trace, want: int, peak_seq: int, top: int) -> dict[str, Any]:
+    """The summary's fields about the peak (row ``peak_seq`` of device index ``want``)."""
+    g = live_groups(trace, want, peak_seq)
+    at_stacks = {k: v for k, v in g["call_site"].items() if k != NO_SITE}
+    return {
+        "peak_seq": peak_seq,
+        "peak_time_ns": trace.time_ns[peak_seq] if peak_seq >= 0 else 0,
+        "top_ops_at_peak": _top(g["operator"], top),
+        "top_modules_at_peak": _top(g["module"], top),
+        "categories_at_peak": _by_bytes(g["category"]),
+        "phases_at_peak": _by_bytes(g["phase"]),
+        "top_stacks_at_peak": _top(at_stacks, top),
+        "peak_index": event_entry_index(trace, peak_seq) if peak_seq >= 0 else -1,
+    }
+
+
+def _summarize_aggregated(trace: Trace, top: int, device: str | None) -> TraceSummary:
+    """:func:`summarize_trace` of an aggregated trace: the folded figures plus the held rows."""
+    agg = trace.aggregate
+    if agg.fold_row < len(trace):  # rows past the state (a streamed file): fold a copy
+        agg = agg.copy()
+        agg.fold(trace)
+    devices = trace.devices
+    peaks = {d: agg.peak_of(i) for i, d in enumerate(devices)}
+    if device is None:
+        device = main_device(trace, peaks)
+    want = devices.index(device) if device in devices else -1
+    strings = trace.strings
+    held: dict[tuple[int, int, int], list[int]] = {}
+    for k, d, b, o, m, t in zip(trace.kind, trace.device, trace.nbytes, trace.op, trace.module,
+                                trace.thread):
+        if k == _ALLOC and d == want:
+            v = held.setdefault((o, m, t), [0, 0])
+            v[0] += b
+            v[1] += 1
+    ops: dict[str, list[int]] = {}
+    mods: dict[str, list[int]] = {}
+    threads: dict[str, list[int]] = {}
+    for source in (agg.allocated(want), held):
+        for (o, m, t), (b, c) in source.items():
+            for table, key, on in ((ops, strings[o], o), (mods, strings[m] or "(no module)", 1),
+                                   (threads, trace.threads[t] or "(unknown)", 1)):
+                if on:
+                    v = table.setdefault(key, [0, 0])
+                    v[0] += b
+                    v[1] += c
+    st = agg.devs[want] if 0 <= want < len(agg.devs) else None
+    peak_seq = st.peak_row if st is not None else -1
+    steps, rows = agg.iteration_table(want)
+    iters = [IterationStat(*row) for row in rows]
+    trend = GrowthReport(None)
+    if device is not None:
+        ends = [it.end_bytes for it in iters if it.complete]
+        trend = growth_from_series(device, list(agg.marks), ends, agg.group_series(want), top=top)
+    thread_rows = _top(threads, top) if len(trace.threads) > 2 and len(threads) > 1 else []
+    return TraceSummary(
+        device=device,
+        events=agg.events,
+        steps=steps,
+        peak=peaks,
+        final_live={d: agg.devs[i].live if i < len(agg.devs) else 0 for i, d in enumerate(devices)},
+        top_ops_allocated=_top(ops, top),
+        top_modules_allocated=_top(mods, top),
+        iterations=iters,
+        leak_suspect=trend.leak,
+        metadata=dict(trace.metadata),
+        top_threads_allocated=thread_rows,
+        growth=trend,
+        aggregated=agg.describe(),
+        **_at_peak(trace, want, peak_seq, top),
     )
 
 

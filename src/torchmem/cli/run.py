@@ -17,6 +17,13 @@ processes too) goes to stderr, so ``torchmem run --json train.py > summary.json`
 parseable. torchmem's own messages always go to stderr with ``--json``.
 ``--live`` shows a live panel on stderr while it runs (:mod:`torchmem.cli._live`).
 
+Long runs are aggregated (bounded memory, :mod:`torchmem.model.aggregate`): once the trace
+holds ``--aggregate-after`` events (default 5,000,000, about 225 MiB of events) finished
+iterations are folded into per-iteration figures and counters at step markers and their events
+dropped, keeping every event of the peak iteration, of the last ``--keep-last`` iterations and
+of the storages still alive. ``--aggregate`` does so from the start, ``--no-aggregate`` never.
+The summary says when a run was aggregated; its figures cover the whole run.
+
 Example:
     >>> from torchmem.cli import main
     >>> main(["run", "--help"])  # doctest: +ELLIPSIS
@@ -42,6 +49,8 @@ __all__ = ["add_arguments", "run"]
 
 DEFAULT_TRACE = "torchmem-trace.tmtrace"
 DEFAULT_PLOT = "torchmem-timeline.png"
+#: Events a run's trace holds before ``torchmem run`` aggregates it (about 225 MiB of events).
+DEFAULT_AGGREGATE_AFTER = 5_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +100,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show a live panel on stderr (live and peak bytes by category, iterations, growth, "
              "leak warning, host memory per process), redrawn twice a second",
     )
+    agg = parser.add_mutually_exclusive_group()
+    agg.add_argument(
+        "--aggregate", action="store_true",
+        help="aggregate from the start: fold finished iterations into counters and drop their "
+             "events (bounded memory; the summary's figures still cover the whole run)",
+    )
+    agg.add_argument("--no-aggregate", action="store_true",
+                     help="keep every event however long the run")
+    agg.add_argument(
+        "--aggregate-after", type=int, default=DEFAULT_AGGREGATE_AFTER, metavar="N",
+        help=f"aggregate once the trace holds N events (default {DEFAULT_AGGREGATE_AFTER:,})",
+    )
+    parser.add_argument(
+        "--keep-last", type=int, default=5, metavar="N",
+        help="aggregated runs: complete iterations kept in full besides the peak's (default 5)",
+    )
     parser.add_argument(
         "--mode", choices=("ops", "fast"), default="ops",
         help="tracker: 'ops' (default; operators' outputs, Python call sites, trace streamed as "
@@ -103,6 +128,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when memory leaks, explain what holds the N largest leaked storages (default 3; 0: "
              "off)",
     )
+
+
+def _aggregate_option(args: argparse.Namespace) -> bool | int:
+    """``track(aggregate=...)`` from the options: True, False or the event count.
+
+    Example:
+        >>> ns = argparse.Namespace(aggregate=False, no_aggregate=False, aggregate_after=10)
+        >>> _aggregate_option(ns)
+        10
+        >>> _aggregate_option(argparse.Namespace(aggregate_after=0, keep_last=5))
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.InvalidInputError: --aggregate-after must be an event count >= 1, got 0; use --no-aggregate to keep every event
+    """
+    keep_last = getattr(args, "keep_last", 5)
+    if keep_last < 0:
+        raise InvalidInputError(f"--keep-last must be a count of iterations >= 0, got {keep_last}")
+    if getattr(args, "aggregate", False):
+        return True
+    if getattr(args, "no_aggregate", False):
+        return False
+    after = getattr(args, "aggregate_after", DEFAULT_AGGREGATE_AFTER)
+    if after < 1:
+        raise InvalidInputError(
+            f"--aggregate-after must be an event count >= 1, got {after}; use --no-aggregate to "
+            "keep every event"
+        )
+    return int(after)
 
 
 def _user_traceback(exc: BaseException, script: str) -> str:
@@ -283,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
     why_n = getattr(args, "why", 0)
     if why_n < 0:
         raise InvalidInputError(f"--why expects a count >= 0, got {why_n}")
+    aggregate = _aggregate_option(args)
     # checked before the script runs, so a long run is not lost to an unwritable output path
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if os.path.isdir(args.output) or not os.path.isdir(out_dir):
@@ -331,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
         tracker: Any = track(metadata=meta, path=args.output, mode="fast")
     else:
         tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
-                        listeners=listeners, path=args.output)
+                        listeners=listeners, path=args.output, aggregate=aggregate,
+                        keep_last=getattr(args, "keep_last", 5))
     if sampler is not None:
         sampler.start()
     namespace: dict[str, Any] = {}
@@ -401,7 +456,10 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - a missing plot must not lose the trace
             print(f"torchmem run: could not write the plot: {e}", file=sys.stderr)
     stream = sys.stderr if args.json else sys.stdout
-    print(f"\ntrace written to {os.path.abspath(args.output)} ({len(tracker.trace)} events)", file=stream)
+    agg = tracker.trace.aggregate
+    held = (f"{len(tracker.trace)} of {agg.events} events held, aggregated" if agg is not None
+            and agg.compactions else f"{len(tracker.trace)} events")
+    print(f"\ntrace written to {os.path.abspath(args.output)} ({held})", file=stream)
     if written_plot:
         print(f"timeline plot written to {os.path.abspath(written_plot)}", file=stream)
     print(

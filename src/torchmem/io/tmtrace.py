@@ -26,6 +26,12 @@ File format, version 2 (all integers little-endian)::
 Version 1 files (no ``thread`` column, no ``threads`` table) are read too: their events have
 ``thread=None``.
 
+**Version 3** is version 2 plus an ``"aggregate"`` object in the header: the folded figures of
+an aggregated run (:class:`~torchmem.model.aggregate.Aggregate`, ``to_json``), whose columns
+hold only the events it kept. Only aggregated traces are written as version 3 (a torchmem that
+reads version 2 at most refuses them rather than summarising the kept events as if they were
+the whole run); the reader sets ``trace.aggregate``.
+
 **The streamed layout** (:class:`TraceStreamer`, written while a run goes on, so that a killed
 run leaves a file): the same preamble with ``"layout": "stream"`` and no ``count`` or tables in
 the header, then chunks, each complete on its own::
@@ -36,6 +42,10 @@ the header, then chunks, each complete on its own::
     J     UTF-8 JSON: the entries added to each table since the previous chunk
           {"devices": [...], "strings": [...], "stacks": [...], "threads": [...]}
     ...   one block per column, n * itemsize bytes each, in header order
+
+An aggregated run starts its streamed file over at each compaction (written aside, then
+renamed over it): version 3, a first chunk with the whole compacted trace and an ``"aggregate"``
+entry in its JSON, then chunks as above.
 
 A run that ends normally replaces its streamed file with the layout above, so a streamed file
 on disk is a run that was cut short: :func:`load_trace` reads every complete chunk, drops a
@@ -68,10 +78,12 @@ import struct
 import sys
 import threading
 from array import array
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from torchmem.errors import InvalidInputError, MissingFileError, TraceFormatError
+from torchmem.model.aggregate import Aggregate
 from torchmem.model.events import Category, Phase
 from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, Trace
 
@@ -86,9 +98,13 @@ PathLike = Union[str, "os.PathLike[str]"]
 MAGIC = b"TMTRACE\0"
 TRAILER = b"TMTREND\0"
 CHUNK = b"TMCHUNK\0"
-#: The version this torchmem writes (it reads this one and version 1).
+#: The version this torchmem writes (it reads this one, version 1 and, for aggregated traces,
+#: version 3).
 FORMAT_VERSION = 2
-_READS = (1, 2)
+#: The version of aggregated traces (version 2 with an ``aggregate`` header object).
+AGGREGATED_VERSION = 3
+_READS = (1, 2, 3)
+_T = TypeVar("_T")
 #: Version 1 had no thread column.
 _V1_COLUMNS = tuple(c for c in COLUMNS if c[0] != "thread")
 _V1_BYTES_PER_EVENT = sum(size for _, _, size in _V1_COLUMNS)
@@ -122,9 +138,11 @@ def save_trace(trace: Trace, path: PathLike) -> None:
             f"{', '.join(short)} have other lengths; append events with Trace.append (it fills "
             "every column) or extend every column named in torchmem.model.trace.COLUMNS by the same count"
         )
+    agg = _aggregate_of(trace)
+    version = FORMAT_VERSION if agg is None else AGGREGATED_VERSION
     header = {
         "format": "torchmem-trace",
-        "version": FORMAT_VERSION,
+        "version": version,
         "count": len(trace),
         "columns": [list(c) for c in COLUMNS],
         "devices": trace.devices,
@@ -133,11 +151,13 @@ def save_trace(trace: Trace, path: PathLike) -> None:
         "threads": trace.threads,
         "metadata": trace.metadata,
     }
+    if agg is not None:
+        header["aggregate"] = agg
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     tmp = f"{os.fspath(path)}.part"
     with open(tmp, "wb") as f:
         f.write(MAGIC)
-        f.write(struct.pack("<II", FORMAT_VERSION, len(blob)))
+        f.write(struct.pack("<II", version, len(blob)))
         f.write(blob)
         for name, _, _ in COLUMNS:
             col: array[Any] = getattr(trace, name)
@@ -147,6 +167,24 @@ def save_trace(trace: Trace, path: PathLike) -> None:
             col.tofile(f)
         f.write(TRAILER)
     os.replace(tmp, path)
+
+
+def _aggregate_of(trace: Trace) -> dict[str, Any] | None:
+    """The aggregate a file must carry: only when events were dropped (a trace that holds every
+    event is a plain version 2 file)."""
+    agg = trace.aggregate
+    if agg is None or not agg.compactions:
+        return None
+    agg.fold(trace)
+    out: dict[str, Any] = agg.to_json()
+    return out
+
+
+def _read_aggregate(name: str, data: Any) -> Aggregate:
+    try:
+        return Aggregate.from_json(data)
+    except InvalidInputError as e:
+        raise TraceFormatError(f"{name}: corrupt aggregate: {e}", path=name) from None
 
 
 def is_tmtrace(path: PathLike) -> bool:
@@ -292,6 +330,8 @@ def load_trace(path: PathLike) -> Trace:
     if v1:
         tr.thread.frombytes(bytes(2 * count))
     tr.set_tables(devices, strings, stacks, threads)
+    if header.get("version") == AGGREGATED_VERSION:
+        tr.aggregate = _read_aggregate(name, header.get("aggregate"))
     return _check(name, tr)
 
 
@@ -341,6 +381,7 @@ def _load_stream(name: str, data: bytes, pos: int, header: dict[str, Any]) -> Tr
     tables: dict[str, list[Any]] = {t: [] for t in _TABLES}
     mv = memoryview(data)
     chunks = 0
+    agg: Any = None
     while pos + 16 <= len(data) and data[pos : pos + 8] == CHUNK:
         n, jlen = struct.unpack_from("<II", data, pos + 8)
         end = pos + 16 + jlen + n * BYTES_PER_EVENT
@@ -353,6 +394,8 @@ def _load_stream(name: str, data: bytes, pos: int, header: dict[str, Any]) -> Tr
             break
         for t in _TABLES:
             tables[t].extend(new[t])
+        if isinstance(added, dict) and "aggregate" in added:
+            agg = added["aggregate"]
         _fill_columns(tr, mv, pos + 16 + jlen, n, COLUMNS)
         chunks += 1
         pos = end
@@ -362,6 +405,8 @@ def _load_stream(name: str, data: bytes, pos: int, header: dict[str, Any]) -> Tr
         [tuple(str(f) for f in s) for s in tables["stacks"]],
         [str(t) for t in tables["threads"]] or [""],
     )
+    if agg is not None:
+        tr.aggregate = _read_aggregate(name, agg)
     tr.metadata["cut_short"] = (
         f"the run ended abruptly (killed, or the machine stopped): this is the trace it streamed "
         f"to disk, {len(tr)} events in {chunks} chunks"
@@ -412,6 +457,7 @@ class TraceStreamer:
         self._stop = threading.Event()
         self._file: Any = None
         self._thread: threading.Thread | None = None
+        self._extra: dict[str, Any] | None = None  # JSON added to the next chunk
 
     def start(self) -> None:
         """Write the preamble and start the background writer.
@@ -422,22 +468,60 @@ class TraceStreamer:
             >>> st.start(); st.close(); len(load_trace(st.path))
             0
         """
-        header = {
-            "format": "torchmem-trace",
-            "version": FORMAT_VERSION,
-            "layout": "stream",
-            "columns": [list(c) for c in COLUMNS],
-            "metadata": self.trace.metadata,
-        }
-        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
-        self._file.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(blob)) + blob)
-        self._file.flush()
+        self._preamble(FORMAT_VERSION)
         self._thread = threading.Thread(
             target=self._loop, name="torchmem-trace-streamer", daemon=True
         )
         self._thread._torchmem_untracked = True  # type: ignore[attr-defined]
         self._thread.start()
+
+    def _preamble(self, version: int) -> None:
+        header = {
+            "format": "torchmem-trace",
+            "version": version,
+            "layout": "stream",
+            "columns": [list(c) for c in COLUMNS],
+            "metadata": self.trace.metadata,
+        }
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        self._file.write(MAGIC + struct.pack("<II", version, len(blob)) + blob)
+        self._file.flush()
+
+    def restart(self, rewrite: Callable[[], _T], state: Callable[[], dict[str, Any]]) -> _T:
+        """Run ``rewrite()`` (which may change rows already written: an aggregated trace's
+        compaction) with the writer paused, then start the file over: a version 3 preamble and
+        one chunk with every row and ``state()`` as its ``"aggregate"``, written aside and
+        renamed over the file, so that a killed run always leaves a readable one. Returns what
+        ``rewrite`` returned.
+
+        Example:
+            >>> import tempfile, os
+            >>> from torchmem.model.events import EventKind
+            >>> tr = Trace(); st = TraceStreamer(tr, os.path.join(tempfile.mkdtemp(), "s"))
+            >>> st.start(); _ = tr.append(EventKind.MARK, 0, "cpu", 0, 0, op="step")
+            >>> def drop_all():
+            ...     for name, _, _ in COLUMNS: del getattr(tr, name)[:]
+            ...     return "dropped"
+            >>> st.restart(drop_all, lambda: Aggregate().to_json()), st.chunks
+            ('dropped', 1)
+            >>> st.close(); len(load_trace(st.path)), load_trace(st.path).aggregate is not None
+            (0, True)
+        """
+        with self._lock:
+            result = rewrite()
+            if self._file is None:
+                return result
+            self._file.close()
+            tmp = f"{self.path}.part"
+            self._file = open(tmp, "wb")  # noqa: SIM115 - closed by close()
+            self._preamble(AGGREGATED_VERSION)
+            self._rows = 0
+            self._tab = dict.fromkeys(_TABLES, 0)
+            self._extra = {"aggregate": state()}
+            self._flush_locked()
+            os.replace(tmp, self.path)
+        return result
 
     def flush(self) -> int:
         """Write the events added since the last write as one chunk; returns how many.
@@ -452,33 +536,39 @@ class TraceStreamer:
             >>> st.close()
         """
         with self._lock:
-            f = self._file
-            if f is None:
-                return 0
-            tr = self.trace
-            stop = len(tr.stack)  # written last: every column has these rows
-            start = self._rows
-            added: dict[str, list[Any]] = {}
-            ends = {}
-            for t in _TABLES:
-                table = getattr(tr, t)
-                ends[t] = len(table)
-                added[t] = [list(x) if t == "stacks" else x for x in table[self._tab[t] : ends[t]]]
-            if stop == start and not any(added.values()):
-                return 0
-            blob = json.dumps(added, separators=(",", ":")).encode("utf-8")
-            parts = [CHUNK, struct.pack("<II", stop - start, len(blob)), blob]
-            for cname, _, _ in COLUMNS:
-                col: array[Any] = getattr(tr, cname)[start:stop]
-                if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
-                    col.byteswap()
-                parts.append(col.tobytes())
-            f.write(b"".join(parts))
-            f.flush()  # to the OS: it survives the process being killed
-            self._rows = stop
-            self._tab = ends
-            self.chunks += 1
-            return stop - start
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        f = self._file
+        if f is None:
+            return 0
+        tr = self.trace
+        stop = len(tr.stack)  # written last: every column has these rows
+        start = self._rows
+        added: dict[str, Any] = {}
+        ends = {}
+        for t in _TABLES:
+            table = getattr(tr, t)
+            ends[t] = len(table)
+            added[t] = [list(x) if t == "stacks" else x for x in table[self._tab[t] : ends[t]]]
+        if stop == start and not any(added.values()) and self._extra is None:
+            return 0
+        if self._extra is not None:
+            added.update(self._extra)
+            self._extra = None
+        blob = json.dumps(added, separators=(",", ":")).encode("utf-8")
+        parts = [CHUNK, struct.pack("<II", stop - start, len(blob)), blob]
+        for cname, _, _ in COLUMNS:
+            col: array[Any] = getattr(tr, cname)[start:stop]
+            if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+                col.byteswap()
+            parts.append(col.tobytes())
+        f.write(b"".join(parts))
+        f.flush()  # to the OS: it survives the process being killed
+        self._rows = stop
+        self._tab = ends
+        self.chunks += 1
+        return stop - start
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -104,6 +104,9 @@ class Trace:
         self.stacks: list[tuple[str, ...]] = []
         self.threads: list[str] = [""]
         self.metadata: dict[str, Any] = dict(metadata or {})
+        #: the folded figures of an aggregated run (a :class:`~torchmem.model.aggregate.Aggregate`),
+        #: ``None`` for a trace that holds every event
+        self.aggregate: Any = None
         self._device_index: dict[str, int] = {}
         self._string_index: dict[str, int] = {"": 0}
         self._stack_index: dict[tuple[str, ...], int] = {}

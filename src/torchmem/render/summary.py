@@ -80,6 +80,8 @@ def render_summary(
         f"({s.peak_time_ns / 1e6:.1f} ms); {s.events} events, {s.steps} step marker(s)"
         + (f"; other devices: {others}" if others else "")
     )
+    if s.aggregated:
+        console.print(s.aggregated["detail"], soft_wrap=True)
 
     def table(title: str, rows: list[tuple[str, int, int]], first: str, total: int) -> None:
         if not rows:

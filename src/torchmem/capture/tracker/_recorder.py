@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -24,6 +25,7 @@ import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from types import CodeType
 from typing import Any, Optional
 
@@ -33,6 +35,7 @@ from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._sites import call_site
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, TraceStreamer
+from torchmem.model.aggregate import DEFAULT_KEEP_LAST, DEFAULT_PERIOD, Aggregate
 from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.trace import Trace
 
@@ -85,7 +88,18 @@ class _Recorder:
         step_marker: str = "optimizer",
         metadata: dict[str, Any] | None = None,
         path: PathLike | None = None,
+        aggregate: bool | int = False,
+        keep_last: int = DEFAULT_KEEP_LAST,
     ) -> None:
+        if isinstance(aggregate, bool):
+            after = DEFAULT_PERIOD if aggregate else 0
+        elif isinstance(aggregate, int) and aggregate >= 1:
+            after = aggregate
+        else:
+            raise InvalidInputError(
+                f"aggregate must be True, False or an event count >= 1 (aggregate above it), "
+                f"got {aggregate!r}; e.g. aggregate=True, or aggregate=5_000_000"
+            )
         if path is not None:
             folder = os.path.dirname(os.path.abspath(path))
             if os.path.isdir(path) or not os.path.isdir(folder):
@@ -170,6 +184,9 @@ class _Recorder:
         self.listener_errors: list[BaseException] = []
         self._slow = self.stacks or bool(self._listeners)
         self._params: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> parameter, for .grad
+        # aggregated mode: folds finished iterations and compacts the trace at step markers
+        self._agg = Aggregate(keep_last, after) if after else None
+        self.trace.aggregate = self._agg
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(event, storage_or_None)`` for every event recorded from now on.
@@ -270,6 +287,9 @@ class _Recorder:
             self._dev_index(torch.device("cpu"))
         if self._listeners:
             ev = tr.event(seq)
+            agg = self._agg
+            if agg is not None and agg.compactions:  # ids in the whole run: stable
+                ev = replace(ev, seq=agg.original_row(seq), storage=agg.stable_id(ev.storage))
             for fn in list(self._listeners):
                 try:
                     fn(ev, storage)
@@ -281,7 +301,38 @@ class _Recorder:
                         RuntimeWarning,
                         stacklevel=2,
                     )
+        if kind == _MARK and self._agg is not None and tr.strings[op] == "step":
+            seq = self._aggregate_step(seq)
         return seq
+
+    def _aggregate_step(self, seq: int) -> int:
+        """After a step marker (row ``seq``): fold the finished iteration and, when enough rows
+        are held, compact the trace and renumber the live storages' rows; returns the marker's
+        row after that."""
+        agg = self._agg
+        assert agg is not None
+        tr = self.trace
+        agg.fold(tr)
+        if not agg.due(tr):
+            return seq
+        enabled = gc.isenabled()
+        gc.disable()  # a collection now would free storages, appending rows mid-compaction
+        try:
+            if self._streamer is not None:
+                pos = self._streamer.restart(lambda: self._compact(agg), agg.to_json)
+            else:
+                pos = self._compact(agg)
+        finally:
+            if enabled:
+                gc.enable()
+        return int(pos[seq])
+
+    def _compact(self, agg: Aggregate) -> Any:
+        pos = agg.compact(self.trace)
+        for ref in [*self._live.values(), *self._orphans.values()]:
+            if ref.seq >= 0:
+                ref.seq = int(pos[ref.seq])
+        return pos
 
     def _add_storage(
         self, s: torch.UntypedStorage, device: torch.device, op: int, module: int,

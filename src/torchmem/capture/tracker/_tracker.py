@@ -23,6 +23,7 @@ from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
 from torchmem.capture.tracker._threads import _Threads
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, TraceStreamer, save_trace
+from torchmem.model.aggregate import DEFAULT_KEEP_LAST
 from torchmem.model.events import Event
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class Tracker(_Threads):
             {'cpu': 32}
         """
         self.trace.metadata["peak"] = self.peak()
+        if self._agg is not None:
+            self._agg.fold(self.trace)
         save_trace(self.trace, path)
 
     def __len__(self) -> int:
@@ -151,6 +154,8 @@ class Tracker(_Threads):
             if self._active:
                 self._drain()
                 self._end_region(_P_OTHER)
+                if self._agg is not None:
+                    self._agg.fold(self.trace)
         finally:
             self._active = False
             try:
@@ -224,6 +229,8 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
+    aggregate: bool | int = False,
+    keep_last: int = DEFAULT_KEEP_LAST,
     mode: Literal["ops"] = "ops",
 ) -> Tracker: ...
 
@@ -238,6 +245,8 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
+    aggregate: bool | int = False,
+    keep_last: int = DEFAULT_KEEP_LAST,
     mode: Literal["fast"],
 ) -> FastTracker: ...
 
@@ -252,6 +261,8 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
+    aggregate: bool | int = False,
+    keep_last: int = DEFAULT_KEEP_LAST,
     mode: str = "ops",
 ) -> Tracker | FastTracker: ...
 
@@ -265,6 +276,8 @@ def track(
     step_marker: str = "optimizer",
     metadata: dict[str, Any] | None = None,
     path: PathLike | None = None,
+    aggregate: bool | int = False,
+    keep_last: int = DEFAULT_KEEP_LAST,
     mode: str = "ops",
 ) -> Tracker | FastTracker:
     """Track every storage created while the block runs; yields a :class:`Tracker`.
@@ -285,6 +298,13 @@ def track(
             written at least every half second, so a run killed by SIGKILL or the OOM killer
             leaves a file that ``torchmem summary`` reads, missing at most its last second);
             when the block ends the complete trace replaces it (as :meth:`Tracker.save`).
+        aggregate: bounded memory for long runs (:mod:`torchmem.model.aggregate`): ``True``
+            folds finished iterations into per-iteration figures, counters and the leak trend
+            at step markers and drops their events, keeping every event of each device's peak
+            iteration, of the last ``keep_last`` iterations and of the storages still alive;
+            an int ``N`` does so once the trace holds ``N`` events (full detail for shorter
+            runs). ``torchmem.analysis.summarize`` gives the same figures as for a full trace.
+        keep_last: complete iterations an aggregated trace keeps in full (default 5).
         mode: ``"ops"`` (default): the dispatch tracker, which sees every operator's outputs
             (CPU and CUDA, stacks, listeners, streaming). ``"fast"``: allocator-level capture in
             C++ with the same attribution (module, phase, category, operator, exact peak) at a
@@ -305,14 +325,20 @@ def track(
         ...     x = torch.ones(4)
         >>> torchmem.load_trace(p).peak(), "cut_short" in torchmem.load_trace(p).metadata
         ({'cpu': 16}, False)
+        >>> with torchmem.track(step_marker="manual", aggregate=1, keep_last=1) as tr:
+        ...     for _ in range(10):
+        ...         x = torch.ones(256); _ = tr.step()
+        >>> len(tr), tr.trace.aggregate.events, tr.peak()    # held: 2 iterations and their storages
+        (9, 29, {'cpu': 2048})
     """
     if mode == "fast":
-        bad = [name for name, on in (("stacks=True", stacks), ("listeners", bool(list(listeners))))
-               if on]
+        bad = [name for name, on in (("stacks=True", stacks), ("listeners", bool(list(listeners))),
+                                     ("aggregate", aggregate is not False)) if on]
         if bad:
             raise InvalidInputError(
                 f"mode='fast' does not support {' and '.join(bad)} (it runs no Python per "
-                "allocation); use mode='ops' for stacks and live listeners"
+                "allocation and builds the trace when the block ends); use mode='ops' for stacks, "
+                "live listeners and aggregated long runs"
             )
         from torchmem.capture.fast import FastTracker
 
@@ -332,4 +358,6 @@ def track(
         step_marker=step_marker,
         metadata=metadata,
         path=path,
+        aggregate=aggregate,
+        keep_last=keep_last,
     )

@@ -1,0 +1,130 @@
+"""Tracker memory over a long run: aggregated mode against the full trace (issue 12).
+
+Workload (CPU): many small tensors per step: each step makes 50 new tensors of 8 floats
+(``torch._foreach_add`` over 50 tensors made before tracking: one operator, 50 allocations),
+drops them and ends with ``tracker.step()``: 101 events per step, so 10,000,000 events are
+99,010 steps. Tracked with ``torchmem.track(step_marker="manual")``
+(the default options otherwise: no stacks) in two variants:
+
+  full        every event held (``aggregate=False``, the default of ``torchmem.track``)
+  aggregate   ``aggregate=True`` (fold and compact every 262,144 events, keep the last 5
+              iterations and the peak's)
+
+Each variant runs in a fresh subprocess. Memory: Python's tracemalloc (the trace's columns are
+``array`` buffers and the aggregate's tables are Python objects: all of it is traced; torch's
+tensor memory is not), measured from just before the block to after it (``held``: what the
+tracker keeps once the run is over, the trace and the aggregate; ``peak``: the most at any
+moment, compaction's transient copies included), and the process's RSS growth over the run
+(psutil). Time: CPU time of the run per event, in separate subprocesses without tracemalloc
+(which slows Python allocations), over ``--speed-events`` events (default 2,000,000).
+Each child first runs a short tracked block, so the modules the tracker imports on first use are
+not counted as its memory.
+
+Run:  python benchmarks/bench_aggregate.py                    (10M events, about 20 minutes on
+                                                               2 busy cores)
+      python benchmarks/bench_aggregate.py --events 1000000 --speed-events 500000  (quick look)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+PER_STEP = 50  # tensors per step: 100 events with their frees, and the step marker
+BUDGET_MIB = 64.0
+
+
+def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
+    import tracemalloc
+
+    import psutil
+    import torch
+
+    import torchmem
+
+    steps = max(1, events // (2 * PER_STEP + 1))
+    proc = psutil.Process()
+    xs = [torch.ones(8) for _ in range(PER_STEP)]
+    with torchmem.track(step_marker="manual", aggregate=1) as warm:  # first-use imports
+        for _ in range(3):
+            ys = torch._foreach_add(xs, 1.0)
+            del ys
+            warm.step()
+    torchmem.analysis.summarize(warm.trace)
+    del warm
+    if traced:
+        tracemalloc.start()
+    rss0 = proc.memory_info().rss
+    base = tracemalloc.get_traced_memory()[0] if traced else 0
+    t0 = time.process_time()
+    report = max(1, steps // 10)
+    with torchmem.track(step_marker="manual", aggregate=(mode == "aggregate")) as tr:
+        for i in range(steps):
+            ys = torch._foreach_add(xs, 1.0)
+            del ys
+            tr.step()
+            if i % report == 0:
+                print(f"  {mode}: step {i:,} of {steps:,}", file=sys.stderr, flush=True)
+    cpu = time.process_time() - t0
+    out: dict[str, Any] = {"mode": mode, "steps": steps, "cpu_s": cpu}
+    agg = tr.trace.aggregate
+    out["events"] = agg.events if agg is not None else len(tr.trace)
+    out["rows_held"] = len(tr.trace)
+    out["peak_bytes"] = tr.peak()["cpu"]
+    if traced:
+        cur, peak = tracemalloc.get_traced_memory()
+        out["held_mib"] = (cur - base) / 2**20
+        out["peak_mib"] = (peak - base) / 2**20
+        out["rss_mib"] = (proc.memory_info().rss - rss0) / 2**20
+    if agg is not None:
+        summary = torchmem.analysis.summarize(tr.trace)
+        out["summary_iterations"] = len(summary.iterations)
+    return out
+
+
+def _spawn(mode: str, events: int, traced: bool) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", mode, "--events", str(events)]
+    if not traced:
+        cmd.append("--untraced")
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=10_000_000)
+    ap.add_argument("--speed-events", type=int, default=2_000_000)
+    ap.add_argument("--child", choices=["full", "aggregate"], default=None)
+    ap.add_argument("--untraced", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.events, not args.untraced)))
+        return
+    print(f"tracker memory over {args.events:,} events ({PER_STEP * 2 + 1} events per step)",
+          file=sys.stderr)
+    mem = {m: _spawn(m, args.events, True) for m in ("full", "aggregate")}
+    speed = {m: _spawn(m, args.speed_events, False) for m in ("full", "aggregate")}
+    print(f"\n{'variant':<10} {'events':>11} {'rows held':>10} {'held MiB':>9} {'peak MiB':>9} "
+          f"{'RSS MiB':>8} {'us/event':>9}   (us/event: CPU over {args.speed_events:,} events)")
+    for m in ("full", "aggregate"):
+        r, s = mem[m], speed[m]
+        print(f"{m:<10} {r['events']:>11,} {r['rows_held']:>10,} {r['held_mib']:>9.1f} "
+              f"{r['peak_mib']:>9.1f} {r['rss_mib']:>8.1f} "
+              f"{1e6 * s['cpu_s'] / s['events']:>9.2f}")
+    f, a = mem["full"], mem["aggregate"]
+    print(f"\naggregate / full: held {a['held_mib'] / f['held_mib']:.3f}, "
+          f"peak {a['peak_mib'] / f['peak_mib']:.3f}, RSS {a['rss_mib'] / max(f['rss_mib'], 1):.3f}; "
+          f"CPU time per event {speed['aggregate']['cpu_s'] / speed['full']['cpu_s']:.2f}x")
+    ok = a["peak_mib"] <= BUDGET_MIB and a["held_mib"] <= BUDGET_MIB
+    print(f"aggregated tracker memory after {a['events']:,} events: held {a['held_mib']:.1f} MiB, "
+          f"peak {a['peak_mib']:.1f} MiB (target <= {BUDGET_MIB:.0f} MiB: "
+          f"{'met' if ok else 'NOT met'}); same peak as full: {a['peak_bytes'] == f['peak_bytes']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Aggregated tracking (issue 12, bounded memory): an aggregated run's summary equals the full
+run's, field by field, on the same seeded workload; saved aggregated traces read back the same.
+
+Ground truth: a full ``torchmem.track()`` of the same seeded run (every event held), summarised
+by the full-trace path of ``summarize_trace``. The aggregated run compacts at every step marker
+(``aggregate=1``), the hardest setting: each iteration's events are folded and dropped as soon
+as it ends. Row numbers (``peak_seq``, ``peak_index``) and times differ between two runs by
+construction; the peak *event* is compared instead (size, operator, module, phase, category,
+step, call site).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import torchmem
+from torchmem.analysis._diff import trace_diff
+from torchmem.analysis.summary import summarize_trace
+from torchmem.cli import main
+from torchmem.errors import InvalidInputError, TraceFormatError
+from torchmem.io.tmtrace import load_trace, save_trace
+from torchmem.model.aggregate import Aggregate
+
+_RUN_DEPENDENT = {"peak_seq", "peak_time_ns", "peak_index", "metadata", "aggregated"}
+
+
+def _mlp(batches: list[int]) -> Callable[[dict[str, Any]], Any]:
+    def run(kw: dict[str, Any]) -> Any:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        opt = torch.optim.Adam(net.parameters())
+        with torchmem.track(net, opt, **kw) as tr:
+            for b in batches:
+                loss = net(torch.randn(b, 32)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return tr
+    return run
+
+
+def _transformer(kw: dict[str, Any]) -> Any:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                             dropout=0.0, batch_first=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.01, momentum=0.9)
+    with torchmem.track(layer, opt, **kw) as tr:
+        for i in range(8):
+            x = torch.randn(4, 6 + (i % 3), 32)
+            layer(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=i % 2 == 0)
+    return tr
+
+
+def _leak(kw: dict[str, Any]) -> Any:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    kept = []
+    with torchmem.track(net, opt, stacks=True, **kw) as tr:
+        for _ in range(16):
+            loss = net(torch.randn(8, 16)).pow(2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(loss)  # the loss and its graph: a leak through a list
+    return tr
+
+
+WORKLOADS = {
+    "mlp": _mlp([16] * 10),
+    "transformer": _transformer,
+    "leak": _leak,
+    "peak_early": _mlp([16, 128, 16, 16, 16, 16, 16, 16]),
+    "peak_last": _mlp([16] * 7 + [128]),
+}
+
+
+def _fields(tr: Any) -> dict[str, Any]:
+    s = summarize_trace(tr.trace)
+    d = s.to_dict()
+    ev = tr.trace.event(s.peak_seq)
+    d["peak_event"] = (ev.kind, ev.nbytes, ev.op, ev.module, ev.phase, ev.category, ev.step,
+                       ev.stack[-1] if ev.stack else None)  # the call site (outer frames: callers)
+    return {k: v for k, v in d.items() if k not in _RUN_DEPENDENT}
+
+
+@pytest.mark.parametrize("keep_last", [0, 2])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_aggregated_summary_equals_full(name: str, keep_last: int) -> None:
+    run = WORKLOADS[name]
+    full = run({})
+    agg = run({"aggregate": 1, "keep_last": keep_last})
+    a = agg.trace.aggregate
+    assert full.trace.aggregate is None
+    assert a.compactions > 0 and a.dropped > 0 and len(agg.trace) < len(full.trace)
+    assert a.events == len(full.trace)
+    want, got = _fields(full), _fields(agg)
+    assert sorted(want) == sorted(got)
+    for key in want:
+        assert got[key] == want[key], key
+    assert agg.peak() == full.peak()
+    s = summarize_trace(agg.trace)
+    assert s.aggregated is not None and s.aggregated["events_folded"] == a.dropped
+
+
+def test_the_workloads_show_what_they_are_for() -> None:
+    """The equality above is only worth something if the figures compared are not trivial."""
+    early = summarize_trace(WORKLOADS["peak_early"]({}).trace)
+    last = summarize_trace(WORKLOADS["peak_last"]({}).trace)
+    leak = summarize_trace(WORKLOADS["leak"]({}).trace)
+    assert max(early.iterations, key=lambda it: it.peak_bytes).step == 1
+    assert max(last.iterations, key=lambda it: it.peak_bytes).step == 7
+    assert leak.leak_suspect and leak.growth is not None and leak.growth.growing
+
+
+def test_held_rows_are_bounded_and_the_peak_iteration_is_whole() -> None:
+    full = _mlp([16, 128] + [16] * 30)({})
+    agg = _mlp([16, 128] + [16] * 30)({"aggregate": 1, "keep_last": 2})
+    per_step_full = {}
+    for e in full.events():
+        per_step_full[e.step] = per_step_full.get(e.step, 0) + 1
+    per_step_agg: dict[int, int] = {}
+    for e in agg.events():
+        per_step_agg[e.step] = per_step_agg.get(e.step, 0) + 1
+    # every event of the peak's iteration (1) and of the last two (30, 31) is held
+    for step in (1, 30, 31):
+        assert per_step_agg[step] == per_step_full[step]
+    # the rest: only the storages alive across (parameters, Adam's state, gradients)
+    assert len(agg.trace) < len(full.trace) // 5
+    assert sum(per_step_agg.values()) == len(agg.trace)
+
+
+def test_aggregate_after_n_events_keeps_short_runs_whole() -> None:
+    short = _mlp([16] * 3)({"aggregate": 10_000})
+    assert short.trace.aggregate.compactions == 0
+    full = _mlp([16] * 3)({})
+    assert len(short.trace) == len(full.trace)
+    long = _mlp([16] * 12)({"aggregate": 200})
+    assert long.trace.aggregate.compactions > 0
+    assert _fields(long) == _fields(_mlp([16] * 12)({}))
+
+
+def test_saved_aggregated_trace_reads_back(tmp_path: Any) -> None:
+    agg = _leak({"aggregate": 1, "keep_last": 1})
+    full = _leak({})
+    p = str(tmp_path / "agg.tmtrace")
+    agg.save(p)
+    back = load_trace(p)
+    assert back.aggregate is not None and len(back) == len(agg.trace)
+    assert _fields(type("T", (), {"trace": back})()) == _fields(full)
+    with open(p, "rb") as f:
+        head = f.read(16)
+    assert int.from_bytes(head[8:12], "little") == 3  # aggregated traces are version 3
+    # a plain run stays a version 2 file with no aggregate
+    plain = str(tmp_path / "full.tmtrace")
+    full.save(plain)
+    assert load_trace(plain).aggregate is None
+    with open(plain, "rb") as f:
+        assert int.from_bytes(f.read(12)[8:12], "little") == 2
+
+
+def test_cli_summary_says_the_run_was_aggregated(tmp_path: Any, capsys: Any) -> None:
+    p = str(tmp_path / "agg.tmtrace")
+    _mlp([16] * 6)({"aggregate": 1, "path": p})
+    assert main(["summary", p, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["aggregated"]["events_folded"] > 0
+    assert data["events"] == data["aggregated"]["events"]
+    assert main(["summary", p]) == 0
+    out = capsys.readouterr().out
+    assert "aggregated run:" in out and "folded into counters" in out
+
+
+def test_diff_of_full_and_aggregated_runs_is_zero(tmp_path: Any) -> None:
+    full = _transformer({})
+    agg = _transformer({"aggregate": 1, "keep_last": 1})
+    for at in ("peak", "end"):
+        d = trace_diff(full.trace, agg.trace, at=at)
+        assert d.delta_bytes == 0, at
+        for rows in d.groups.values():
+            assert all(g.delta_bytes == 0 and g.before_count == g.after_count for g in rows), at
+        assert all(it.before is not None and it.after is not None for it in d.iterations)
+    pa, pb = str(tmp_path / "a.tmtrace"), str(tmp_path / "b.tmtrace")
+    full.save(pa)
+    agg.save(pb)
+    assert main(["diff", pa, pb, "--json"]) == 0
+
+
+def test_view_reads_an_aggregated_trace(tmp_path: Any) -> None:
+    p = str(tmp_path / "agg.tmtrace")
+    _mlp([16] * 6)({"aggregate": 1, "path": p})
+    out = str(tmp_path / "v.html")
+    assert main(["view", p, "-o", out, "-q"]) == 0
+    assert os.path.getsize(out) > 1000
+
+
+def test_streamed_file_of_an_aggregated_run_reads_while_it_runs(tmp_path: Any) -> None:
+    """A run killed mid-way leaves the streamed file: the aggregate written at the last
+    compaction plus the chunks after it; its summary covers every event streamed."""
+    p = str(tmp_path / "live.tmtrace")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with torchmem.track(net, opt, aggregate=1, keep_last=1, path=p) as tr:
+        for _ in range(6):
+            net(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        x = torch.ones(1000)  # after the last compaction: in a later chunk
+        assert tr._streamer is not None
+        tr._streamer.flush()
+        mid = load_trace(p)
+        now = summarize_trace(tr.trace)
+        del x
+    assert "cut_short" in mid.metadata and mid.aggregate is not None
+    s = summarize_trace(mid)
+    assert s.events == now.events == tr.trace.aggregate.events - 1  # the free of x came later
+    assert s.peak == now.peak and s.steps == now.steps == 6
+    assert [vars(it) for it in s.iterations] == [vars(it) for it in now.iterations]
+
+
+def test_bad_arguments_say_what_to_pass() -> None:
+    with pytest.raises(InvalidInputError, match="aggregate must be True, False or an event count"):
+        torchmem.track(aggregate=0)
+    with pytest.raises(InvalidInputError, match="keep_last must be an int >= 0"):
+        torchmem.track(aggregate=True, keep_last=-2)
+
+
+def test_corrupt_aggregate_is_a_format_error(tmp_path: Any) -> None:
+    agg = _mlp([16] * 4)({"aggregate": 1})
+    agg.trace.aggregate.fold(agg.trace)
+    state = agg.trace.aggregate.to_json()
+    del state["marks"]
+    with pytest.raises(InvalidInputError, match="aggregate data is missing or has a bad field"):
+        Aggregate.from_json(state)
+    p = str(tmp_path / "a.tmtrace")
+    save_trace(agg.trace, p)
+    data = bytearray(open(p, "rb").read())
+    i = data.find(b'"format":1')
+    data[i:i + 10] = b'"format":7'
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(TraceFormatError, match="corrupt aggregate"):
+        load_trace(p)
+
+
+def test_listeners_see_the_ids_of_the_whole_run() -> None:
+    """Listeners keep state by storage id (the live panel, the leak watch): in an aggregated run
+    they get the ids a full run gives, which never change while a storage lives."""
+    from torchmem.cli._live import LiveCounter
+
+    def with_listener(kw: dict[str, Any]) -> tuple[LiveCounter, list[tuple[int, int, int]]]:
+        counter = LiveCounter()
+        seen: list[tuple[int, int, int]] = []
+        _leak({"listeners": [counter.on_event,
+                             lambda e, s: seen.append((e.seq, int(e.kind), e.storage))], **kw})
+        return counter, seen
+
+    full, full_seen = with_listener({})
+    agg, agg_seen = with_listener({"aggregate": 1, "keep_last": 1})
+    assert agg_seen == full_seen  # same seq and storage ids, event by event
+    for name in ("live", "peak", "by_category", "at_peak", "growth", "iterations"):
+        assert getattr(agg, name) == getattr(full, name), name
+
+
+LEAKY_SCRIPT = """
+import torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+opt = torch.optim.Adam(net.parameters())
+kept = []
+for i in range(14):
+    loss = net(torch.randn(8 if i != 3 else 64, 16)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    kept.append(loss.detach().clone())
+"""
+
+
+def test_cli_run_aggregated_equals_full(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(LEAKY_SCRIPT)
+
+    def run(*opts: str) -> tuple[dict[str, Any], str]:
+        out = tmp_path / f"t{len(opts)}.tmtrace"
+        p = subprocess.run([sys.executable, "-m", "torchmem", "run", "--json", "--no-host",
+                            "--why", "0", "-o", str(out), *opts, str(script)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout), p.stderr
+
+    full, _ = run("--no-aggregate")
+    agg, err = run("--aggregate-after", "50", "--keep-last", "1")
+    assert full["aggregated"] is None
+    assert agg["aggregated"]["events_folded"] > 0 and "aggregated" in err
+    for key in full:
+        if key not in _RUN_DEPENDENT:
+            assert agg[key] == full[key], key
+    assert full["leak_suspect"] and full["iterations"][3]["peak_bytes"] == max(
+        it["peak_bytes"] for it in full["iterations"])
+    p = subprocess.run([sys.executable, "-m", "torchmem", "run", "--aggregate",
+                        "--aggregate-after", "5", str(script)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr
+
+
+def _two_devices(kw: dict[str, Any]) -> Any:
+    """CPU and meta storages, each device with its own peak iteration (meta's in step 2,
+    CPU's in step 5), and a meta storage made only from step 3 on."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with torchmem.track(net, opt, **kw) as tr:
+        for i in range(8):
+            m = torch.empty(1000 if i == 2 else 100, device="meta")
+            if i >= 3:
+                late = torch.empty(10 * i, device="meta")
+                del late
+            net(torch.randn(64 if i == 5 else 4, 8)).sum().backward()
+            opt.step()
+            del m
+    return tr
+
+
+def test_every_device_keeps_its_own_peak_iteration() -> None:
+    full = _two_devices({})
+    agg = _two_devices({"aggregate": 1, "keep_last": 1})
+    assert agg.trace.aggregate.dropped > 0
+    assert set(full.trace.devices) == {"cpu", "meta"}
+    for device in ("cpu", "meta"):
+        a = summarize_trace(full.trace, device=device).to_dict()
+        b = summarize_trace(agg.trace, device=device).to_dict()
+        for key in a:
+            if key not in _RUN_DEPENDENT:
+                assert b[key] == a[key], (device, key)
+    meta = summarize_trace(full.trace, device="meta")
+    assert max(meta.iterations, key=lambda it: it.peak_bytes).step == 2
