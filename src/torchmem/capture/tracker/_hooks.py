@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture.tracker._phases import _graph_task_id, _Phases
+from torchmem.capture.tracker._comm import _Comm
+from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
 
 __all__: list[str] = []
@@ -50,7 +51,7 @@ def _path_below(parent: torch.nn.Module, m: torch.nn.Module, pname: str) -> str:
     return f"{pname}.{type(m).__name__}"
 
 
-class _Hooks(_Phases):
+class _Hooks(_Comm):
     """The callbacks a tracker registers as global module and optimizer hooks."""
 
     def _name_of(self, m: torch.nn.Module) -> int:
