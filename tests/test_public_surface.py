@@ -73,8 +73,9 @@ NAMESPACES: dict[str, list[str]] = {
         "GroupDelta", "GrowingGroup", "GrowthReport", "IterationDelta", "LeakTrend", "IterationMemory", "IterationStat", "OomEvent",
         "OomExplanation", "PeakReport", "PoolStats", "SnapshotDiff", "SnapshotStats",
         "StackGroup", "TraceDiff", "TraceRow", "TraceSummary",
+        "Attribution", "AttributionRow", "CollectiveRow", "RankDifference", "RankMerge", "RankStats",
         "creep", "diff", "events", "explain_oom", "flame", "gpu_gap", "growth", "leak_trend",
-        "oom", "peak", "stats", "summarize",
+        "merge_ranks", "oom", "peak", "rank_stats", "stats", "summarize",
     ],
     "torchmem.capture": [
         "HostSampler", "Listener", "LiteTracker", "RetentionPath", "RetentionPaths", "Span",
@@ -129,11 +130,12 @@ NAMESPACES: dict[str, list[str]] = {
         "MovePlan", "memory_aware_deepcopy", "memory_aware_to", "move_module", "plan_move",
     ],
     "torchmem.render": [
-        "plot_timeline", "render_diff", "render_oom", "render_peak", "render_report",
-        "render_stats", "render_summary", "render_trace", "summary_json", "write_viewer",
+        "merge_json", "plot_timeline", "render_diff", "render_merge", "render_oom", "render_peak",
+        "render_report", "render_stats", "render_summary", "render_trace", "summary_json",
+        "write_viewer",
     ],
     "torchmem.render.viewer": [
-        "build_payload", "encode_payload", "render_html", "write_viewer",
+        "build_payload", "encode_payload", "render_html", "write_rank_viewer", "write_viewer",
     ],
     "torchmem.sim": [
         "AllocatorConfig", "CachingAllocator", "ReplayResult", "WhatIf", "replay", "round_size",

@@ -23,6 +23,8 @@ growth        live bytes trending up over iterations (leaks), and (new)
               the call sites and modules that keep growing
 gpu_gap       nvidia-smi's used bytes split, each with its source (new)
 summarize     a tracker trace's peak, top ops/modules, leaks      ``torchmem.summarize_trace``
+merge_ranks   a distributed job's rank traces in one view: per-   (new)
+              rank peaks, imbalance, why the heaviest rank differs
 ============  ==================================================  ============================
 
 Each snapshot analysis is implemented in a private module of its own (``_stats``, ``_peak``,
@@ -60,6 +62,16 @@ from torchmem.analysis._gpu_gap import GpuGap, GpuReading, gpu_gap
 from torchmem.analysis._growth import GrowingGroup, GrowthReport, LeakTrend, growth, leak_trend
 from torchmem.analysis._oom import OomEvent, oom
 from torchmem.analysis._peak import DevicePeak, PeakReport, peak
+from torchmem.analysis._ranks import (
+    Attribution,
+    AttributionRow,
+    CollectiveRow,
+    RankDifference,
+    RankMerge,
+    RankStats,
+    merge_ranks,
+    rank_stats,
+)
 from torchmem.analysis._stats import DeviceStats, PoolStats, SnapshotStats, stats
 from torchmem.analysis._why_oom import OomExplanation, explain_oom
 from torchmem.analysis.frames import StackGroup
@@ -78,6 +90,8 @@ __all__ = [
     "growth",
     "leak_trend",
     "summarize",
+    "merge_ranks",
+    "rank_stats",
     "SnapshotStats",
     "DeviceStats",
     "PoolStats",
@@ -101,4 +115,10 @@ __all__ = [
     "GrowthReport",
     "GrowingGroup",
     "LeakTrend",
+    "RankMerge",
+    "RankStats",
+    "RankDifference",
+    "Attribution",
+    "AttributionRow",
+    "CollectiveRow",
 ]

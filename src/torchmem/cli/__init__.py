@@ -34,7 +34,8 @@ __all__ = ["main", "entry_point", "SUBCOMMANDS"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("torchmem.cli.inspect", "exact storage report of a module, optimizer or live tensors"),
     "run": ("torchmem.cli.run", "run a Python script under the memory tracker and summarise it"),
-    "summary": ("torchmem.cli.summary", "summarise a saved torchmem trace"),
+    "summary": ("torchmem.cli.summary", "summarise a saved torchmem trace (several rank traces: merged)"),
+    "merge": ("torchmem.cli.merge", "merge a distributed job's rank traces into one view"),
     "plot": ("torchmem.cli.plot", "plot a trace's memory timeline to a PNG"),
     "stats": ("torchmem.cli.stats", "per-device allocator statistics of a memory snapshot"),
     "peak": ("torchmem.cli.peak", "what was live at the peak of a snapshot, grouped by stack"),

@@ -6,6 +6,8 @@ files and never import torch nor any producer.
 - :mod:`~torchmem.render.table`: a :class:`~torchmem.model.census.MemoryReport` as a rich
   table, plain text or JSON (:func:`render_report`).
 - :mod:`~torchmem.render.summary`: a trace summary (:func:`render_summary`, :func:`summary_json`).
+- :mod:`~torchmem.render.ranks`: the merged view of a job's ranks (:func:`render_merge`,
+  :func:`merge_json`).
 - :mod:`~torchmem.render.snapshot_text`: the snapshot analyses as text (:func:`render_stats`,
   :func:`render_peak`, :func:`render_diff`, :func:`render_trace`, :func:`render_oom`).
 - :mod:`~torchmem.render.plot`: a trace's memory timeline as a PNG (:func:`plot_timeline`,
@@ -25,6 +27,7 @@ Example:
 from __future__ import annotations
 
 from torchmem.render.plot import plot_timeline
+from torchmem.render.ranks import merge_json, render_merge
 from torchmem.render.snapshot_text import (
     render_diff,
     render_oom,
@@ -40,6 +43,8 @@ __all__ = [
     "render_report",
     "render_summary",
     "summary_json",
+    "render_merge",
+    "merge_json",
     "render_stats",
     "render_peak",
     "render_diff",

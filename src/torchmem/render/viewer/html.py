@@ -22,14 +22,16 @@ from __future__ import annotations
 import html as _html
 import importlib.resources
 import os
+from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 from torchmem.errors import InvalidInputError
 from torchmem.model.snapshot import Snapshot
 from torchmem.model.trace import Trace
 from torchmem.render.viewer.payload import ProgressFn, build_payload, encode_payload
 
-__all__ = ["render_html", "write_viewer"]
+__all__ = ["render_html", "write_viewer", "write_rank_viewer"]
 
 
 #: The page's script, in order: one IIFE split by concern (decoding and shared state, the
@@ -65,7 +67,10 @@ def render_html(
         >>> "<title>empty" in page and "<script src" not in page
         True
     """
-    payload = build_payload(source, title=title, progress=progress)
+    return _page(build_payload(source, title=title, progress=progress), progress)
+
+
+def _page(payload: dict[str, Any], progress: ProgressFn | None) -> str:
     if progress:
         progress("encoding payload")
     data = encode_payload(payload)
@@ -78,6 +83,18 @@ def render_html(
         .replace("__PAYLOAD__", data)
         .replace("__TITLE__", t)
     )
+
+
+def _write(text: str, path: str | os.PathLike[str]) -> Path:
+    out = Path(path)
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise InvalidInputError(
+            f"could not write the viewer to {str(out)!r}: {e.strerror}; "
+            "fix: pass -o with a writable path"
+        ) from e
+    return out
 
 
 def write_viewer(
@@ -93,13 +110,32 @@ def write_viewer(
         >>> write_viewer(Snapshot(), out).stat().st_size > 1000
         True
     """
-    text = render_html(source, title=title, progress=progress)
-    out = Path(path)
-    try:
-        out.write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise InvalidInputError(
-            f"could not write the viewer to {str(out)!r}: {e.strerror}; "
-            "fix: pass -o with a writable path"
-        ) from e
-    return out
+    return _write(render_html(source, title=title, progress=progress), path)
+
+
+def write_rank_viewer(
+    traces: Iterable[Trace], path: str | os.PathLike[str], *,
+    detail: Collection[int] | None = None, names: list[str] | None = None,
+    title: str | None = None, progress: ProgressFn | None = None,
+) -> Path:
+    """Write the viewer page of a distributed job's rank traces (one at a time from
+    ``traces``): a rank selector, and in time mode every rank's live bytes on one time axis
+    (see :func:`~torchmem.render.viewer._ranks.build_rank_payload`; ``detail``: the ranks whose
+    full timeline the page holds, default all).
+
+    Example:
+        >>> import tempfile
+        >>> from torchmem.model.events import EventKind as K
+        >>> traces = []
+        >>> for r in (0, 1):
+        ...     tr = Trace({"rank": r, "world_size": 2}); traces.append(tr)
+        ...     _ = tr.append(K.ALLOC, 0, "cpu", 64 * (r + 1), 1)
+        >>> out = Path(tempfile.mkdtemp()) / "ranks.html"
+        >>> write_rank_viewer(traces, out).stat().st_size > 1000
+        True
+    """
+    from torchmem.render.viewer._ranks import build_rank_payload
+
+    payload = build_rank_payload(traces, detail=detail, names=names, title=title,
+                                 progress=progress)
+    return _write(_page(payload, progress), path)

@@ -162,6 +162,8 @@
       // Times count from the start of the run (ev_time is relative to the first entry): the axis
       // starts at 0 even when the first entry's time is not the smallest.
       tmin = 0; tmax = tcum[n - 1] + Math.max(1, tcum[n - 1] * 0.01);
+      // The ranks of a job share one time axis: it ends with the job's last event.
+      if (d.t_end_us) tmax = Math.max(tmax, d.t_end_us + Math.max(1, d.t_end_us * 0.01));
     }
     Object.assign(d, { prepared: true, N, s, e, total, endStart, byEnd, colorOf, tcum, tmin, tmax, hasOrigin,
       colorBy: hasOrigin ? 'category' : 'stack',

@@ -66,6 +66,7 @@
       colPos[x] = best;
       if (bv > ymax) ymax = bv;
     }
+    if (P.ranks && timeMode) ymax = Math.max(ymax, rankCurvesMax(x0, x1));
     ymax *= 1.05;
     tl.ymax = ymax;
     tl.colEvent = colPos;
@@ -113,8 +114,9 @@
     ctx.putImageData(img, tl.ml, tl.mt);
     tl.pick = pick;
     drawAxes(ctx, ymax);
+    const curves = P.ranks && timeMode ? drawRankCurves(ctx, ymax) : 0;
     const ms = performance.now() - t0;
-    api._tl = { bands, columns: W, drawMs: ms, draws: api._tl.draws + 1, ymax };
+    api._tl = { bands, columns: W, drawMs: ms, draws: api._tl.draws + 1, ymax, rankCurves: curves };
     if (api.firstDrawMs === null) api.firstDrawMs = performance.now() - T_START + (performance.timeOrigin ? 0 : 0);
     const from = Math.max(0, Math.floor(toPos(x0))), to = Math.min(n, Math.ceil(toPos(x1)));
     if (!tl.rangeEdited) {  // a redraw never overwrites a range the user is typing
@@ -126,7 +128,49 @@
     $('timeline-summary').innerHTML = 'events ' + from + '&ndash;' + to + ' of ' + n + ' &middot; ' + d.n_allocs + ' allocations (' + d.n_pre +
       ' from before the trace) &middot; peak in view <b>' + fmtBytes(peak) + '</b> after event #' + Math.max(0, peakAt - 1) +
       ' &middot; ' + bands + ' allocations drawn &middot; drawn in ' + ms.toFixed(0) + ' ms' +
-      (d.has_time && n ? ' &middot; time ' + (d.col.ev_time[Math.min(from, n - 1)] / 1e6).toFixed(4) + ' s &ndash; ' + (d.col.ev_time[Math.max(0, Math.min(to, n) - 1)] / 1e6).toFixed(4) + ' s' : '');
+      (d.has_time && n ? ' &middot; time ' + (d.col.ev_time[Math.min(from, n - 1)] / 1e6).toFixed(4) + ' s &ndash; ' + (d.col.ev_time[Math.max(0, Math.min(to, n) - 1)] / 1e6).toFixed(4) + ' s' : '') +
+      (P.ranks ? ' &middot; ' + (timeMode ? curves + ' rank curves on one time axis (dark: rank ' + d.rank + ')' : 'x axis &rarr; time to compare the ranks') : '');
+  }
+  // The ranks of a job (P.ranks): each rank's live bytes over the job's time, [t, live] points.
+  function rankCurvesMax(x0, x1) {
+    let m = 0;
+    for (const r of P.ranks) {
+      const t = r.t, v = r.live;
+      for (let i = 0; i < t.length; i++) {
+        if (t[i] > x1) break;
+        if (t[i] >= x0 || (i + 1 < t.length && t[i + 1] >= x0)) m = Math.max(m, v[i]);
+      }
+    }
+    return m;
+  }
+  function drawRankCurves(ctx, ymax) {
+    const { ml, mt, W, H } = tl, span = tl.x1 - tl.x0;
+    let drawn = 0;
+    ctx.save();
+    ctx.beginPath(); ctx.rect(ml, mt, W, H); ctx.clip();
+    const cur = P.ranks.find((r) => r.rank === D.rank);
+    for (const r of [...P.ranks.filter((x) => x !== cur), cur]) {  // this rank's curve on top
+      if (!r || r.t.length < 2) continue;
+      const mine = r === cur;
+      ctx.strokeStyle = mine ? '#111a2b' : 'rgba(70,80,100,.45)';
+      ctx.lineWidth = mine ? 2 : 1;
+      ctx.beginPath();
+      let best = -1;
+      for (let i = 0; i < r.t.length; i++) {
+        const x = ml + (r.t[i] - tl.x0) / span * W, y = mt + H - r.live[i] / ymax * H;
+        if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+        if (r.t[i] >= tl.x0 && r.t[i] <= tl.x1 && (best < 0 || r.live[i] > r.live[best])) best = i;
+      }
+      ctx.stroke();
+      drawn++;
+      if (best >= 0 && (mine || r.rank === P.rankHigh || r.rank === P.rankLow)) {
+        ctx.fillStyle = mine ? '#111a2b' : '#505a6e'; ctx.textAlign = 'left'; ctx.textBaseline = 'bottom';
+        const x = ml + (r.t[best] - tl.x0) / span * W;
+        ctx.fillText('rank ' + r.rank, Math.min(x + 3, ml + W - 44), mt + H - r.live[best] / ymax * H - 2);
+      }
+    }
+    ctx.restore();
+    return drawn;
   }
   // The legend under the timeline: categories present, with the bytes live at the peak.
   function tlLegend() {

@@ -10,10 +10,16 @@
     if (name === 'stats') renderStats();
   }
   function selectDevice(i) {
+    // Ranks of a job: switching keeps the time window, so the ranks compare on one axis.
+    const keep = P.ranks && D && D.tcum && tl.mode === 'time' ? [tl.x0, tl.x1] : null;
     D = prepareDevice(P.devices[i]);
     st.pos = -1;
     tl.mode = 'event'; modeLabels();
     tl.x0 = 0; tl.x1 = D.N;
+    if (P.ranks && D.tcum) {
+      tl.mode = 'time'; modeLabels();
+      [tl.x0, tl.x1] = keep || [D.tmin, D.tmax];
+    }
     $('xmode-wrap').style.display = D.tcum ? '' : 'none';
     $('ev-slider').max = D.n_events;
     $('device').value = String(i);
@@ -32,6 +38,8 @@
     P.devices.forEach((d, i) => { if (peakOf(d) > peakOf(P.devices[best])) best = i; });
     return best;
   }
+  api.ranks = () => P.ranks ? { count: P.ranks.length, world: P.world_size, current: D ? D.rank : null, curves: api._tl.rankCurves || 0, mode: tl.mode } : null;
+  api.selectDevice = (i) => { selectDevice(i); drawTimeline(); return api.ranks(); };
   api.stats = () => Object.assign({ device: D ? D.device : null, events: D ? D.n_events : 0, allocs: D ? D.n_allocs : 0 }, api._tl);
   api.mapStats = () => api._map;
   // The timeline's view and geometry (canvas pixels), for tests that click a given event.
@@ -71,6 +79,11 @@
       P = await decode();
       api.decodeMs = performance.now() - T_START;
       const sel = $('device');
+      if (P.ranks) {  // a job's ranks: the selector picks a rank; name the heaviest and lightest
+        sel.parentElement.firstChild.textContent = 'rank ';
+        const byPeak = [...P.ranks].sort((a, b) => a.peak - b.peak || a.rank - b.rank);
+        P.rankLow = byPeak[0].rank; P.rankHigh = byPeak[byPeak.length - 1].rank;
+      }
       P.devices.forEach((d, i) => {
         const o = document.createElement('option');
         o.value = i;
