@@ -1,14 +1,17 @@
 """``torchmem run --nproc-per-node N`` and ``torchrun ... -m torchmem run``: gloo ranks on CPU.
 
 Each rank writes ``NAME.rank{R}.tmtrace`` with its rank metadata; the parent prints each rank's
-peak read back from the files, names a rank that crashed (its exit code is the job's) while the
-other ranks' traces are complete, and refuses a script that never starts a process group or a
-rank count below 1. The per-rank peaks against an independent census are in
+peak read back from the files and the merged summary (``NAME.merged.json``, written by the
+parent, or by rank 0 under plain torchrun once the other ranks' traces are complete), names a
+rank that crashed (its exit code is the job's; the merge says it was cut short) while the other
+ranks' traces are complete, and refuses a script that never starts a process group or a rank
+count below 1. The per-rank peaks against an independent census are in
 ``test_dist_census.py``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -106,6 +109,11 @@ def test_two_ranks_write_their_traces_and_the_parent_prints_their_peaks(tmp_path
     # the parent's figures are the ones in the files, rank by rank
     assert printed == {r: format_bytes(traces[r].peak()["cpu"]) for r in (0, 1)}
     assert f"job {metas[0]['job_id']}" in proc.stdout
+    # and it wrote and printed the merged summary of the job
+    merged = json.loads((tmp_path / "job.merged.json").read_text())
+    assert merged["complete"] and merged["job_id"] == metas[0]["job_id"]
+    assert [r["peak"] for r in merged["ranks"]] == [t.peak()["cpu"] for t in traces]
+    assert f"Job {metas[0]['job_id']}: 2 of 2 rank(s), complete" in proc.stdout
 
 
 @pytest.mark.slow
@@ -119,7 +127,10 @@ def test_under_torchrun_each_rank_finds_itself(tmp_path: Path) -> None:
     metas = [load_trace(tmp_path / f"tr.rank{r}.tmtrace").metadata for r in (0, 1)]
     assert [m["rank"] for m in metas] == [0, 1]
     assert metas[0]["job_id"] == metas[1]["job_id"] != "none"   # torchrun's run id
-    assert proc.stdout.count("Peak") <= 1      # only rank 0 prints its summary
+    # rank 0 waited for rank 1's complete trace and merged both
+    merged = json.loads((tmp_path / "tr.merged.json").read_text())
+    assert merged["complete"] and merged["job_id"] == metas[0]["job_id"]
+    assert proc.stdout.count("2 of 2 rank(s), complete") == 1
 
 
 @pytest.mark.slow
@@ -135,6 +146,9 @@ def test_a_crashed_rank_is_named_and_the_others_traces_are_complete(tmp_path: Pa
     assert sum(1 for e in t0.events() if e.op == "step") == 2  # both finished steps are there
     t1 = load_trace(tmp_path / "cr.rank1.tmtrace")             # a readable prefix
     assert "cut_short" in t1.metadata and t1.metadata["rank"] == 1
+    merged = json.loads((tmp_path / "cr.merged.json").read_text())
+    assert not merged["complete"] and merged["cut_short"] == [1]
+    assert "INCOMPLETE" in proc.stdout
 
 
 @pytest.mark.slow
@@ -145,6 +159,7 @@ def test_a_script_without_a_process_group_is_refused_after_the_run(tmp_path: Pat
     assert "ranks 0, 1 never called torch.distributed.init_process_group" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert load_trace(tmp_path / "p.rank1.tmtrace").peak() == {"cpu": 400}
+    assert not (tmp_path / "p.merged.json").exists()    # not a job: nothing merged
     # under torchrun the rank says so itself
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",

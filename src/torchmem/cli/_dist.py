@@ -55,6 +55,10 @@ __all__ = [
     "launch",
     "OPTIONS_ENV",
     "JOB_ENV",
+    "merged_path",
+    "write_merged",
+    "wait_for_ranks",
+    "merge_after_rank",
 ]
 
 #: environment variable carrying the parent's ``torchmem run`` options (JSON) to every rank
@@ -140,6 +144,16 @@ def rank_trace_path(output: str, rank: int) -> str:
 
 def _job_base(output: str) -> str:
     return output[: -len(".tmtrace")] if output.endswith(".tmtrace") else output
+
+
+def merged_path(output: str) -> str:
+    """Where the merged summary of the job named by ``output`` goes.
+
+    Example:
+        >>> merged_path("out/run.tmtrace"), merged_path("job")
+        ('out/run.merged.json', 'job.merged.json')
+    """
+    return f"{_job_base(output)}.merged.json"
 
 
 # ------------------------------------------------------------------------------------ the rank
@@ -376,9 +390,16 @@ def _report(args: argparse.Namespace, paths: list[str], job_id: str,
         rows.append(row)
     failed = list(failures)  # the first to fail first
     stream = sys.stderr if args.json else sys.stdout
+    # no merge of ranks that never formed a job; a merge of crashed ranks says what is missing
+    merging = not uninitialised and len(missing) < len(paths)
     if args.json:
+        from torchmem.render.ranks import merge_json
+
+        merged = write_merged(paths, args.output, view=False) if merging else None
         print(json.dumps({"job_id": job_id, "world_size": len(paths), "ranks": rows,
-                          "failed_ranks": failed, "missing_ranks": missing}, indent=2))
+                          "failed_ranks": failed, "missing_ranks": missing,
+                          "merged": json.loads(merge_json(merged)) if merged else None},
+                         indent=2))
     elif not args.quiet:
         backends = sorted({str(r.get("backend")) for r in rows if r.get("backend")})
         print(f"\nper-rank peaks (job {job_id}, {len(paths)} ranks, backend "
@@ -406,9 +427,130 @@ def _report(args: argparse.Namespace, paths: list[str], job_id: str,
         if rank not in failures:
             print(f"torchmem run: rank {rank} wrote no trace ({paths[rank]})", file=sys.stderr)
     print(f"traces written to {_job_base(args.output)}.rank*.tmtrace", file=stream)
+    if merging and not args.json:
+        write_merged(paths, args.output, view=not args.quiet)
     if failed:
         code = failures[failed[0]]
         return code if 0 < code < 256 else 1
     if uninitialised:
         raise InvalidInputError(never_initialised(uninitialised))
     return 0
+
+
+# ------------------------------------------------------------------------------- the merged view
+
+
+#: seconds rank 0 waits under plain torchrun for the other ranks' traces (env overrides)
+WAIT_ENV = "TORCHMEM_MERGE_TIMEOUT"
+_WAIT_DEFAULT = 120.0
+
+
+def write_merged(paths: list[str], output: str, *, view: bool = True) -> Any:
+    """Merge the rank traces ``paths`` (``torchmem merge``'s merge), write
+    ``NAME.merged.json`` and, with ``view``, print the merged view (missing and cut-short ranks
+    on stderr). Returns the :class:`~torchmem.analysis.RankMerge`, or ``None`` when no trace
+    is there.
+
+    Example:
+        >>> import contextlib, io, os, tempfile
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.model.events import EventKind as K
+        >>> from torchmem.io.tmtrace import save_trace
+        >>> d = tempfile.mkdtemp()
+        >>> tr = Trace({"rank": 0, "world_size": 2, "job_id": "j"})
+        >>> _ = tr.append(K.ALLOC, 0, "cpu", 4096, 1)
+        >>> save_trace(tr, os.path.join(d, "j.rank0.tmtrace"))
+        >>> with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ...     m = write_merged([os.path.join(d, f"j.rank{r}.tmtrace") for r in (0, 1)],
+        ...                      os.path.join(d, "j.tmtrace"))
+        >>> m.missing, os.path.exists(os.path.join(d, "j.merged.json"))
+        ([1], True)
+    """
+    from torchmem.cli.merge import merge_files, show
+
+    present = [p for p in paths if os.path.isfile(p)]
+    if not present:
+        return None
+    out = merged_path(output)
+    merged = merge_files(present, out)
+    if view:
+        print()
+        show(merged, prog="torchmem run")
+    print(f"merged summary written to {os.path.abspath(out)}",
+          file=sys.stdout if view else sys.stderr)
+    return merged
+
+
+def wait_for_ranks(output: str, info: RankInfo, timeout: float | None = None,
+                   poll: float = 0.2) -> list[str]:
+    """Under plain torchrun, rank 0 waits (at most ``timeout`` seconds, default
+    ``TORCHMEM_MERGE_TIMEOUT`` or 120) until every rank of its job has written its complete
+    trace; returns the ranks' paths (a rank still running when time is up is merged as it
+    stands, and reported cut short or missing).
+
+    Example:
+        >>> import os, tempfile
+        >>> from torchmem.model.trace import Trace
+        >>> from torchmem.io.tmtrace import save_trace
+        >>> d = tempfile.mkdtemp(); out = os.path.join(d, "j.tmtrace")
+        >>> save_trace(Trace({"rank": 1, "job_id": "j"}), os.path.join(d, "j.rank1.tmtrace"))
+        >>> len(wait_for_ranks(out, RankInfo(0, 2, 0, "j"), timeout=5))
+        2
+        >>> save_trace(Trace({"rank": 1, "job_id": "old"}), os.path.join(d, "j.rank1.tmtrace"))
+        >>> import time; t = time.time(); _ = wait_for_ranks(out, RankInfo(0, 2, 0, "j"), timeout=0.3)
+        >>> time.time() - t >= 0.3        # another job's file: waited until the time was up
+        True
+    """
+    import time
+
+    from torchmem.io.tmtrace import is_cut_short, load_trace
+
+    if timeout is None:
+        try:
+            timeout = float(os.environ.get(WAIT_ENV, _WAIT_DEFAULT))
+        except ValueError:
+            raise InvalidInputError(
+                f"{WAIT_ENV} must be a number of seconds, got {os.environ[WAIT_ENV]!r}"
+            ) from None
+    paths = [rank_trace_path(output, r) for r in range(info.world_size)]
+    pending = {r: p for r, p in enumerate(paths) if r != info.rank}
+    seen: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    told = False
+    while pending:
+        for r, p in list(pending.items()):
+            try:
+                mtime = os.stat(p).st_mtime
+            except OSError:
+                continue
+            if seen.get(r) == mtime or is_cut_short(p):
+                continue  # not there yet, still streaming, or an old file already looked at
+            seen[r] = mtime
+            try:
+                job = load_trace(p).metadata.get("job_id")
+            except Exception:  # noqa: BLE001 - being replaced right now: look again
+                seen.pop(r, None)
+                continue
+            if job == info.job_id:
+                del pending[r]
+        if not pending or time.monotonic() >= deadline:
+            break
+        if not told:
+            print(f"torchmem run: rank {info.rank} waits for the traces of rank(s) "
+                  f"{', '.join(map(str, sorted(pending)))} to merge them (at most "
+                  f"{timeout:.0f} s)", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(poll)
+    return paths
+
+
+def merge_after_rank(output: str, info: RankInfo, *, view: bool = True) -> None:
+    """Under plain torchrun: rank 0 waits for the other ranks' traces, then writes and prints
+    the merged summary (other ranks do nothing).
+
+    Example:
+        >>> merge_after_rank("x.tmtrace", RankInfo(1, 2, 1, "j"))   # not rank 0: nothing
+    """
+    if info.rank != 0:
+        return
+    write_merged(wait_for_ranks(output, info), output, view=view)

@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     rank = _dist.rank_info()
     if rank is not None:  # a rank of a distributed job: its own trace, its own metadata
         _dist.apply_parent_options(args)
-        args.output = _dist.rank_trace_path(args.output, rank.rank)
+        job_output, args.output = args.output, _dist.rank_trace_path(args.output, rank.rank)
         args.quiet = args.quiet or rank.rank != 0
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
@@ -412,4 +412,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if rank is not None and "backend" not in tracker.trace.metadata:  # under plain torchrun
         raise InvalidInputError(_dist.never_initialised([rank.rank]))
+    if rank is not None:  # under plain torchrun: rank 0 merges the job's traces
+        _dist.merge_after_rank(job_output, rank, view=not (args.quiet or args.json))
     return code
