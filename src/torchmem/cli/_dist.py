@@ -138,8 +138,7 @@ def rank_trace_path(output: str, rank: int) -> str:
         >>> rank_trace_path("torchmem-trace.tmtrace", 0), rank_trace_path("run", 12)
         ('torchmem-trace.rank0.tmtrace', 'run.rank12.tmtrace')
     """
-    base = output[: -len(".tmtrace")] if output.endswith(".tmtrace") else output
-    return f"{base}.rank{rank}.tmtrace"
+    return f"{_job_base(output)}.rank{rank}.tmtrace"
 
 
 def _job_base(output: str) -> str:
