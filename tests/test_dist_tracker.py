@@ -92,3 +92,13 @@ def test_dtensor_outputs_count_their_local_shard(group: None) -> None:
     # the local shard's 48 bytes, not the global shape's 96
     assert [n for op, c, n in _allocs(tr) if op == "aten::mul"] == [3 * 4 * 4]
     del e, local
+
+
+def test_a_collective_on_a_tensor_made_before_tracking_allocates_nothing(group: None) -> None:
+    x = torch.ones(64)                                # untracked: made before the block
+    with torchmem.track() as tr:
+        dist.all_reduce(x)                            # c10d::allreduce_ returns its argument
+        y = torch.ones(8)
+        dist.all_reduce(y)
+    assert _allocs(tr) == [("c10d::allreduce_", "communication", 32)]
+    del y

@@ -379,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         leaks = watch.explain(why_n, roots, sites=sites or None,
                               start_step=max(0, g.start_step) if g else 0)
     namespace.clear()
-    if args.json:
+    if args.json and (rank is None or rank.rank == 0):  # under torchrun: one JSON document
         data = json.loads(summary_json(summary))
         if host is not None:
             data["host"] = host.to_dict()

@@ -109,11 +109,18 @@ class _Comm(_Phases):
         name, sign = _classify(func)
         op = self.trace.intern(name)
         if kind == _COLLECTIVE:
-            if sign > 0:  # a functional collective's new outputs: allocations of the collective
-                self._on_outputs(func, out, op)
-            for t in iter_items((args, kwargs or {}, out)):
-                for p in plain_tensors(t):
-                    self._mark(p, op, _COMM)
+            inputs = [p for t in iter_items((args, kwargs or {})) for p in plain_tensors(t)]
+            if sign > 0:
+                # a functional collective's new outputs are allocations of the collective; an
+                # output on an input's storage (c10d's in-place collectives return their
+                # arguments, unannotated) is not, even when that storage predates tracking
+                seen = {t.untyped_storage()._cdata for t in inputs if t.layout is torch.strided}
+                new = [p for t in iter_items((out,)) for p in plain_tensors(t)
+                       if p.layout is torch.strided and p.untyped_storage()._cdata not in seen]
+                if new:
+                    self._on_outputs(func, tuple(new), op)
+            for p in inputs + [p for t in iter_items((out,)) for p in plain_tensors(t)]:
+                self._mark(p, op, _COMM)
         else:  # fsdp::split_with_sizes_copy: its out= tensors are the unsharded parameters
             for t in iter_items(((kwargs or {}).get("out", ()),)):
                 for p in plain_tensors(t):
