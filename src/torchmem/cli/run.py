@@ -128,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when memory leaks, explain what holds the N largest leaked storages (default 3; 0: "
              "off)",
     )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N",
+        help="run the script on N ranks through torch.distributed.run, each rank tracked "
+             "(NAME.rank{R}.tmtrace); under torchrun ('torchrun ... -m torchmem run script.py') "
+             "each rank is found from RANK/WORLD_SIZE/LOCAL_RANK",
+    )
 
 
 def _aggregate_option(args: argparse.Namespace) -> bool | int:
@@ -303,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
         ...
         torchmem.errors.InvalidInputError: expected a script to run...
     """
+    from torchmem.cli import _dist
+
     module_argv = getattr(args, "module", None)
     if module_argv is not None:
         if not module_argv:
@@ -328,6 +336,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.script and not as_module:
         _script_source(args.script)  # a clear error for a missing file or a plain folder
+    if getattr(args, "nproc_per_node", None) is not None:
+        args.as_module = as_module
+        return _dist.launch(args)  # the parent: the launcher starts this command per rank
+    rank = _dist.rank_info()
+    if rank is not None:  # a rank of a distributed job: its own trace, its own metadata
+        _dist.apply_parent_options(args)
+        job_output, args.output = args.output, _dist.rank_trace_path(args.output, rank.rank)
+        args.quiet = args.quiet or rank.rank != 0
     if args.stack_depth < 1:
         raise InvalidInputError(f"--stack-depth must be >= 1, got {args.stack_depth}")
     host_interval = getattr(args, "host_interval", 0.2)
@@ -363,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
              else f"-m {args.script}" if as_module else args.script)
     print(f"torchmem: tracking {label} ...", file=sys.stderr)
     meta: dict[str, Any] = {"command": ["torchmem", "run", *sys.argv[2:]] if sys.argv else []}
+    if rank is not None:
+        meta.update(rank.metadata())
     code = 0
     exc: BaseException | None = None
     from torchmem.cli._leaks import LeakWatch
@@ -387,11 +405,14 @@ def run(args: argparse.Namespace) -> int:
         tracker = track(stacks=not args.no_stacks, stack_depth=args.stack_depth, metadata=meta,
                         listeners=listeners, path=args.output, aggregate=aggregate,
                         keep_last=getattr(args, "keep_last", 5))
+    dist_ctx: Any = (_dist.rank_context(rank, tracker.trace.metadata) if rank is not None
+                     else contextlib.nullcontext(_dist.RankState()))
     if sampler is not None:
         sampler.start()
     namespace: dict[str, Any] = {}
     try:
-        with tracker, (live if live is not None else contextlib.nullcontext()):
+        # a rank's SIGTERM handler stays on until the trace is written (dist_ctx outside)
+        with dist_ctx as rank_state, tracker, (live if live is not None else contextlib.nullcontext()):
             if args.example:
                 from torchmem._example_train import main as example_main
 
@@ -400,6 +421,7 @@ def run(args: argparse.Namespace) -> int:
                 with _stdout_to_stderr(bool(args.json)):
                     code, exc = _run_script(args.script, list(args.args), namespace,
                                             module=as_module)
+                    rank_state.script_running = False
     finally:
         if sampler is not None:
             sampler.stop()
@@ -408,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
             print("torchmem run: the script was interrupted", file=sys.stderr)
         else:
             sys.stderr.write(_user_traceback(exc, args.script))
+    if rank is not None and os.environ.get(_dist.OPTIONS_ENV):
+        return code  # a rank of 'torchmem run --nproc-per-node': the parent reports its trace
 
     from torchmem.analysis.summary import NO_SITE, summarize_trace
     from torchmem.render.summary import render_summary, summary_json
@@ -432,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
         print("torchmem run: memory grows every iteration; run again with --mode ops to see "
               "the call sites and what holds the leaked storages", file=sys.stderr)
     namespace.clear()
-    if args.json:
+    if args.json and (rank is None or rank.rank == 0):  # under torchrun: one JSON document
         data = json.loads(summary_json(summary))
         if host is not None:
             data["host"] = host.to_dict()
@@ -466,4 +490,8 @@ def run(args: argparse.Namespace) -> int:
         f"next: torchmem summary {args.output}   |   torchmem plot {args.output} -o timeline.png",
         file=stream,
     )
+    if rank is not None and "backend" not in tracker.trace.metadata:  # under plain torchrun
+        raise InvalidInputError(_dist.never_initialised([rank.rank]))
+    if rank is not None:  # under plain torchrun: rank 0 merges the job's traces
+        _dist.merge_after_rank(job_output, rank, view=not (args.quiet or args.json))
     return code

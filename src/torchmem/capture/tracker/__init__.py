@@ -39,7 +39,15 @@ Categories (heuristics):
   allocated in. gradient (new): allocated in backward and the ``.grad`` of a known parameter when
   backward ends. optimizer_state: allocated in ``optimizer.step`` and held in
   ``optimizer.state``. input: allocated outside any phase and passed to an outermost module
-  call. other: the rest.
+  call. communication: a buffer a collective (``c10d::`` and functional collective operators)
+  reads or writes that is none of the above (a DDP gradient bucket, FSDP2's all-gather and
+  reduce-scatter buffers); its operator is the collective's name (``_comm`` says what was
+  measured). other: the rest.
+
+Distributed training: operator outputs that are wrapper subclasses (``DTensor``) are recorded by
+their local tensors' storages; FSDP2's unsharded parameters (freed and re-made with
+``UntypedStorage.resize_``, which the tracker wraps while active) are parameters, operator
+``fsdp::split_with_sizes_copy``.
 
 Storage ids: ``Event.storage`` is the ALLOC's sequence number + 1. A storage resized in place
 (``resize_``, an ``out=`` into a too-small tensor) is recorded as a FREE of the old size and an
@@ -63,6 +71,7 @@ order, so every step of an event runs as a plain method or closure, with no indi
 - ``_sites``: call-site capture (the user's Python frames of an event).
 - ``_recorder``: the tracker's state, listeners and the general path that appends one event.
 - ``_phases``: step markers, phase regions, final categories, backward module attribution.
+- ``_comm``: collectives, FSDP2's copy-out and storage resizes (distributed training).
 - ``_hooks``: the global module and optimizer hooks (module names, the optimizer phase).
 - ``_hotpath``: the dispatch mode and the per-operator and per-free closures.
 - ``_threads``: the modes of threads started while tracking (``threading.Thread.start``).

@@ -26,7 +26,8 @@ import torch
 
 from torchmem._containers import iter_tensors
 from torchmem.capture._names import _path_below
-from torchmem.capture.tracker._phases import _graph_task_id, _Phases
+from torchmem.capture.tracker._comm import _Comm
+from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
 
 __all__: list[str] = []
@@ -34,7 +35,7 @@ __all__: list[str] = []
 _OPT_SENTINEL: Any = torch.nn.Identity()  # marks the optimizer entry on the module stack
 
 
-class _Hooks(_Phases):
+class _Hooks(_Comm):
     """The callbacks a tracker registers as global module and optimizer hooks."""
 
     def _name_of(self, m: torch.nn.Module) -> int:

@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmem._containers import iter_items
+from torchmem.capture.tracker._comm import _classify, special_kind
 from torchmem.capture.tracker._hooks import _Hooks
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import (
@@ -38,6 +39,7 @@ from torchmem.capture.tracker._recorder import (
     _TEMP,
     _perf_ns,
     _SRef,
+    plain_tensors,
 )
 from torchmem.capture.tracker._sites import call_site
 
@@ -53,33 +55,17 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracker: _HotPath) -> None:
         super().__init__()
         self._on_outputs = tracker._on_outputs
+        self._unseen = tracker._unseen_op
         self._ops = tracker._ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         info = self._ops.get(func)
-        if info is None or info:
+        if info is None:  # first call, or an operator handled by name (collectives)
+            self._unseen(func, out, args, kwargs)
+        elif info:
             self._on_outputs(func, out, info)
         return out
-
-
-def _classify(func: Any) -> tuple[str, int]:
-    """An operator's name and what its outputs are: 1 new storages, -1 written in place
-    (in-place / ``out=``: new only if resized), 0 aliases of inputs (views)."""
-    schema = func._schema
-    # lift_fresh returns (an alias of) a tensor built from Python data outside the
-    # dispatcher (torch.tensor(...)): its storage is new to us
-    if schema.name.startswith("aten::lift_fresh") or (
-        not func.is_view and all(r.alias_info is None for r in schema.returns)
-    ):
-        return schema.name, 1
-    if not func.is_view and any(
-        r.alias_info is not None and r.alias_info.is_write for r in schema.returns
-    ):
-        # in-place / out= operators allocate nothing, unless they resize their output's
-        # storage (resize_, out= into a too-small tensor): negative = "check the size"
-        return schema.name, -1
-    return schema.name, 0
 
 
 def _output_tensors(out: Any) -> Iterable[Any]:
@@ -121,6 +107,7 @@ class _HotPath(_Hooks):
         SRef = _SRef
         provisional = _PROVISIONAL
         me = self
+        plain = plain_tensors
 
         pending = self._pending
         orphans = self._orphans
@@ -214,9 +201,11 @@ class _HotPath(_Hooks):
             if pending:
                 drain()
             if isinstance(out, Tensor):
-                tensors: Iterable[Any] = (out,)
+                # a wrapper subclass (DTensor): its local tensors' storages are the memory
+                tensors: Iterable[Any] = (out,) if out.__class__ is Tensor else plain(out)
             elif isinstance(out, (tuple, list)):
-                tensors = iter_items(out)
+                tensors = [p for t in iter_items(out)
+                           for p in ((t,) if t.__class__ is Tensor else plain(t))]
             else:
                 return
             if info < 0:  # in-place / out=: only a resized storage is news
@@ -322,16 +311,20 @@ class _HotPath(_Hooks):
         self._on_thread_outputs = on_thread_outputs
         self._drain = drain
 
+    def _unseen_op(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        """An operator not in the cache: classify it (an ordinary one is cached from now on),
+        or handle a collective / FSDP2 copy-out, which are never cached."""
+        kind = self._special.get(func)
+        if kind is None:
+            kind = self._special[func] = special_kind(func)
+        if kind:
+            self._special_op(func, out, args, kwargs, kind)
+        else:
+            self._on_outputs(func, out, None)
+
     def _op_info(self, func: Any) -> int:
         """String index of an operator whose outputs are new storages, 0 if they alias."""
         name, sign = _classify(func)
         info = sign * self.trace.intern(name) if sign else 0
         self._ops[func] = info
         return info
-
-    def _resized(self, ref: _SRef, s: torch.UntypedStorage, device: torch.device, op: int) -> None:
-        """A live storage changed size in place: record a free of the old size and an
-        allocation of the new one (a new storage id for the same storage)."""
-        self._on_free_cb(ref)
-        phase, module = self._phase_now(), self._cur_module()
-        self._add_storage(s, device, op, module, phase, self.trace.category[ref.seq])

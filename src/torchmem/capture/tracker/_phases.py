@@ -24,7 +24,15 @@ from collections.abc import Iterable
 
 import torch
 
-from torchmem.capture.tracker._recorder import _C, _MARK, _P_BWD, _P_OPT, _P_OTHER, _Recorder
+from torchmem.capture.tracker._recorder import (
+    _C,
+    _MARK,
+    _P_BWD,
+    _P_OPT,
+    _P_OTHER,
+    _Recorder,
+    plain_tensors,
+)
 from torchmem.model.events import Category
 
 __all__: list[str] = []
@@ -102,6 +110,8 @@ class _Phases(_Recorder):
         """Close the current phase region: resolve categories of its surviving allocations."""
         old = self._cur
         region = self._region_id
+        if old == _P_BWD and self._comm_refs:
+            self._comm_to_gradients()
         if old == _P_BWD or old == _P_OPT:
             survivors = [ref for ref in self._live.values() if ref.region == region]
             if survivors:
@@ -115,6 +125,19 @@ class _Phases(_Recorder):
                     cat[ref.seq] = hit if ref.key in keys else other
         self._region_id = region + 1
         self._cur = new_phase
+
+    def _comm_to_gradients(self) -> None:
+        """When backward ends: communication buffers that are now gradients (FSDP2's
+        reduce-scatter output, a DDP bucket with ``gradient_as_bucket_view``) become gradients."""
+        refs = self._comm_refs
+        keys = self._grad_keys()
+        cats = self.trace.category
+        for key, ref in list(refs.items()):
+            if self._live.get(key) is not ref:
+                del refs[key]
+            elif key in keys:
+                cats[ref.seq] = int(_C.GRADIENT)
+                del refs[key]
 
     def _note_params(self, params: Iterable[torch.Tensor]) -> None:
         for p in params:
@@ -131,8 +154,10 @@ class _Phases(_Recorder):
                 dead.append(k)
                 continue
             g = p.grad
-            if g is not None and g.layout is torch.strided:
-                keys.add(g.untyped_storage()._cdata)
+            if g is not None:
+                for t in plain_tensors(g):  # a DTensor's local shard
+                    if t.layout is torch.strided:
+                        keys.add(t.untyped_storage()._cdata)
         for k in dead:
             del self._params[k]
         return keys
@@ -142,15 +167,17 @@ class _Phases(_Recorder):
         for o in list(self._optims):
             for st in o.state.values():
                 for v in st.values():
-                    if isinstance(v, torch.Tensor) and v.layout is torch.strided:
-                        keys.add(v.untyped_storage()._cdata)
+                    if isinstance(v, torch.Tensor):
+                        for t in plain_tensors(v):
+                            if t.layout is torch.strided:
+                                keys.add(t.untyped_storage()._cdata)
         return keys
 
     def _reclassify(
         self, tensors: Iterable[torch.Tensor], cat: Category, only_from: int, module: int = 0
     ) -> None:
-        for t in tensors:
-            if t is None or t.layout is not torch.strided:
+        for t in (p for x in tensors if x is not None for p in plain_tensors(x)):
+            if t.layout is not torch.strided:
                 continue
             ref = self._live.get(t.untyped_storage()._cdata)
             if ref is not None and self.trace.category[ref.seq] == only_from:
@@ -207,8 +234,9 @@ class _Phases(_Recorder):
                     if isinstance(v, torch.Tensor):
                         items.append((v, _C.OPTIMIZER_STATE, 0))
         self._active = False
-        for t, cat, mod in items:
-            if t.layout is not torch.strided or getattr(t, "is_nested", False):
-                continue
-            self._add_storage(t.untyped_storage(), t.device, 0, mod, _P_OTHER, int(cat))
+        for x, cat, mod in items:
+            for t in plain_tensors(x):  # a DTensor's local shard
+                if t.layout is not torch.strided or getattr(t, "is_nested", False):
+                    continue
+                self._add_storage(t.untyped_storage(), t.device, 0, mod, _P_OTHER, int(cat))
         self._active = True  # frees of initial storages are recorded from now on

@@ -30,6 +30,7 @@ from types import CodeType
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._sites import call_site
@@ -69,6 +70,26 @@ class _SRef(weakref.ref):  # type: ignore[type-arg]
     region: int
     dev: int
     nbytes: int
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors
+    (a ``DTensor``'s local shard), recursively.
+
+    Example:
+        >>> import torch
+        >>> [x.shape for x in plain_tensors(torch.ones(2))]
+        [torch.Size([2])]
+    """
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    out: list[torch.Tensor] = []
+    for a in attrs:
+        inner = getattr(t, a)
+        if isinstance(inner, torch.Tensor):  # (DTensor also names its device mesh)
+            out.extend(plain_tensors(inner))
+    return out
 
 
 def _ignore(*_: Any) -> None:
@@ -142,6 +163,9 @@ class _Recorder:
             }
         )
         self._ops: dict[Any, Any] = {}
+        self._special: dict[Any, int] = {}  # operator -> what _comm does with it (0: nothing)
+        # storages a collective used (communication buffers), by storage key, until freed
+        self._comm_refs: dict[int, _SRef] = {}
         self._live: dict[int, _SRef] = {}
         self._region_id = 0  # allocations freed in the region they were made in are temporaries
         self._live_dev: list[int] = []

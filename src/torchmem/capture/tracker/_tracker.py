@@ -197,6 +197,7 @@ class Tracker(_Threads):
         h4 = optim_module.register_optimizer_step_post_hook(self._opt_post)
         self._exit.append(h4.remove)
         self._install_threads()
+        self._install_resize()
         mode = _Mode(self)
         mode.__enter__()
         self._exit.append(lambda: mode.__exit__(None, None, None))
