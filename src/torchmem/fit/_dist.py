@@ -420,7 +420,17 @@ class FakeWorld:
             return out
 
         self._set(torch.UntypedStorage, "resize_", resize_)
+        # the tracker's own resize_ wrapper (for real FSDP2 runs) would record these resizes a
+        # second time, without the categories this estimate keeps for them: off while estimating
+        from torchmem.capture.tracker._comm import _Comm
+
+        self._set(_Comm, "_install_resize", _no_resize_wrapper)
         self._set(DistributedDataParallel, "__new__", _ddp_new)
+
+
+def _no_resize_wrapper(tracker: Any) -> None:
+    """Stands in for the tracker's ``_install_resize`` during a per-rank estimate."""
+    return None
 
 
 def _destroy() -> None:
