@@ -1,4 +1,5 @@
-"""Module names as users know them from ``named_modules()``, shared by both trackers.
+"""What both trackers (``mode="ops"`` and ``mode="fast"``) share: module names as users know
+them from ``named_modules()`` and the checks of ``track()``'s arguments.
 
 Example:
     >>> import torch
@@ -10,7 +11,12 @@ Example:
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
+
+from torchmem.errors import InvalidInputError
 
 __all__: list[str] = []
 
@@ -30,3 +36,42 @@ def _path_below(parent: torch.nn.Module, m: torch.nn.Module, pname: str) -> str:
         if sub is m and qualified:
             return f"{pname}.{qualified}"
     return f"{pname}.{type(m).__name__}"
+
+
+def check_track_args(
+    targets: tuple[Any, ...], step_marker: str, path: Any
+) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """Check ``track()``'s shared arguments; returns the modules and optimizers passed in.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(1, 1)
+        >>> mods, opts = check_track_args((lin,), "optimizer", None)
+        >>> mods == [lin], opts
+        (True, [])
+    """
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder):
+            raise InvalidInputError(
+                f"path {os.fspath(path)!r} cannot be written: expected a file path in an "
+                "existing folder; create the folder or pass another path"
+            )
+    if step_marker not in ("optimizer", "manual"):
+        raise InvalidInputError(
+            f"step_marker must be 'optimizer' or 'manual', got {step_marker!r}; use 'manual' "
+            "and call tracker.step() yourself when optimizer.step() is not your iteration"
+        )
+    modules: list[torch.nn.Module] = []
+    optims: list[torch.optim.Optimizer] = []
+    for i, t in enumerate(targets):
+        if isinstance(t, torch.nn.Module):
+            modules.append(t)
+        elif isinstance(t, torch.optim.Optimizer):
+            optims.append(t)
+        else:
+            raise InvalidInputError(
+                f"track() argument {i} must be a torch.nn.Module or torch.optim.Optimizer, "
+                f"got {type(t).__name__}; pass tensors' owners, or nothing to track all ops"
+            )
+    return modules, optims

@@ -38,7 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -50,7 +49,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below
+from torchmem.capture._names import _path_below, check_track_args
 from torchmem.capture.fast._build import load_native
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -106,30 +105,7 @@ class FastTracker:
         metadata: dict[str, Any] | None = None,
         path: PathLike | None = None,
     ) -> None:
-        if step_marker not in ("optimizer", "manual"):
-            raise InvalidInputError(
-                f"step_marker must be 'optimizer' or 'manual', got {step_marker!r}; use 'manual' "
-                "and call tracker.step() yourself when optimizer.step() is not your iteration"
-            )
-        if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
-            if os.path.isdir(path) or not os.path.isdir(folder):
-                raise InvalidInputError(
-                    f"path {os.fspath(path)!r} cannot be written: expected a file path in an "
-                    "existing folder; create the folder or pass another path"
-                )
-        self._modules_in: list[torch.nn.Module] = []
-        self._optims_in: list[torch.optim.Optimizer] = []
-        for i, t in enumerate(targets):
-            if isinstance(t, torch.nn.Module):
-                self._modules_in.append(t)
-            elif isinstance(t, torch.optim.Optimizer):
-                self._optims_in.append(t)
-            else:
-                raise InvalidInputError(
-                    f"track() argument {i} must be a torch.nn.Module or torch.optim.Optimizer, "
-                    f"got {type(t).__name__}; pass tensors' owners, or nothing to track all ops"
-                )
+        self._modules_in, self._optims_in = check_track_args(targets, step_marker, path)
         self.path = path
         self.module_attribution = bool(modules)
         self.step_marker = step_marker

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from torchmem.capture._names import check_track_args
 from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._sites import call_site
 from torchmem.errors import InvalidInputError
@@ -121,34 +121,11 @@ class _Recorder:
                 f"aggregate must be True, False or an event count >= 1 (aggregate above it), "
                 f"got {aggregate!r}; e.g. aggregate=True, or aggregate=5_000_000"
             )
-        if path is not None:
-            folder = os.path.dirname(os.path.abspath(path))
-            if os.path.isdir(path) or not os.path.isdir(folder):
-                raise InvalidInputError(
-                    f"path {os.fspath(path)!r} cannot be written: expected a file path in an "
-                    "existing folder; create the folder or pass another path"
-                )
+        self._modules_in, self._optims_in = check_track_args(targets, step_marker, path)
         self.path = path
         self._streamer: TraceStreamer | None = None
-        if step_marker not in ("optimizer", "manual"):
-            raise InvalidInputError(
-                f"step_marker must be 'optimizer' or 'manual', got {step_marker!r}; use 'manual' "
-                "and call tracker.step() yourself when optimizer.step() is not your iteration"
-            )
         if not isinstance(stack_depth, int) or stack_depth < 1:
             raise InvalidInputError(f"stack_depth must be an int >= 1, got {stack_depth!r}")
-        self._modules_in: list[torch.nn.Module] = []
-        self._optims_in: list[torch.optim.Optimizer] = []
-        for i, t in enumerate(targets):
-            if isinstance(t, torch.nn.Module):
-                self._modules_in.append(t)
-            elif isinstance(t, torch.optim.Optimizer):
-                self._optims_in.append(t)
-            else:
-                raise InvalidInputError(
-                    f"track() argument {i} must be a torch.nn.Module or torch.optim.Optimizer, "
-                    f"got {type(t).__name__}; pass tensors' owners, or nothing to track all ops"
-                )
         self.stacks = bool(stacks)
         self.stack_depth = stack_depth
         self.module_attribution = bool(modules)
