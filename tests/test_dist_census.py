@@ -72,7 +72,7 @@ TRAIN = textwrap.dedent(
             census = sum(b for k, b in now.items() if k not in before)
         opt.zero_grad()
     with open(os.path.join(OUT, f"census{rank}.json"), "w") as f:
-        json.dump({"census": census}, f)
+        json.dump({"census": census, "sizes": sorted(b for k, b in now.items() if k not in before)}, f)
     dist.destroy_process_group()
     """
 ).replace("SPIKE", str(SPIKE))
@@ -108,6 +108,23 @@ def _census(tmp_path: Path, rank: int) -> int:
     return int(json.loads((tmp_path / f"census{rank}.json").read_text())["census"])
 
 
+def _why(trace: object, tmp_path: Path, rank: int) -> str:
+    """For a failed comparison: the census's storage sizes and the trace's live ones at its peak."""
+    live: dict[int, tuple[int, str | None, str]] = {}
+    best, at = -1, {}
+    total = 0
+    for e in trace.events():  # type: ignore[attr-defined]
+        if e.kind.label == "alloc":
+            live[e.storage] = (e.nbytes, e.op, e.category.label)
+            total += e.nbytes
+        elif e.kind.label == "free" and e.storage in live:
+            total -= live.pop(e.storage)[0]
+        if total > best:
+            best, at = total, dict(live)
+    sizes = json.loads((tmp_path / f"census{rank}.json").read_text())["sizes"]
+    return f"rank {rank}: census sizes {sizes}; trace live at its peak {sorted(at.values())}"
+
+
 def _allocs_by_op(trace: object, category: str) -> dict[str, list[int]]:
     out: dict[str, list[int]] = defaultdict(list)
     for e in trace.events():  # type: ignore[attr-defined]
@@ -123,7 +140,7 @@ def test_ddp_rank_peaks_equal_the_census(tmp_path: Path, world: int) -> None:
     p = _param_bytes()
     for rank, trace in enumerate(traces):
         peak = trace.peak()["cpu"]
-        assert peak == _census(tmp_path, rank), rank
+        assert peak == _census(tmp_path, rank), _why(trace, tmp_path, rank)
         at_peak = summarize(trace).categories_at_peak
         assert at_peak["parameter"] == p
         assert at_peak["gradient"] == p
@@ -145,7 +162,7 @@ def test_fsdp2_rank_peaks_equal_the_census(tmp_path: Path, world: int) -> None:
     s = sum(shards)
     for rank, trace in enumerate(traces):
         peak = trace.peak()["cpu"]
-        assert peak == _census(tmp_path, rank), rank
+        assert peak == _census(tmp_path, rank), _why(trace, tmp_path, rank)
         at_peak = summarize(trace).categories_at_peak
         assert at_peak["parameter"] == s                         # the sharded parameters
         assert at_peak["gradient"] == s                          # the sharded gradients
