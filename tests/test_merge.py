@@ -235,3 +235,48 @@ def test_one_rank_and_empty_traces() -> None:
     m = merge_ranks([Trace({"rank": 0, "world_size": 1})])
     assert m.complete and m.difference is None and m.imbalance is None
     assert m.ranks[0].device is None and m.ranks[0].peak == 0
+
+
+def _phased_rank(rank: int, peak_phase: P) -> Trace:
+    """A rank whose peak is the 900 B allocation in ``peak_phase`` at step 1 (a 100 B
+    forward activation stays; a 50 B temporary before it is freed)."""
+    tr = Trace({"rank": rank, "world_size": 2, "job_id": "moments"})
+    tr.append(K.MARK, 0, "cpu", 0, 0, op="step", step=0)
+    tr.append(K.ALLOC, 1, "cpu", 100, 1, op="aten::relu", module="Net.l0",
+              category=C.ACTIVATION, phase=P.FORWARD, step=1)
+    tr.append(K.ALLOC, 2, "cpu", 50, 2, op="aten::add", phase=P.FORWARD, step=1)
+    tr.append(K.FREE, 3, "cpu", 50, 2, step=1)
+    tr.append(K.ALLOC, 4, "cpu", 900 + rank, 3, op="aten::mm", module="Net.l1",
+              category=C.TEMPORARY, phase=peak_phase, step=1)
+    tr.append(K.FREE, 5, "cpu", 900 + rank, 3, step=1)
+    return tr
+
+
+def test_where_each_rank_peaked_and_whether_the_moments_differ() -> None:
+    import io
+
+    from torchmem.render.ranks import merge_json, render_merge
+
+    same = merge_ranks([_phased_rank(0, P.BACKWARD), _phased_rank(1, P.BACKWARD)])
+    assert [(r.peak, r.peak_phase, r.peak_step, r.peak_op, r.peak_module) for r in same.ranks] \
+        == [(1000, "backward", 1, "aten::mm", "Net.l1"), (1001, "backward", 1, "aten::mm", "Net.l1")]
+    assert same.ranks[0].peak_at == "backward, step 1, aten::mm in Net.l1"
+    assert same.difference is not None and not same.difference.different_moments
+
+    moved = merge_ranks([_phased_rank(0, P.OPTIMIZER), _phased_rank(1, P.BACKWARD)])
+    d = moved.difference
+    assert d is not None and d.different_moments and (d.heavy_rank, d.light_rank) == (1, 0)
+    assert (d.heavy_at, d.light_at) == ("backward, step 1, aten::mm in Net.l1",
+                                        "optimizer, step 1, aten::mm in Net.l1")
+    buf = io.StringIO()
+    render_merge(moved, buf)
+    text = buf.getvalue()
+    assert "the two peaks are at different moments (rank 1: backward, step 1" in text
+    assert "optimizer, step 1, aten::mm in Net.l1" in text     # the ranks table's "peak at"
+    buf = io.StringIO()
+    render_merge(same, buf)
+    assert "different moments" not in buf.getvalue()
+    import json
+    data = json.loads(merge_json(moved))
+    assert [r["peak_phase"] for r in data["ranks"]] == ["optimizer", "backward"]
+    assert data["difference"]["different_moments"] is True

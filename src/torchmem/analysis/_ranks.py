@@ -175,6 +175,33 @@ class RankStats:
     start_unix_ns: int | None = None
     cut_short: str | None = None
     name: str | None = None
+    #: where the peak was reached: the phase, step counter, operator and module of the
+    #: allocation that made it (``None`` without a peak)
+    peak_phase: str | None = None
+    peak_step: int | None = None
+    peak_op: str | None = None
+    peak_module: str | None = None
+
+    @property
+    def peak_at(self) -> str:
+        """Where the peak was reached, in words (``"-"`` without a peak).
+
+        Example:
+            >>> from torchmem.model.trace import Trace
+            >>> from torchmem.model.events import EventKind as K
+            >>> tr = Trace({"rank": 0, "world_size": 1})
+            >>> _ = tr.append(K.ALLOC, 0, "cpu", 8, 1, op="aten::mm", module="Net.fc", step=2)
+            >>> rank_stats(tr).peak_at
+            'other, step 2, aten::mm in Net.fc'
+        """
+        if self.peak_phase is None:
+            return "-"
+        where = f"{self.peak_phase}, step {self.peak_step}"
+        if self.peak_op:
+            where += f", {self.peak_op}"
+            if self.peak_module:
+                where += f" in {self.peak_module}"
+        return where
 
     @property
     def steps(self) -> int:
@@ -238,6 +265,12 @@ class RankDifference:
     light_peak: int
     bytes: int
     groupings: dict[str, Attribution]
+    #: where each rank's peak was reached (:attr:`RankStats.peak_at`)
+    heavy_at: str | None = None
+    light_at: str | None = None
+    #: whether the two peaks were reached in different phases or steps: the split then
+    #: compares what each rank held at a different moment of its step
+    different_moments: bool = False
 
     @property
     def named_share(self) -> float | None:
@@ -433,11 +466,16 @@ def rank_stats(trace: Trace, *, name: str | None = None) -> RankStats:
     trend = leak_trend(ends)
     alive = _alive(trace, amask, fmask, peak_seq, want)
     at_peak = _groups(trace, alive)
+    at: dict[str, Any] = {}
+    if peak_seq >= 0:
+        ev = trace.event(peak_seq)
+        at = {"peak_phase": ev.phase.label, "peak_step": ev.step, "peak_op": ev.op,
+                 "peak_module": ev.module}
     return RankStats(
         rank, world, _str_meta(trace, "job_id"), device, n, peak, peak_seq,
         trace.time_ns[peak_seq] if peak_seq >= 0 else 0, finals[device], peaks, finals,
         iterations, trend.bytes_per_iteration, trend.leak, at_peak,
-        _collectives(trace, amask, alive), **_extra(trace, name),
+        _collectives(trace, amask, alive), **_extra(trace, name), **at,
     )
 
 
@@ -622,7 +660,9 @@ def _attribute(heavy: RankStats, light: RankStats, top: int) -> RankDifference:
         named = sum(r.delta for r in shown if r.name != UNNAMED[g])
         groupings[g] = Attribution(g, shown, sum(r.delta for r in past), named,
                                    named / total if total else None)
-    return RankDifference(heavy.rank, light.rank, heavy.peak, light.peak, total, groupings)
+    moved = (heavy.peak_phase, heavy.peak_step) != (light.peak_phase, light.peak_step)
+    return RankDifference(heavy.rank, light.rank, heavy.peak, light.peak, total, groupings,
+                          heavy.peak_at, light.peak_at, moved and light.peak_phase is not None)
 
 
 def merge_ranks(

@@ -90,14 +90,14 @@ def render_merge(merge: RankMerge, file: IO[str] | None = None, *, color: bool |
     rows = [
         (str(r.rank), r.device or "-", format_bytes(r.peak), format_bytes(r.final_live),
          signed_bytes(r.growth_per_iteration), str(r.steps), "yes" if r.leak else "no",
-         str(r.events), ", ".join(x for x in (
+         str(r.events), r.peak_at, ", ".join(x for x in (
              "heaviest" if r.rank == m.heaviest and have > 1 else "",
              "lightest" if r.rank == m.lightest and have > 1 else "",
              "cut short" if r.cut_short else "") if x))
         for r in m.ranks
     ]
     header = ["rank", "device", "peak", "live at end", "growth/iteration", "steps", "leak",
-              "events", "note"]
+              "events", "peak at", "note"]
     console.print(rich_table("Ranks", header, rows, show_edge=False,
                              right=("rank", "peak", "live at end", "growth/iteration", "steps",
                                     "events")))
@@ -182,6 +182,11 @@ def _difference(console: Console, m: RankMerge) -> None:
       f"{signed_bytes(d.bytes)} at their peaks ({format_bytes(d.heavy_peak)} against "
       f"{format_bytes(d.light_peak)}); {_pct(d.named_share)} of it named by category, module or "
       f"call site (by {shares} alone)", soft_wrap=True)
+    if d.different_moments:
+        p(f"Note: the two peaks are at different moments (rank {d.heavy_rank}: {d.heavy_at}; "
+          f"rank {d.light_rank}: {d.light_at}): each side of the split is what that rank held "
+          "at its own peak, so a category can rise on one rank and fall on the other for that "
+          "reason alone", soft_wrap=True)
     order = ["combined", *(g for g in d.groupings if g != "combined")]
     for g in order:
         a = d.groupings[g]
