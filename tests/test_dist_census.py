@@ -9,7 +9,13 @@ Ground truth, three ways:
 
 * the census: every live plain tensor the garbage collector finds (``DTensor`` wrappers are
   skipped: their local shards are plain tensors), each storage once, minus those alive before
-  the script started; taken on the rank at the peak point;
+  the script started; taken on the rank at the peak point, once settled. Under load (about
+  one run in twenty) a census there also finds a flat ``[W * shard]`` float tensor of the
+  first unit that no Python object refers to (only C++ holds it: the collective's work on
+  gloo's own threads, which run Python then) and that is gone by the next scan; the trace has
+  every all-gather and reduce-scatter buffer of that size freed by then. So the census is
+  repeated until two, 50 ms apart, agree (a known limit of a dispatch-level tracker:
+  buffers held inside a collective's work are not operator outputs it can follow);
 * arithmetic from the model: parameters, gradients and Adam's two moments of every parameter
   (DDP: whole; FSDP2: the rank's padded dim-0 shard, ``ceil(rows / W)`` rows) plus Adam's
   4-byte step counters; DDP's one gradient bucket holds every parameter's bytes;
@@ -39,7 +45,7 @@ LAYERS = [(16, 32), (32, 4)]  # Linear(in, out): weight (out, in), bias (out,)
 
 TRAIN = textwrap.dedent(
     """
-    import gc, json, os, sys
+    import gc, json, os, sys, time
     import torch, torch.distributed as dist
 
     def storages():
@@ -68,11 +74,21 @@ TRAIN = textwrap.dedent(
         opt.step()
         if i == 2:
             spike = torch.ones((rank + 1) * SPIKE // 4)
-            now = storages()
-            census = sum(b for k, b in now.items() if k not in before)
+            # settled: gloo's own threads may hold a collective's flat buffer (a tensor no
+            # Python object refers to, never an operator's output) for a moment after the
+            # step; count once two censuses 50 ms apart agree (no tensor is made meanwhile)
+            census, tries = None, 0
+            while tries < 40:
+                now = storages()
+                total = sum(b for k, b in now.items() if k not in before)
+                if total == census:
+                    break
+                census, tries = total, tries + 1
+                time.sleep(0.05)
         opt.zero_grad()
     with open(os.path.join(OUT, f"census{rank}.json"), "w") as f:
-        json.dump({"census": census, "sizes": sorted(b for k, b in now.items() if k not in before)}, f)
+        json.dump({"census": census, "tries": tries,
+                   "sizes": sorted(b for k, b in now.items() if k not in before)}, f)
     dist.destroy_process_group()
     """
 ).replace("SPIKE", str(SPIKE))
