@@ -1,5 +1,6 @@
 """What both trackers (``mode="ops"`` and ``mode="fast"``) share: module names as users know
-them from ``named_modules()`` and the checks of ``track()``'s arguments.
+them from ``named_modules()``, the checks of ``track()``'s arguments and the initial state of
+the modules and optimizers passed in.
 
 Example:
     >>> import torch
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from torchmem.errors import InvalidInputError
+from torchmem.model.events import Category
 
 __all__: list[str] = []
 
@@ -75,3 +77,35 @@ def check_track_args(
                 f"got {type(t).__name__}; pass tensors' owners, or nothing to track all ops"
             )
     return modules, optims
+
+
+def initial_state(
+    modules: list[torch.nn.Module], optims: list[torch.optim.Optimizer], names: Any
+) -> list[tuple[torch.Tensor, Category, int]]:
+    """``(tensor, category, module name index)`` for the state of the objects passed to
+    ``track()``: parameters and buffers (named by ``names[module]``), their gradients, and the
+    optimizers' parameters, gradients and state (module 0).
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> [(c.label, m) for _, c, m in initial_state([lin], [], {lin: 7})]
+        [('parameter', 7), ('parameter', 7)]
+    """
+    items: list[tuple[torch.Tensor, Category, int]] = []
+    for root in modules:
+        for m in root.modules():
+            mname = names[m]
+            items += [(p, Category.PARAMETER, mname) for p in m.parameters(recurse=False)]
+            items += [(b, Category.BUFFER, mname) for b in m.buffers(recurse=False)]
+        items += [(p.grad, Category.GRADIENT, 0) for p in root.parameters() if p.grad is not None]
+    for o in optims:
+        for group in o.param_groups:
+            for p in group["params"]:
+                items.append((p, Category.PARAMETER, 0))
+                if p.grad is not None:
+                    items.append((p.grad, Category.GRADIENT, 0))
+        for st in o.state.values():
+            items += [(v, Category.OPTIMIZER_STATE, 0) for v in st.values()
+                      if isinstance(v, torch.Tensor)]
+    return items

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below, check_track_args
+from torchmem.capture._names import _path_below, check_track_args, initial_state
 from torchmem.capture.fast._build import load_native
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -323,22 +323,7 @@ class FastTracker:
 
     # ------------------------------------------------------------------ lifecycle
     def _capture_initial(self) -> None:
-        items: list[tuple[torch.Tensor, Category, int]] = []
-        for root in self._modules_in:
-            for m in root.modules():
-                mname = self._names[m]
-                items += [(p, Category.PARAMETER, mname) for p in m.parameters(recurse=False)]
-                items += [(b, Category.BUFFER, mname) for b in m.buffers(recurse=False)]
-            items += [(p.grad, Category.GRADIENT, 0) for p in root.parameters() if p.grad is not None]
-        for o in self._optims_in:
-            for group in o.param_groups:
-                for p in group["params"]:
-                    items.append((p, Category.PARAMETER, 0))
-                    if p.grad is not None:
-                        items.append((p.grad, Category.GRADIENT, 0))
-            for st in o.state.values():
-                items += [(v, Category.OPTIMIZER_STATE, 0) for v in st.values()
-                          if isinstance(v, torch.Tensor)]
+        items = initial_state(self._modules_in, self._optims_in, self._names)
         tr = self.trace
         for t, cat, mod in items:
             if t.layout is not torch.strided or t.device.type != "cpu":

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
+from torchmem.capture._names import initial_state
 from torchmem.capture.tracker._recorder import (
     _C,
     _MARK,
@@ -212,27 +213,7 @@ class _Phases(_Recorder):
 
     def _capture_initial(self) -> None:
         """ALLOC events at time 0 for the state of the modules and optimizers passed in."""
-        items: list[tuple[torch.Tensor, Category, int]] = []
-        for root in self._modules_in:
-            for m in root.modules():
-                mname = self._names[m]  # interned by _install
-                for p in m.parameters(recurse=False):
-                    items.append((p, _C.PARAMETER, mname))
-                for b in m.buffers(recurse=False):
-                    items.append((b, _C.BUFFER, mname))
-            for p in root.parameters():
-                if p.grad is not None:
-                    items.append((p.grad, _C.GRADIENT, 0))
-        for o in self._optims_in:
-            for group in o.param_groups:
-                for p in group["params"]:
-                    items.append((p, _C.PARAMETER, 0))
-                    if p.grad is not None:
-                        items.append((p.grad, _C.GRADIENT, 0))
-            for st in o.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        items.append((v, _C.OPTIMIZER_STATE, 0))
+        items = initial_state(self._modules_in, self._optims_in, self._names)
         self._active = False
         for x, cat, mod in items:
             for t in plain_tensors(x):  # a DTensor's local shard
