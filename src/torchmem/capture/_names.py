@@ -13,6 +13,8 @@ Example:
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Iterable, MutableSequence
 from typing import Any
 
 import torch
@@ -109,3 +111,42 @@ def initial_state(
             items += [(v, Category.OPTIMIZER_STATE, 0) for v in st.values()
                       if isinstance(v, torch.Tensor)]
     return items
+
+
+#: the sequence number the next autograd node will get
+next_seq = torch._C._autograd._get_sequence_nr
+
+
+def seq_mark(bounds: MutableSequence[int], owners: MutableSequence[int], owner: int) -> None:
+    """Note that autograd nodes made from now on belong to ``owner`` (a module's interned name):
+    ``bounds[i]`` is the first sequence number of ``owners[i]``'s nodes (both trackers map a
+    backward node back to the module whose forward made it this way).
+
+    Example:
+        >>> from array import array
+        >>> b, o = array("q"), array("I")
+        >>> seq_mark(b, o, 3); seq_mark(b, o, 5)   # no node made in between: 5 replaces 3
+        >>> list(o)
+        [5]
+    """
+    nr = next_seq()
+    if bounds and bounds[-1] == nr:  # no autograd node since the last change
+        owners[-1] = owner
+    else:
+        bounds.append(nr)
+        owners.append(owner)
+
+
+def note_params(registry: dict[int, weakref.ref[torch.Tensor]],
+                params: Iterable[torch.Tensor]) -> None:
+    """Remember ``params`` weakly by ``id`` (their ``.grad`` is a gradient when backward ends).
+
+    Example:
+        >>> reg = {}; w = torch.nn.Parameter(torch.ones(2)); note_params(reg, [w])
+        >>> reg[id(w)]() is w
+        True
+    """
+    for p in params:
+        r = registry.get(id(p))
+        if r is None or r() is not p:
+            registry[id(p)] = weakref.ref(p)

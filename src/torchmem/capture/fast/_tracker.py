@@ -49,7 +49,13 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below, check_track_args, initial_state
+from torchmem.capture._names import (
+    _path_below,
+    check_track_args,
+    initial_state,
+    note_params,
+    seq_mark,
+)
 from torchmem.capture.fast._build import load_native
 from torchmem.errors import InvalidInputError
 from torchmem.io.tmtrace import PathLike, save_trace
@@ -62,7 +68,6 @@ __all__ = ["FastTracker"]
 _M_GRADS, _M_OPT_STATE, _M_PARAMS, _M_BUFFERS, _M_INPUTS, _M_STEP, _M_FWD_START, _M_USER = range(1, 9)
 _P_OTHER, _P_FWD, _P_BWD, _P_OPT = (int(p) for p in Phase)
 _graph_task_id = torch._C._current_graph_task_id
-_next_seq = torch._C._autograd._get_sequence_nr
 _OPT = object()  # the optimizer's entry on the module stack
 
 # _native.cpp hard-codes these numbers
@@ -137,18 +142,10 @@ class FastTracker:
         self._native.set_context(self._stack[-1] if self._stack else 0, self._phase)
 
     def _seq_mark(self, owner: int) -> None:
-        nr = _next_seq()
-        if self._bounds and self._bounds[-1] == nr:
-            self._owners[-1] = owner
-        else:
-            self._bounds.append(nr)
-            self._owners.append(owner)
+        seq_mark(self._bounds, self._owners, owner)
 
     def _note_params(self, params: Any) -> None:
-        for p in params:
-            r = self._params.get(id(p))
-            if r is None or r() is not p:
-                self._params[id(p)] = weakref.ref(p)
+        note_params(self._params, params)
 
     def _name_of(self, m: torch.nn.Module) -> int:
         parent = self._mods[-1] if self._mods and self._mods[-1] is not _OPT else None

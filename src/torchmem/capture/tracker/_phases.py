@@ -18,13 +18,12 @@ Example:
 from __future__ import annotations
 
 import functools
-import weakref
 from bisect import bisect_right
 from collections.abc import Iterable
 
 import torch
 
-from torchmem.capture._names import initial_state
+from torchmem.capture._names import initial_state, next_seq, note_params, seq_mark
 from torchmem.capture.tracker._recorder import (
     _C,
     _MARK,
@@ -40,7 +39,7 @@ __all__: list[str] = []
 
 _graph_task_id = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
-_next_seq = torch._C._autograd._get_sequence_nr  # the sequence number the next node will get
+_next_seq = next_seq
 _NO_SEQ = 2**63  # AccumulateGrad reports UINT64_MAX
 
 
@@ -88,13 +87,7 @@ class _Phases(_Recorder):
         return mod
 
     def _seq_mark(self, owner: int) -> None:
-        bounds = self._seq_bounds
-        nr = _next_seq()
-        if bounds and bounds[-1] == nr:  # no autograd node since the last change
-            self._seq_owner[-1] = owner
-        else:
-            bounds.append(nr)
-            self._seq_owner.append(owner)
+        seq_mark(self._seq_bounds, self._seq_owner, owner)
 
     def _prune_seq_map(self) -> None:
         """At a step marker the graphs of earlier iterations have run backward: forget them."""
@@ -141,10 +134,7 @@ class _Phases(_Recorder):
                 del refs[key]
 
     def _note_params(self, params: Iterable[torch.Tensor]) -> None:
-        for p in params:
-            r = self._params.get(id(p))
-            if r is None or r() is not p:
-                self._params[id(p)] = weakref.ref(p)
+        note_params(self._params, params)
 
     def _grad_keys(self) -> set[int]:
         keys = set()
