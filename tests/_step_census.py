@@ -51,24 +51,18 @@ class DDPBuckets:
                 data = o._get_ddp_logging_data()
                 self.sizes |= {int(b) for b in str(data["bucket_sizes"]).split(",") if b}
         assert self.sizes, "no DistributedDataParallel module alive"
-        self.at_start = self._visible()
-        assert not self.at_start, "a bucket is visible at train start: nothing to correct"
+        assert not self._found(), "a bucket is visible at train start: nothing to correct"
 
-    def _visible(self) -> set[int]:
-        return {
-            o.untyped_storage().data_ptr()
-            for o in gc.get_objects()
-            if type(o) in (torch.Tensor, torch.nn.Parameter)
-            and o.device.type == "cpu" and o.untyped_storage().nbytes() in self.sizes
-        }
+    def _found(self) -> dict[int, int]:
+        """The bucket-sized CPU storages the garbage collector finds now: pointer -> bytes."""
+        return {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
+                for o in gc.get_objects()
+                if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu"
+                and o.untyped_storage().nbytes() in self.sizes}
 
     def seen_late(self) -> int:
-        """Bytes of the buckets a census finds now that it did not find at train start."""
-        found = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
-                 for o in gc.get_objects()
-                 if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu"
-                 and o.untyped_storage().nbytes() in self.sizes}
-        return sum(n for k, n in found.items() if k not in self.at_start)
+        """Bytes of the buckets a census finds now (none was found at train start)."""
+        return sum(self._found().values())
 
 
 class StepProfile:

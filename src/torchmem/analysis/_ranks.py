@@ -470,7 +470,7 @@ def rank_stats(trace: Trace, *, name: str | None = None) -> RankStats:
     if peak_seq >= 0:
         ev = trace.event(peak_seq)
         at = {"peak_phase": ev.phase.label, "peak_step": ev.step, "peak_op": ev.op,
-                 "peak_module": ev.module}
+              "peak_module": ev.module}
     return RankStats(
         rank, world, _str_meta(trace, "job_id"), device, n, peak, peak_seq,
         trace.time_ns[peak_seq] if peak_seq >= 0 else 0, finals[device], peaks, finals,
