@@ -24,10 +24,8 @@ Run:  python benchmarks/bench_estimate.py           (about 1 minute on our 2 cor
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
+
+from _child import run_child
 
 CHILD = r'''
 import json, resource, sys, time
@@ -94,15 +92,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run(method: str, quick: bool) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", CHILD, method, "1" if quick else "0"],
-                       capture_output=True, text=True, env=env)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    return run_child(CHILD, method, "1" if quick else "0")
 
 
 def gib(n: int | None) -> str:

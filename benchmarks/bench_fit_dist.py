@@ -29,10 +29,8 @@ Run:  python benchmarks/bench_fit_dist.py                  (world sizes 8 and 64
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
+
+from _child import run_child
 
 CHILD = r'''
 import json, resource, sys, time
@@ -114,15 +112,7 @@ METHODS = ("torchmem", "fsdpmemtracker", "formula")
 
 
 def run(method: str, quick: bool, n: int) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
-                                         env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", CHILD, method, "1" if quick else "0", str(n)],
-                       capture_output=True, text=True, env=env)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1]}
+    return run_child(CHILD, method, "1" if quick else "0", str(n))
 
 
 def gib(n: int | None) -> str:
