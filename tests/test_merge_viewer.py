@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from test_merge import _hand_rank, random_rank
+from torchmem.analysis import rank_stats
 from torchmem.cli import main
-from torchmem.io.tmtrace import save_trace
+from torchmem.io.tmtrace import load_trace, save_trace
 from torchmem.model.events import EventKind as K
 from torchmem.model.trace import Trace
 from torchmem.render.viewer._ranks import build_rank_payload, rank_curve
@@ -77,6 +78,8 @@ def test_payload_places_ranks_on_one_time_axis() -> None:
         traces.append(tr)
     p = build_rank_payload(traces)
     assert [d["name"] for d in p["devices"]] == ["rank 0 (cpu)", "rank 1 (cpu)"]
+    # where each rank peaked: the hand-built ranks reach their peak with the 64 B aten::add
+    assert [d["peak_at"] for d in p["devices"]] == ["other, step 0, aten::add in Net.l0"] * 2
     assert [(r["rank"], r["peak"], r["detail"], r["offset_us"]) for r in p["ranks"]] == [
         (0, 7564, 0, 0), (1, 5864, 1, 3000)]
     assert p["world_size"] == 2 and p["notes"] == []
@@ -139,6 +142,10 @@ def test_rank_page_in_chromium(tmp_path: Path) -> None:
             r = page.js("window.__torchmem.ranks()")
             assert (r["count"], r["world"], r["mode"], r["curves"]) == (3, 3, "time", 3)
             assert page.page.locator("label.dev").inner_text().startswith("rank")
+            options = page.page.locator("#device option").all_inner_texts()
+            want = [rank_stats(load_trace(tmp_path / f"job.rank{i}.tmtrace")).peak_at
+                    for i in range(3)]
+            assert [o.split(" in ", 1)[1].rstrip(")") for o in options] == want
             first = r["current"]
             page.js("window.__torchmem.setView(5000, 20000)")
             other = next(i for i in range(3) if i != first)

@@ -131,7 +131,7 @@ def build_rank_payload(
             dev = default_device_index(trace.devices)[s.device]
             figures = _device_figures(model)
             meta, cols = _device_payload(model, dev, interner, dict(figures.get(dev) or {}))
-            meta.update(name=entry["name"], rank=s.rank, columns=cols)
+            meta.update(name=entry["name"], rank=s.rank, columns=cols, peak_at=s.peak_at)
             entry["detail"] = len(devices)
             devices.append(meta)
             del model

@@ -77,7 +77,8 @@
       P.devices.forEach((d, i) => {
         const o = document.createElement('option');
         o.value = i;
-        o.textContent = d.name + ' (' + d.n_events + ' events, peak ' + fmtBytes(peakOf(d)) + ')' + (hasOom(d) ? ' \u26a0 OOM' : '');
+        o.textContent = d.name + ' (' + d.n_events + ' events, peak ' + fmtBytes(peakOf(d)) +
+          (d.peak_at ? ' in ' + d.peak_at : '') + ')' + (hasOom(d) ? ' \u26a0 OOM' : '');
         if (hasOom(d)) o.dataset.oom = '1';
         sel.appendChild(o);
       });
