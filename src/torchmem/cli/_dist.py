@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torchmem._environ import environ_set
 from torchmem.errors import InvalidInputError
 
 __all__ = [
@@ -328,7 +329,7 @@ def launch(args: argparse.Namespace) -> int:
     print(f"torchmem: launching {label} on {n} rank(s) through torch.distributed.run (job "
           f"{job_id}) ...", file=sys.stderr, flush=True)
     failures: dict[int, int] = {}
-    with _env({OPTIONS_ENV: json.dumps(options), JOB_ENV: job_id}):
+    with environ_set({OPTIONS_ENV: json.dumps(options), JOB_ENV: job_id}):
         try:
             elastic_launch(config, cmd)(*cmd_args)
         except ChildFailedError as e:
@@ -346,20 +347,6 @@ def _jsonable(v: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _report(args: argparse.Namespace, paths: list[str], job_id: str,
@@ -502,7 +489,7 @@ def wait_for_ranks(output: str, info: RankInfo, timeout: float | None = None,
     """
     import time
 
-    from torchmem.io.tmtrace import is_cut_short, load_trace
+    from torchmem.io.tmtrace import read_header
 
     if timeout is None:
         try:
@@ -522,15 +509,13 @@ def wait_for_ranks(output: str, info: RankInfo, timeout: float | None = None,
                 mtime = os.stat(p).st_mtime
             except OSError:
                 continue
-            if seen.get(r) == mtime or is_cut_short(p):
-                continue  # not there yet, still streaming, or an old file already looked at
+            if seen.get(r) == mtime:
+                continue  # an old file already looked at
+            header = read_header(p)  # the metadata, without the events
+            if header is None or header.get("layout") == "stream":
+                continue  # being replaced right now, or still streaming: look again
             seen[r] = mtime
-            try:
-                job = load_trace(p).metadata.get("job_id")
-            except Exception:  # noqa: BLE001 - being replaced right now: look again
-                seen.pop(r, None)
-                continue
-            if job == info.job_id:
+            if (header.get("metadata") or {}).get("job_id") == info.job_id:
                 del pending[r]
         if not pending or time.monotonic() >= deadline:
             break

@@ -35,15 +35,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from torchmem._environ import environ_set
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._engine import BuildError
@@ -75,20 +75,6 @@ def _transformers() -> Any:
             f"fix: {_INSTALL}"
         ) from None
     return transformers
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    """``HF_HUB_OFFLINE=1`` for a config lookup: only the local cache is read."""
-    saved = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved
 
 
 def _short(exc: BaseException) -> str:
@@ -155,7 +141,7 @@ def load_config(config: object) -> Any:
     if path.endswith(".json") or path.startswith((".", "/", "~")):
         raise InvalidInputError(f"no config file at {path!r}; fix: pass the path to config.json")
     try:
-        with _offline():
+        with environ_set({"HF_HUB_OFFLINE": "1"}):  # only the local cache is read
             return tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise InvalidInputError(

@@ -88,7 +88,8 @@ from torchmem.model.events import Category, Phase
 from torchmem.model.trace import BYTES_PER_EVENT, COLUMNS, Trace
 
 __all__ = [
-    "save_trace", "load_trace", "is_tmtrace", "is_cut_short", "TraceStreamer", "MAGIC", "FORMAT_VERSION",
+    "save_trace", "load_trace", "read_header", "is_tmtrace", "is_cut_short", "TraceStreamer", "MAGIC",
+    "FORMAT_VERSION",
     "PathLike",
 ]
 
@@ -201,6 +202,28 @@ def is_tmtrace(path: PathLike) -> bool:
         return False
 
 
+def read_header(path: PathLike) -> dict[str, Any] | None:
+    """The JSON header of the trace file ``path`` (its ``metadata``, string tables, layout)
+    without reading its events; ``None`` when it is not a readable trace file.
+
+    Example:
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "t.tmtrace"); save_trace(Trace({"rank": 1}), p)
+        >>> read_header(p)["metadata"], read_header("/no/such/file.tmtrace")
+        ({'rank': 1}, None)
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != MAGIC:
+                return None
+            (hlen,) = struct.unpack_from("<I", head, 12)
+            header = json.loads(f.read(hlen).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
 def is_cut_short(path: PathLike) -> bool:
     """True when ``path`` is a streamed trace: a run that ended abruptly (killed) left it, so it
     holds the events up to about a second before the end (see :class:`TraceStreamer`).
@@ -211,16 +234,8 @@ def is_cut_short(path: PathLike) -> bool:
         >>> is_cut_short(p), is_cut_short("/no/such/file.tmtrace")
         (False, False)
     """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            if len(head) < 16 or head[:8] != MAGIC:
-                return False
-            (hlen,) = struct.unpack_from("<I", head, 12)
-            header = json.loads(f.read(hlen).decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(header, dict) and header.get("layout") == "stream"
+    header = read_header(path)
+    return header is not None and header.get("layout") == "stream"
 
 
 def _read(name: str) -> bytes:

@@ -110,16 +110,17 @@ class _Comm(_Phases):
         op = self.trace.intern(name)
         if kind == _COLLECTIVE:
             inputs = [p for t in iter_items((args, kwargs or {})) for p in plain_tensors(t)]
+            outputs = [p for t in iter_items((out,)) for p in plain_tensors(t)]
             if sign > 0:
                 # a functional collective's new outputs are allocations of the collective; an
                 # output on an input's storage (c10d's in-place collectives return their
                 # arguments, unannotated) is not, even when that storage predates tracking
                 seen = {t.untyped_storage()._cdata for t in inputs if t.layout is torch.strided}
-                new = [p for t in iter_items((out,)) for p in plain_tensors(t)
+                new = [p for p in outputs
                        if p.layout is torch.strided and p.untyped_storage()._cdata not in seen]
                 if new:
                     self._on_outputs(func, tuple(new), op)
-            for p in inputs + [p for t in iter_items((out,)) for p in plain_tensors(t)]:
+            for p in inputs + outputs:
                 self._mark(p, op, _COMM)
         else:  # fsdp::split_with_sizes_copy: its out= tensors are the unsharded parameters
             for t in iter_items(((kwargs or {}).get("out", ()),)):
