@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from torchmem._distributed import keep_defaults_groupless
 from torchmem.errors import InvalidInputError
 
 __all__ = ["check_world_size", "FakeWorld", "DistWatch"]
@@ -323,6 +324,7 @@ class FakeWorld:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         stack = self._stack
+        keep_defaults_groupless()  # else a dispatch mode entered later may keep the fake group
         try:
             dist.init_process_group("fake", rank=0, world_size=self.world_size,
                                     store=FakeStore())

@@ -20,7 +20,7 @@ called (it would restart ``max_memory_allocated`` for every reader in the proces
   (``torch.cuda.max_memory_allocated``, never reset) is logged beside it.
 
 Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks, matched
-by name (one ``all_gather_object`` of a small dict per step; rank r's ``cuda:r`` figures are
+by name (one gather of a small dict per step, :func:`torchmem._distributed.gather_dicts`; rank r's ``cuda:r`` figures are
 the unprefixed ones on every rank).
 
 Example:
@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 
+from torchmem._distributed import gather_dicts
 from torchmem.errors import InvalidInputError
 from torchmem.integrations._allocator import AllocatorFollower
 from torchmem.model.events import Event, EventKind
@@ -288,14 +289,13 @@ class StepMeter:
 def _max_across_ranks(peaks: StepPeaks) -> StepPeaks:
     """Each figure set to its maximum over the ranks, matched by metric name: every rank's GPU
     figures are the unprefixed ones (rank r's ``cuda:r``), and a rank that saw a phase or a
-    device the others did not still takes part (``all_gather_object``, not a fixed-length
+    device the others did not still takes part (a gather of each rank's dict, not a fixed-length
     ``all_reduce``, which would hang on such a mismatch)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return peaks
     cells = peaks._cells("memory/")
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {key: per_dev.get(dev, 0) for key, per_dev, dev in cells})
+    gathered = gather_dicts({key: per_dev.get(dev, 0) for key, per_dev, dev in cells})
     merged: dict[str, int] = {}
     for figures in gathered:
         for key, value in figures.items():

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from torchmem._distributed import keep_defaults_groupless
 from torchmem.capture.storage import device_str
 from torchmem.capture.tracker._hotpath import _Mode
 from torchmem.capture.tracker._recorder import _MARK, _P_OTHER, Listener
@@ -198,6 +199,7 @@ class Tracker(_Threads):
         self._exit.append(h4.remove)
         self._install_threads()
         self._install_resize()
+        keep_defaults_groupless()  # before the mode's first entry imports torch._dynamo
         mode = _Mode(self)
         mode.__enter__()
         self._exit.append(lambda: mode.__exit__(None, None, None))
