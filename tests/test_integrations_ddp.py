@@ -179,7 +179,7 @@ def test_ranks_that_saw_different_phases_still_agree(tmp_path: Path) -> None:
 
 TRANSFORMERS_DDP = textwrap.dedent(
     """
-    import json, os, sys
+    import gc, json, os, sys, weakref
     import torch, transformers
     from _step_census import DDPBuckets, StepProfile, census, outside
     from torchmem.integrations.transformers import MemoryCallback
@@ -220,14 +220,22 @@ TRANSFORMERS_DDP = textwrap.dedent(
         tr.train()
         rank = int(os.environ["RANK"])
         logged = [{k: v for k, v in row.items() if k.startswith("memory/")} for row in tr.state.log_history if "memory/peak_bytes" in row]
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"starts": c.starts, "rises": c.rises, "logged": logged,
-                       "world": torch.distributed.get_world_size()}, f)
-        # PyTorch's documented shutdown (the Trainer leaves the group alive): without it, the
-        # all_gather of the Trainer's own store_flos() at train end can still be held by gloo's
-        # thread at interpreter exit, which aborts the rank: PyTorch's own race, reproduced
-        # without torchmem (an all_gather right before exit: 2 of 20 two-rank runs aborted)
+        result = {"starts": c.starts, "rises": c.rises, "logged": logged,
+                  "world": torch.distributed.get_world_size()}
+        # PyTorch's documented shutdown. The Trainer leaves the group alive, and its own
+        # store_flos() all_gather at train end can still be held by gloo's thread at interpreter
+        # exit, which aborts the rank (PyTorch's race, reproduced without torchmem: an
+        # all_gather right before exit aborted 2 of 20 two-rank runs). The DDP model holds the
+        # group, so it goes first; our callback, kept for its history, must not hold it.
+        group = weakref.ref(torch.distributed.group.WORLD)
+        del tr, model
+        gc.collect()
         torch.distributed.destroy_process_group()
+        gc.collect()
+        result["group_alive_after_destroy"] = group() is not None
+        result["history"] = len(cb.history)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
     """
 )
 
@@ -246,5 +254,11 @@ def test_transformers_under_torchrun_logs_the_max_over_two_gloo_ranks(tmp_path: 
          str(tmp_path / "hf_train.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads((tmp_path / "rank0.json").read_text())["world"] == 2
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["world"] == 2
+        # the callback (still referenced, 3 steps in its history) keeps no Trainer or model
+        # alive: destroy_process_group really ends the group
+        assert result["history"] == 3
+        assert result["group_alive_after_destroy"] is False
     _check_logged_max(tmp_path)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Optional
 
 from torchmem.errors import InvalidInputError
@@ -94,7 +95,9 @@ class MemoryCallback(TrainerCallback):  # type: ignore[misc]
         self.oom_file: Optional[str] = None
         self._meter: Optional[StepMeter] = None
         self._unlogged: list[StepPeaks] = []
-        self._attached: Any = None
+        # weakly: a callback kept for its history must not keep the Trainer, its model (and under
+        # DDP the process group the model holds) alive
+        self._attached: Optional[weakref.ref[Any]] = None
 
     def attach(self, trainer: Any) -> MemoryCallback:
         """Put this callback first among ``trainer``'s callbacks and guard its ``train``,
@@ -113,9 +116,9 @@ class MemoryCallback(TrainerCallback):  # type: ignore[misc]
                 f"MemoryCallback.attach expects a transformers.Trainer, received "
                 f"{type(trainer).__name__}; pass the Trainer you call .train() on"
             )
-        if self._attached is trainer:
+        if self._attached is not None and self._attached() is trainer:
             return self
-        self._attached = trainer
+        self._attached = weakref.ref(trainer)
         handler = trainer.callback_handler
         if self in handler.callbacks:
             handler.callbacks.remove(self)
@@ -154,7 +157,8 @@ class MemoryCallback(TrainerCallback):  # type: ignore[misc]
             self.attach(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self._attached if self._attached is not None else _running_trainer()
+        trainer = self._attached() if self._attached is not None else None
+        trainer = trainer if trainer is not None else _running_trainer()
         if trainer is not None:
             self.attach(trainer)
             for part in (kwargs.get("optimizer"), kwargs.get("lr_scheduler")):
