@@ -20,8 +20,8 @@ called (it would restart ``max_memory_allocated`` for every reader in the proces
   (``torch.cuda.max_memory_allocated``, never reset) is logged beside it.
 
 Under DDP (``torch.distributed`` initialised), each figure is the maximum across ranks, matched
-by name (one gather of a small dict per step, :func:`torchmem._distributed.gather_dicts`; rank r's ``cuda:r`` figures are
-the unprefixed ones on every rank).
+by name (one gather of a small dict per step, :func:`torchmem._distributed.gather_dicts`; rank
+r's ``cuda:r`` figures are the unprefixed ones on every rank).
 
 Example:
     >>> import torch
