@@ -4,9 +4,10 @@
   ``torch._dynamo``, which imports ``torch.distributed.nn.functional``, whose functions take
   ``group=group.WORLD`` as a default argument, evaluated at import. Imported while a process group
   exists, those defaults hold it for the rest of the process: ``destroy_process_group`` no longer
-  destroys it, and gloo's worker threads outlive the interpreter. :func:`keep_defaults_groupless`
-  imports that module before any group exists (its defaults are then ``None``: the default group
-  at call time), or, when a group already exists, puts ``None`` back in its place.
+  destroys it, and gloo's worker threads outlive the interpreter. :func:`keep_defaults_groupless`,
+  called before torchmem enters a dispatch mode (the tracker's entry, the fake group of per-rank
+  estimates), imports that module first: with no group yet its defaults are ``None`` (the default
+  group at call time); with one, it puts ``None`` back in the group's place.
 - **A collective's tensors released on gloo's thread at exit.** A gloo collective's work is
   released by gloo's worker thread after the caller's ``wait()`` returned; releasing a tensor
   that Python no longer holds needs the GIL, and if the interpreter is shutting down by then the

@@ -50,13 +50,10 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_items
-from torchmem._distributed import keep_defaults_groupless
 from torchmem.capture.tracker._phases import _Phases
 from torchmem.capture.tracker._recorder import _C, _PROVISIONAL, _SRef, plain_tensors
 
 __all__: list[str] = []
-
-keep_defaults_groupless()  # at import: usually before the script makes its process group
 
 _COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 _COPY_OUT = "fsdp::split_with_sizes_copy"
