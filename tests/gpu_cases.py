@@ -1,0 +1,279 @@
+"""The workloads of the GPU reference data (``tests/data/gpu/``), as device-agnostic builds.
+
+Not a test module. ``scripts/record_gpu_reference.py`` runs each case on a real GPU under the
+caching allocator with its history recorded from an empty allocator; ``tests/test_gpu_reference.py``
+and ``benchmarks/bench_gpu_truth.py`` run the same builds on this CPU-only machine through
+:func:`torchmem.estimate` (fake tensors, the allocator simulator) and compare.
+
+Every build follows :func:`torchmem.estimate`'s contract: ``build(batch_size, **params)`` creates
+the model, optimizer and data on ``"cuda"`` and returns a zero-argument ``step()`` that runs one
+training (or forward/backward) iteration. The recorder calls ``step()`` :data:`STEPS` times, as
+``estimate(..., steps=2)`` does.
+
+Example:
+    >>> sorted(CASES)[:3]
+    ['accum2_fp32', 'alloc_expandable', 'alloc_gc0.6_fraction']
+    >>> GPT_SMALL.parameters
+    168466432
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 2
+DEVICE = "cuda"
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2-style decoder: learned positions, pre-LayerNorm blocks, SDPA causal attention,
+    GELU MLP, untied LM head, biases in every linear."""
+
+    vocab: int = 8192
+    context: int = 512
+    d_model: int = 1024
+    layers: int = 12
+    heads: int = 16
+
+    @property
+    def parameters(self) -> int:
+        """Number of parameters.
+
+        Example:
+            >>> GPTConfig(vocab=10, context=4, d_model=8, layers=1, heads=2).parameters
+            1090
+        """
+        d, v = self.d_model, self.vocab
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return v * d + self.context * d + self.layers * block + 2 * d + (v * d + v)
+
+
+GPT_SMALL = GPTConfig()
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, final LayerNorm, LM head."""
+
+    def __init__(self, cfg: GPTConfig, checkpoint: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.checkpoint = checkpoint
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tok(ids) + self.pos(pos)
+        for blk in self.blocks:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def _gpt_parts(batch: int, cfg: GPTConfig, checkpoint: bool = False) -> tuple[GPT, Any, Any, Any]:
+    torch.manual_seed(0)
+    model = GPT(cfg, checkpoint).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.context), device=DEVICE)
+    targets = torch.randint(0, cfg.vocab, (batch, cfg.context), device=DEVICE)
+    return model, opt, ids, targets
+
+
+def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, micro_batches: int = 1,
+              cfg: GPTConfig = GPT_SMALL) -> Callable[[], None]:
+    """One AdamW step of :class:`GPT`: forward (under bf16 autocast when ``bf16``), cross-entropy,
+    backward, ``opt.step()``, ``opt.zero_grad()``; ``checkpoint`` wraps each block in
+    non-reentrant activation checkpointing; ``micro_batches`` splits the batch and accumulates
+    gradients (each loss divided by their number).
+
+    Example:
+        >>> import torchmem
+        >>> tiny = GPTConfig(vocab=64, context=16, d_model=32, layers=2, heads=2)
+        >>> e = torchmem.estimate(lambda b: gpt_train(b, cfg=tiny), gpu="T4", batch_size=2)
+        >>> e.by_category["parameter"] == tiny.parameters * 4
+        True
+    """
+    model, opt, ids, targets = _gpt_parts(batch_size, cfg, checkpoint)
+    if batch_size % micro_batches:
+        raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batches {micro_batches}")
+
+    def step() -> None:
+        for i, t in zip(ids.chunk(micro_batches), targets.chunk(micro_batches)):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(i)
+            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), t.reshape(-1))
+            (loss / micro_batches).backward()
+            del logits, loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def sdpa(batch_size: int, backend: str = "flash", heads: int = 16, seq: int = 2048,
+         head_dim: int = 64) -> Callable[[], None]:
+    """``scaled_dot_product_attention`` forward and backward in bf16 with one kernel forced
+    (``"flash"`` or ``"efficient"``), causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch_size, heads, seq, head_dim, device=DEVICE, dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        with sdpa_kernel(kernel):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().square().mean().backward()
+        for t in (q, k, v):
+            t.grad = None
+    return step
+
+
+def convnet(batch_size: int) -> Callable[[], None]:
+    """A small conv net (3 conv-BN-ReLU stages with max pooling, global pooling, a linear
+    classifier) on 3 x 64 x 64 images, SGD with momentum."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    c = 3
+    for w in (64, 128, 256):
+        layers += [nn.Conv2d(c, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                   nn.Conv2d(w, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                   nn.MaxPool2d(2)]
+        c = w
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 100)).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(batch_size, 3, 64, 64, device=DEVICE)
+    y = torch.randint(0, 100, (batch_size,), device=DEVICE)
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def two_streams(batch_size: int) -> Callable[[], None]:
+    """Producer/consumer on two streams: a side stream fills buffers that the default stream
+    consumes; each buffer is handed over with ``record_stream`` and freed at once, so the
+    allocator must keep its block until the consumer's work is done."""
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    w = torch.randn(1024, 1024, device=DEVICE)
+
+    def step() -> None:
+        acc = torch.zeros(batch_size, 1024, device=DEVICE)
+        for _ in range(8):
+            with torch.cuda.stream(side):
+                buf = torch.randn(batch_size, 1024, device=DEVICE) @ w
+            main.wait_stream(side)
+            buf.record_stream(main)
+            acc += buf.relu()
+            del buf
+        acc.sum().item()
+    return step
+
+
+def empty_cache_midway(batch_size: int) -> Callable[[], None]:
+    """:func:`gpt_train` with ``torch.cuda.empty_cache()`` after every step: the next step maps
+    its segments anew."""
+    inner = gpt_train(batch_size)
+
+    def step() -> None:
+        inner()
+        torch.cuda.empty_cache()
+    return step
+
+
+@dataclass(frozen=True)
+class Case:
+    """One reference run: the build, its batch, the allocator settings and limits."""
+
+    build: Callable[..., Callable[[], None]]
+    batch_size: int
+    params: dict[str, Any] = field(default_factory=dict)
+    alloc_conf: str = ""
+    memory_fraction: float | None = None   # torch.cuda.set_per_process_memory_fraction
+    expect_oom: bool = False
+    note: str = ""
+
+
+# Batch sizes: 8 and 32 everywhere; the "near the limit" batches were chosen with
+# torchmem.estimate on this CPU machine for an H100-80GB (the largest batch whose estimate fits
+# with about 10% to spare); the recorder reports what really happened.
+NEAR_LIMIT_FP32 = 156
+NEAR_LIMIT_BF16 = 256
+
+CASES: dict[str, Case] = {
+    "gpt_fp32_b8": Case(gpt_train, 8),
+    "gpt_fp32_b32": Case(gpt_train, 32),
+    "gpt_fp32_near_limit": Case(gpt_train, NEAR_LIMIT_FP32, note="close to an H100-80GB's limit"),
+    "gpt_bf16_b8": Case(gpt_train, 8, {"bf16": True}),
+    "gpt_bf16_b32": Case(gpt_train, 32, {"bf16": True}),
+    "gpt_bf16_near_limit": Case(gpt_train, NEAR_LIMIT_BF16, {"bf16": True},
+                                note="close to an H100-80GB's limit"),
+    "checkpoint_fp32": Case(gpt_train, 32, {"checkpoint": True}),
+    "accum2_fp32": Case(gpt_train, 32, {"micro_batches": 2}),
+    "sdpa_flash": Case(sdpa, 8, {"backend": "flash"}),
+    "sdpa_efficient": Case(sdpa, 8, {"backend": "efficient"}),
+    "convnet": Case(convnet, 64),
+    "alloc_expandable": Case(gpt_train, 32, alloc_conf="expandable_segments:True"),
+    "alloc_max_split_64": Case(gpt_train, 32, alloc_conf="max_split_size_mb:64"),
+    "alloc_roundup4": Case(gpt_train, 32, alloc_conf="roundup_power2_divisions:4"),
+    "alloc_gc0.6_fraction": Case(gpt_train, 32, alloc_conf="garbage_collection_threshold:0.6",
+                                 memory_fraction=0.25,
+                                 note="fraction 0.25 of the GPU: the collector frees cached blocks "
+                                      "once reserved passes 60% of that"),
+    "oom_fraction": Case(gpt_train, 32, memory_fraction=0.08, expect_oom=True,
+                         note="a real OOM: the step needs more than 8% of the GPU"),
+    "two_streams": Case(two_streams, 4096),
+    "empty_cache_midway": Case(empty_cache_midway, 8),
+}
+
+
+def make(name: str) -> Callable[[], None]:
+    """Build case ``name`` on ``"cuda"`` (or under :func:`torchmem.estimate`'s fake GPU).
+
+    Example:
+        >>> make("no such case")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        KeyError: "no case 'no such case'; the cases are: accum2_fp32, alloc_expandable, ..."
+    """
+    if name not in CASES:
+        raise KeyError(f"no case {name!r}; the cases are: {', '.join(sorted(CASES))}")
+    c = CASES[name]
+    return c.build(c.batch_size, **c.params)
