@@ -44,15 +44,20 @@ KEYS = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "active_bytes.all
         "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams")
 
 
-def _nvml_used() -> int | None:
-    """Device memory in use according to NVML (the whole device), or None without NVML."""
+def _nvml_memory() -> tuple[int, int] | tuple[None, None]:
+    """(used, total) of the whole device according to NVML, or (None, None) without NVML.
+
+    NVML's total includes memory the driver keeps for itself, which ``cudaMemGetInfo``'s total
+    leaves out (480 MiB on an H100 80GB); compare the two only through ``used - (nvml_total -
+    total)``."""
     try:
         import pynvml
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
-        return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        info = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return int(info.used), int(info.total)
     except Exception:
-        return None
+        return None, None
 
 
 def _versions() -> dict[str, Any]:
@@ -73,7 +78,7 @@ def _versions() -> dict[str, Any]:
 
 def child(name: str, out: Path, batch: int | None) -> int:
     """Run one case in this (fresh) process and write its files; exit 3 on an unexpected OOM."""
-    before_init = _nvml_used()
+    nvml_used, nvml_total = _nvml_memory()
     import torch
 
     import gpu_cases
@@ -112,6 +117,8 @@ def child(name: str, out: Path, batch: int | None) -> int:
     except Exception:
         workspace = None
     entries = sum(len(t) for t in snap.get("device_traces", []))
+    # in cudaMemGetInfo's terms (its total leaves out what the driver keeps)
+    before = None if nvml_used is None or nvml_total is None else nvml_used - (nvml_total - int(total))
     record = {
         "case": name, "build": case.build.__name__, "batch_size": bs, "params": case.params,
         "steps": gpu_cases.STEPS, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -122,12 +129,14 @@ def child(name: str, out: Path, batch: int | None) -> int:
         "memory_stats": {k: int(v) for k, v in stats.items()},
         "device": {
             "total": int(total),
-            "nvml_used_before_cuda_init": before_init,
+            "nvml_total": nvml_total,
+            "nvml_used_before_cuda_init": nvml_used,
+            "used_before_cuda_init": before,
             "used_after_cuda_init": int(total - free0),
             "used_at_end": int(total - free_end),
             "reserved_at_end": int(reserved_end),
             "outside_allocator_at_end": int(total - free_end - reserved_end),
-            "cuda_context": (int(total - free0 - before_init) if before_init is not None else None),
+            "cuda_context": None if before is None else int(total - free0 - before),
         },
         "cublas_workspace_bytes": workspace,
         "versions": _versions(),
