@@ -23,6 +23,7 @@ Run:  python benchmarks/bench_gpu.py [--mb 1024] [--repeats 5] [--json FILE]
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -95,7 +96,7 @@ def overlap(layers: int, width: int, batch: int, repeats: int) -> dict[str, Any]
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)))
     x = torch.randn(batch, width)
-    resident = [m for m in model.to("cuda")]
+    resident = [m for m in copy.deepcopy(model).to("cuda")]  # its own copy: model stays on the host
     xd = x.to("cuda")
 
     def run_resident() -> Any:
@@ -105,7 +106,6 @@ def overlap(layers: int, width: int, batch: int, repeats: int) -> dict[str, Any]
                 y = m(y)
         return y
     ref = run_resident()
-    model.to("cpu")
     # offloaded weights live on the host (pinned, as offload users keep them)
     for p in model.parameters():
         p.data = p.data.pin_memory()

@@ -19,7 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -262,6 +264,62 @@ CASES: dict[str, Case] = {
     "two_streams": Case(two_streams, 4096),
     "empty_cache_midway": Case(empty_cache_midway, 8),
 }
+
+
+DATA = Path(__file__).resolve().parent / "data" / "gpu"
+
+
+def recorded(name: str) -> dict[str, Any]:
+    """The JSON record of case ``name`` in ``tests/data/gpu``; a missing or truncated file is an
+    error that names it.
+
+    Example:
+        >>> recorded("convnet")["batch_size"]
+        64
+    """
+    path = DATA / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"reference file {path} is missing: record it with "
+                                "scripts/record_gpu_reference.py on a GPU") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"reference file {path} is not valid JSON (truncated?): {e}") from None
+
+
+def recorded_gpu(name: str) -> Any:
+    """The GPU case ``name`` was recorded on, as an estimate target: its name, usable bytes (times
+    the case's memory fraction) and compute capability.
+
+    Example:
+        >>> g = recorded_gpu("oom_fraction")
+        >>> g.name, g.total_bytes == int(recorded("oom_fraction")["versions"]["total_memory"] * 0.08)
+        ('NVIDIA H100 80GB HBM3', True)
+    """
+    from torchmem.fit import GPU
+
+    v = recorded(name)["versions"]
+    frac = CASES[name].memory_fraction
+    total = v["total_memory"] if frac is None else int(v["total_memory"] * frac)
+    return GPU(v["gpu"], total, tuple(v["capability"]), "tests/data/gpu (recorded)")
+
+
+def estimate_case(name: str) -> Any:
+    """``torchmem.estimate`` of case ``name`` with its recorded batch, steps and allocator
+    settings on its recorded GPU, no margin.
+
+    Example:
+        >>> e = estimate_case("sdpa_flash")
+        >>> e.peak_allocated_bytes == recorded("sdpa_flash")["stats"]["allocated_bytes.all.peak"]
+        True
+    """
+    import torchmem
+
+    c = CASES[name]
+    rec = recorded(name)
+    return torchmem.estimate(lambda bs: c.build(bs, **c.params), gpu=recorded_gpu(name),
+                             batch_size=rec["batch_size"], alloc_conf=c.alloc_conf or None,
+                             steps=rec["steps"], margin=0)
 
 
 def make(name: str) -> Callable[[], None]:

@@ -20,7 +20,6 @@ import pytest
 import torchmem
 from torchmem.analysis import stats
 from torchmem.errors import SnapshotFormatError
-from torchmem.fit import GPU
 from torchmem.sim import replay
 
 import gpu_cases
@@ -111,25 +110,6 @@ def test_truncated_reference_file_is_named(tmp_path):
         torchmem.load_snapshot(bad)
 
 
-def recorded_gpu(name: str) -> GPU:
-    """The recorded GPU as an estimate target: its name, usable bytes (times the case's memory
-    fraction) and compute capability."""
-    rec = _record(name)
-    v = rec["versions"]
-    frac = gpu_cases.CASES[name].memory_fraction
-    total = v["total_memory"] if frac is None else int(v["total_memory"] * frac)
-    return GPU(v["gpu"], total, tuple(v["capability"]), "tests/data/gpu (recorded)")
-
-
-def estimate_case(name: str) -> torchmem.Estimate:
-    """``torchmem.estimate`` of case ``name`` with its recorded batch and allocator settings."""
-    c = gpu_cases.CASES[name]
-    rec = _record(name)
-    return torchmem.estimate(lambda bs: c.build(bs, **c.params), gpu=recorded_gpu(name),
-                             batch_size=rec["batch_size"], alloc_conf=c.alloc_conf or None,
-                             steps=rec["steps"], margin=0)
-
-
 # The cases whose estimate meets the goals today (benchmarks/bench_gpu_truth.py prints all).
 WITHIN_GOALS = ["accum2_fp32", "alloc_expandable", "alloc_gc0.6_fraction", "alloc_max_split_64",
                 "alloc_roundup4", "empty_cache_midway", "gpt_bf16_b32", "gpt_bf16_b8",
@@ -140,7 +120,7 @@ WITHIN_GOALS = ["accum2_fp32", "alloc_expandable", "alloc_gc0.6_fraction", "allo
 @pytest.mark.parametrize("name", WITHIN_GOALS)
 def test_estimate_within_goals(name):
     st = _record(name)["stats"]
-    est = estimate_case(name)
+    est = gpu_cases.estimate_case(name)
     real_alloc, real_res = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
     assert abs(est.peak_allocated_bytes - real_alloc) <= 0.01 * real_alloc
     assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res

@@ -6,7 +6,10 @@ Sources, in order of preference:
   process's resident set size (``process``).
 * ``cuda:i``: NVML through ``nvidia-ml-py`` (optional extra ``torchmem[nvml]``; needs no CUDA
   context), else :func:`torch.cuda.mem_get_info`. ``process`` is this process's NVML figure when
-  the driver reports it, else PyTorch's reserved bytes for that device.
+  the driver reports it, else PyTorch's reserved bytes for that device. The two sources differ
+  by the memory the driver keeps for itself: NVML (like nvidia-smi) counts it in both ``total``
+  and ``used``, ``cudaMemGetInfo`` in neither (measured on an H100 80GB, driver 580: NVML total
+  85,520,809,984 B, ``mem_get_info`` total 85,017,493,504 B, 480 MiB apart; ``tests/data/gpu``).
 
 Devices absent on this machine are skipped cleanly: :func:`available_devices` lists only those
 that exist, :func:`poll_usage` raises :class:`~torchmem.errors.DeviceError` for the others and

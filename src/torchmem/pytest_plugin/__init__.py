@@ -8,7 +8,9 @@ Markers:
   tensor memory its body allocates on that device (torchmem's tracker) exceeds the limit. On CUDA
   the allocator's own peak is checked too (``metric="allocated"``, the default there,
   ``"reserved"`` or ``"active"``), measured after the CUDA context, the RNG and cuBLAS workspace
-  are warmed up, so first-use allocations are never counted as the test's. ``device="cuda"``
+  are warmed up, so first-use allocations are never counted as the test's (``"reserved"``
+  counts only what the test made the allocator take from the device: a request that a block
+  cached before the test can serve does not grow it). ``device="cuda"``
   means the current CUDA device of the process (each pytest-xdist worker its own). The message
   shows the peak, the limit and the largest allocations live at the peak (operator, module, call
   site).
