@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import gpu_cases  # noqa: E402
-
 import torchmem  # noqa: E402
 from torchmem.sim import replay  # noqa: E402
 

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
+import gpu_cases
 import torchmem
 from torchmem.analysis import stats
 from torchmem.errors import SnapshotFormatError
 from torchmem.sim import replay
-
-import gpu_cases
 
 GPU_DATA = Path(__file__).parent / "data" / "gpu"
 CASE_NAMES = sorted(gpu_cases.CASES)
