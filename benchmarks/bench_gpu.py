@@ -17,7 +17,7 @@ Tracker (a GPT training step, AdamW, batch ``--batch``):
   step (synchronised); and each tool's peak beside ``torch.cuda.max_memory_allocated()`` of the
   same step (the ground truth), measured from the same starting point.
 
-Run:  python benchmarks/bench_gpu.py [--mb 1024] [--repeats 5] [--json FILE]
+Run:  python benchmarks/bench_gpu.py [--mb 1024] [--repeats 5] [--json FILE] [--sections overlap]
 """
 
 from __future__ import annotations
@@ -216,15 +216,20 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--sections", default="transfers,overlap,tracker",
+                    help="comma-separated: transfers, overlap, tracker (default all)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(f"GPU: {res['gpu']}, torch {res['torch']}", flush=True)
+    wanted = [w for w in a.sections.split(",") if w]
     for name, fn in (("transfers", lambda: transfers(a.mb, a.repeats)),
                      ("overlap", lambda: overlap(16, 4096, 2048, a.repeats)),
                      ("tracker", lambda: tracker(a.batch, a.repeats, 3))):
+        if name not in wanted:
+            continue
         try:
             res[name] = fn()
         except Exception as e:  # keep the other sections' figures

@@ -98,7 +98,7 @@ def child(name: str, out: Path, batch: int | None) -> int:
     oom: str | None = None
     try:
         step = case.build(bs, **case.params)
-        for _ in range(gpu_cases.STEPS):
+        for _ in range(case.steps):
             step()
         torch.cuda.synchronize()
     except torch.OutOfMemoryError as e:
@@ -121,7 +121,7 @@ def child(name: str, out: Path, batch: int | None) -> int:
     before = None if nvml_used is None or nvml_total is None else nvml_used - (nvml_total - int(total))
     record = {
         "case": name, "build": case.build.__name__, "batch_size": bs, "params": case.params,
-        "steps": gpu_cases.STEPS, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "steps": case.steps, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "memory_fraction": case.memory_fraction, "expect_oom": case.expect_oom, "oom": oom,
         "note": case.note, "seconds": round(elapsed, 3), "trace_entries": entries,
         "trace_complete": entries < 4_000_000,
@@ -139,6 +139,7 @@ def child(name: str, out: Path, batch: int | None) -> int:
             "cuda_context": None if before is None else int(total - free0 - before),
         },
         "cublas_workspace_bytes": workspace,
+        "readings": getattr(step, "readings", None),
         "versions": _versions(),
     }
     (out / f"{name}.pickle").write_bytes(pickle.dumps(snap, protocol=4))
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {"versions": None, "cases": {}}
+    if (out / "index.json").exists():  # recording some cases again keeps the others' lines
+        index = json.loads((out / "index.json").read_text())
     for i, name in enumerate(names, 1):
         case = gpu_cases.CASES[name]
         env = dict(os.environ)

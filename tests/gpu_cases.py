@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -106,21 +107,42 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def _gpt_parts(batch: int, cfg: GPTConfig, checkpoint: bool = False) -> tuple[GPT, Any, Any, Any]:
+def _gpt_parts(batch: int, cfg: GPTConfig, checkpoint: bool = False, optimizer: str = "default",
+               weights_bf16: bool = False, host: bool = False) -> tuple[GPT, Any, Any, Any]:
     torch.manual_seed(0)
-    model = GPT(cfg, checkpoint).to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab, (batch, cfg.context), device=DEVICE)
-    targets = torch.randint(0, cfg.vocab, (batch, cfg.context), device=DEVICE)
+    if host:  # built on the host and moved, as from_pretrained users do
+        model = GPT(cfg, checkpoint)
+        if weights_bf16:
+            model = model.to(torch.bfloat16)
+        model = model.to(DEVICE)
+    else:
+        model = GPT(cfg, checkpoint).to(DEVICE)
+        if weights_bf16:
+            model = model.to(torch.bfloat16)
+    kw = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True},
+          "per_parameter": {"foreach": False}}[optimizer]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kw)
+    where = "cpu" if host else DEVICE
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.context), device=where)
+    targets = torch.randint(0, cfg.vocab, (batch, cfg.context), device=where)
+    if host and torch.cuda.is_available():
+        ids, targets = ids.pin_memory(), targets.pin_memory()
     return model, opt, ids, targets
 
 
 def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, micro_batches: int = 1,
-              cfg: GPTConfig = GPT_SMALL) -> Callable[[], None]:
+              cfg: GPTConfig = GPT_SMALL, optimizer: str = "default", weights_bf16: bool = False,
+              host: bool = False, readings: list[dict[str, int]] | None = None) -> Callable[[], None]:
     """One AdamW step of :class:`GPT`: forward (under bf16 autocast when ``bf16``), cross-entropy,
     backward, ``opt.step()``, ``opt.zero_grad()``; ``checkpoint`` wraps each block in
     non-reentrant activation checkpointing; ``micro_batches`` splits the batch and accumulates
-    gradients (each loss divided by their number).
+    gradients (each loss divided by their number). ``optimizer``: ``"default"`` (PyTorch picks),
+    ``"fused"``, ``"foreach"`` or ``"per_parameter"`` AdamW; ``weights_bf16`` keeps the weights
+    (and so gradients and optimizer state) in bf16; ``host`` builds the model on the host and
+    moves it with ``.to("cuda")``, keeps the batch on the host (pinned) and copies it each step
+    with ``non_blocking=True``. ``readings``: a list that gets, after each step, what the script
+    itself would read from ``torch.cuda`` (the peaks of forward and of backward+step apart, reset
+    with ``torch.cuda.reset_peak_memory_stats()`` between them; the loss read with ``.item()``).
 
     Example:
         >>> import torchmem
@@ -129,19 +151,70 @@ def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, mic
         >>> e.by_category["parameter"] == tiny.parameters * 4
         True
     """
-    model, opt, ids, targets = _gpt_parts(batch_size, cfg, checkpoint)
+    model, opt, ids, targets = _gpt_parts(batch_size, cfg, checkpoint, optimizer, weights_bf16, host)
     if batch_size % micro_batches:
         raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batches {micro_batches}")
 
     def step() -> None:
-        for i, t in zip(ids.chunk(micro_batches), targets.chunk(micro_batches)):
+        if readings is not None:
+            torch.cuda.reset_peak_memory_stats()
+        x_all, y_all = ids, targets
+        if host:
+            x_all = ids.to(DEVICE, non_blocking=True)
+            y_all = targets.to(DEVICE, non_blocking=True)
+        for i, t in zip(x_all.chunk(micro_batches), y_all.chunk(micro_batches)):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
                 logits = model(i)
             loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), t.reshape(-1))
+            if readings is not None:
+                fwd = {"forward_max_allocated": torch.cuda.max_memory_allocated(),
+                       "forward_max_reserved": torch.cuda.max_memory_reserved()}
+                torch.cuda.reset_peak_memory_stats()
             (loss / micro_batches).backward()
+            value = loss.item() if readings is not None else 0.0
             del logits, loss
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if readings is not None:
+            readings.append({**fwd, "loss_is_finite": int(math.isfinite(value)),
+                             "backward_step_max_allocated": torch.cuda.max_memory_allocated(),
+                             "backward_step_max_reserved": torch.cuda.max_memory_reserved(),
+                             "allocated": torch.cuda.memory_allocated(),
+                             "reserved": torch.cuda.memory_reserved()})
+    step.readings = readings  # type: ignore[attr-defined]
+    return step
+
+
+def gpt_phase_readings(batch_size: int) -> Callable[[], None]:
+    """:func:`gpt_train` that records the script's own ``torch.cuda`` readings (``readings``):
+    the numbers an unmodified script prints, which an estimate must answer the same way."""
+    return gpt_train(batch_size, readings=[])
+
+
+def hf_trainer(batch_size: int, seq_len: int = 256, max_steps: int = 3) -> Callable[[], None]:
+    """transformers' ``Trainer.train()``, unmodified, on :data:`HF_LLAMA` (random weights from its
+    config, fp32, AdamW, a synthetic dataset of random token ids; logging every step reads the
+    loss and the gradient norm from tensors). ``readings`` gets the Trainer's own
+    ``max_memory_allocated`` after training."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{k: v for k, v in HF_LLAMA.items() if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(cfg)
+    rows = [{"input_ids": torch.randint(0, cfg.vocab_size, (seq_len,)),
+             "labels": torch.randint(0, cfg.vocab_size, (seq_len,))} for _ in range(batch_size * max_steps)]
+    import tempfile
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size,
+                             max_steps=max_steps, logging_steps=1, report_to=[], save_strategy="no",
+                             optim="adamw_torch", dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    readings: list[dict[str, int]] = []
+
+    def step() -> None:
+        trainer.train()
+        readings.append({"max_allocated": torch.cuda.max_memory_allocated(),
+                         "allocated": torch.cuda.memory_allocated()})
+    step.readings = readings  # type: ignore[attr-defined]
     return step
 
 
@@ -220,6 +293,22 @@ def empty_cache_midway(batch_size: int) -> Callable[[], None]:
     return step
 
 
+# tests/test_fit_hf.py's tiny Llama (random weights: nothing is downloaded)
+HF_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "max_position_embeddings": 4096}
+
+
+def hf_generate(batch_size: int, seq_len: int = 512, max_new_tokens: int = 16) -> Callable[[], None]:
+    """transformers' ``generate()`` of :data:`HF_LLAMA` built from its config (bf16, SDPA, dynamic
+    cache): a prompt of ``seq_len`` tokens and ``max_new_tokens`` new ones, as
+    :func:`torchmem.estimate_hf` builds it (``task="generate"``)."""
+    from torchmem.fit._hf import load_config, make_build
+
+    return make_build(load_config(HF_LLAMA), "generate", torch.bfloat16, "sdpa", seq_len,
+                      max_new_tokens, "dynamic")(batch_size)
+
+
 @dataclass(frozen=True)
 class Case:
     """One reference run: the build, its batch, the allocator settings and limits."""
@@ -231,6 +320,7 @@ class Case:
     memory_fraction: float | None = None   # torch.cuda.set_per_process_memory_fraction
     expect_oom: bool = False
     note: str = ""
+    steps: int = STEPS
 
 
 # Batch sizes: 8 and 32 everywhere; the "near the limit" batches were chosen with
@@ -263,6 +353,17 @@ CASES: dict[str, Case] = {
                          note="a real OOM: the step needs more than 8% of the GPU"),
     "two_streams": Case(two_streams, 4096),
     "empty_cache_midway": Case(empty_cache_midway, 8),
+    "gpt_fp32_fused_adamw": Case(gpt_train, 32, {"optimizer": "fused"}),
+    "gpt_fp32_per_parameter_adamw": Case(gpt_train, 32, {"optimizer": "per_parameter"}),
+    "gpt_bf16_weights": Case(gpt_train, 32, {"weights_bf16": True}),
+    "gpt_host_built_pinned_batches": Case(gpt_train, 32, {"host": True},
+                                          note="model built on the host and moved; pinned batch copied each step"),
+    "gpt_phase_readings": Case(gpt_phase_readings, 32,
+                               note="the script's own torch.cuda readings per phase (json 'readings')"),
+    "hf_trainer": Case(hf_trainer, 8, steps=1,
+                       note="transformers Trainer.train(), unmodified, 3 optimizer steps"),
+    "hf_generate_512": Case(hf_generate, 8, {"seq_len": 512}),
+    "hf_generate_4096": Case(hf_generate, 8, {"seq_len": 4096}),
 }
 
 
@@ -317,6 +418,10 @@ def estimate_case(name: str) -> Any:
 
     c = CASES[name]
     rec = recorded(name)
+    if c.build is hf_generate:
+        return torchmem.estimate_hf(HF_LLAMA, task="generate", gpu=recorded_gpu(name),
+                                    batch_size=rec["batch_size"], dtype="bfloat16", attn="sdpa",
+                                    steps=rec["steps"], margin=0, **c.params)
     return torchmem.estimate(lambda bs: c.build(bs, **c.params), gpu=recorded_gpu(name),
                              batch_size=rec["batch_size"], alloc_conf=c.alloc_conf or None,
                              steps=rec["steps"], margin=0)

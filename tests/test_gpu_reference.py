@@ -62,7 +62,7 @@ def test_every_case_was_recorded():
     assert sorted(index["cases"]) == CASE_NAMES
     for name in CASE_NAMES:
         rec = _record(name)
-        assert rec["trace_complete"] and rec["steps"] == gpu_cases.STEPS
+        assert rec["trace_complete"] and rec["steps"] == gpu_cases.CASES[name].steps
         assert rec["alloc_conf"] == gpu_cases.CASES[name].alloc_conf
         assert (rec["oom"] is not None) == gpu_cases.CASES[name].expect_oom
 

@@ -3,6 +3,7 @@
 #   reference data (scripts/record_gpu_reference.py), the cuda-marked tests, every CLI command on
 #   a CUDA workload, and benchmarks/bench_gpu.py. Results go to $OUT (default ./gpu-check-out).
 # Usage: bash scripts/gpu/check.sh [sections...]   sections: env record bench tests cli (default all)
+#   CASES=a,b (record only these cases), BENCH=overlap (bench_gpu sections), TESTS="tests/x.py ..."
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 FINAL="${OUT:-$PWD/gpu-check-out}"
@@ -19,16 +20,16 @@ if has env; then
 fi
 if has record; then
     echo "== record"
-    timeout 200 python3 scripts/record_gpu_reference.py --out "$OUT/gpu" 2>&1 | tee "$OUT/record.log"
+    timeout 240 python3 scripts/record_gpu_reference.py --out "$OUT/gpu" ${CASES:+--cases "$CASES"} 2>&1 | tee "$OUT/record.log"
 fi
 if has bench; then
     echo "== bench"
-    timeout 90 python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" > "$OUT/bench.log" 2>&1
+    timeout 90 python3 benchmarks/bench_gpu.py --json "$OUT/bench_gpu.json" ${BENCH:+--sections "$BENCH"} > "$OUT/bench.log" 2>&1
     tail -5 "$OUT/bench.log"
 fi
 if has tests; then
     echo "== cuda tests"
-    timeout 150 python3 -m pytest -m cuda tests -q -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra --strict-markers" \
+    timeout 150 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra --strict-markers" \
         --timeout 90 2>&1 | tee "$OUT/cuda-tests.log" | tail -40
 fi
 if has cli; then

@@ -464,8 +464,9 @@ def run_once(
         )
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
     est.params = kw
-    est.attention_kernel, attention_notes = emu.attention_report()
-    est.notes.extend(attention_notes)
+    if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)
+        est.attention_kernel, attention_notes = emu.attention_report()
+        est.notes.extend(attention_notes)
     if world is not None:
         _dist_result(est, world, st, tracker)
     return est
