@@ -270,7 +270,7 @@ class _SimMode(TorchDispatchMode):
             func = _IN_PLACE[func]
         out = func(*args, **(kwargs or {}))
         if gen.installed:
-            gen.note_output(func, out)
+            gen.note_output(func, out, args)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state

@@ -52,6 +52,8 @@ __all__ = ["GenerationPatches", "LOCAL_SCALAR"]
 #: The operator behind ``.item()``, ``bool(t)``, ``int(t)``: a value read on the host.
 LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _ALL = {torch.ops.aten.all.default, torch.ops.aten.all.dim, torch.ops.aten.all.dims}
+_SUM = torch.ops.aten.sum.default
+_EQ_SCALAR = torch.ops.aten.eq.Scalar
 _MODULE = "transformers.generation.utils"
 _STOPPING = "transformers.generation.stopping_criteria"
 _IMPORT_UTILS = "transformers.utils.import_utils"
@@ -102,17 +104,43 @@ class GenerationPatches:
         self.calls = 0
         #: id -> weak reference of the outputs of ``all()`` (by identity: a tensor's ``==`` is
         #: elementwise, so no WeakSet)
-        self._alls: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._alls: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+        self._sums: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}  # sum -> numel summed
         self._saved: list[tuple[Any, str, Any]] = []
 
     # -- value reads ----------------------------------------------------------------------------
 
-    def note_output(self, func: Any, out: Any) -> None:
-        """Remember ``out`` when ``func`` is ``aten.all`` (its value read is ``True``)."""
-        if func in _ALL and isinstance(out, torch.Tensor):
-            alls = self._alls
-            key = id(out)
-            alls[key] = weakref.ref(out, lambda _: alls.pop(key, None))
+    def note_output(self, func: Any, out: Any, args: Any = ()) -> None:
+        """Remember ``out`` when it is an all(): made by ``aten.all``, or by the idiom
+        ``t.sum() == t.numel()`` (transformers' ``fast_all`` up to 5.17: a full sum compared
+        with the element count of the tensor summed); its value read is ``True``.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> g = GenerationPatches(); g.active = True
+            >>> with FakeTensorMode():
+            ...     mask = torch.ones(2, 3, dtype=torch.bool)
+            ...     total = mask.sum(); g.note_output(torch.ops.aten.sum.default, total, (mask,))
+            ...     same = total == mask.numel()
+            ...     g.note_output(torch.ops.aten.eq.Scalar, same, (total, 6))
+            ...     g.answer(same), g.answer(total == 5)
+            (True, False)
+        """
+        if not isinstance(out, torch.Tensor):
+            return
+        if func in _ALL:
+            self._remember(self._alls, out, True)
+        elif func is _SUM and args and isinstance(args[0], torch.Tensor):
+            self._remember(self._sums, out, args[0].numel())
+        elif func is _EQ_SCALAR and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            ref = self._sums.get(id(args[0]))
+            if ref is not None and ref[0]() is args[0] and args[1] == ref[1]:
+                self._remember(self._alls, out, True)
+
+    @staticmethod
+    def _remember(table: dict[int, Any], t: torch.Tensor, value: Any) -> None:
+        key = id(t)
+        table[key] = (weakref.ref(t, lambda _: table.pop(key, None)), value)
 
     def answer(self, t: torch.Tensor) -> bool | None:
         """The value of a boolean read of ``t`` inside ``generate()`` or by transformers' own
@@ -122,7 +150,7 @@ class GenerationPatches:
         if not self.active and not _read_by_transformers():
             return None
         ref = self._alls.get(id(t))
-        return ref is not None and ref() is t
+        return ref is not None and ref[0]() is t
 
     # -- the patches ----------------------------------------------------------------------------
 
