@@ -126,6 +126,11 @@ class _TraceAllocator(CachingAllocator):
         super().__init__(capacity, config, memory_fraction=memory_fraction)
         self.real_addresses: list[int] = []  # the trace's segment_alloc addresses, in order
         self._used = 0
+        #: the real address of the request being replayed: where a new expandable range starts
+        #: (its first block is at the range's start), None when the real addresses are not used
+        self.request_address: int | None = None
+        #: (stream, small) -> the lowest page the trace shows of that pool's virtual range
+        self.range_starts: dict[tuple[int, bool], int] = {}
 
     def _segment_address(self, size: int) -> int:
         if self._used < len(self.real_addresses):
@@ -134,6 +139,15 @@ class _TraceAllocator(CachingAllocator):
             self._next_address = max(self._next_address, addr + size)
             return addr
         return super()._segment_address(size)
+
+    def _expandable_address(self, size: int) -> int:
+        a = self.request_address
+        if a is not None and self._room_at(a):
+            return a
+        return super()._expandable_address(size)
+
+    def _range_start(self, address: int, stream: int, small: bool) -> int:
+        return min(address, self.range_starts.get((stream, small), address))
 
 
 def _config_from(snapshot: Snapshot, config: AllocatorConfig | str | None) -> AllocatorConfig:
@@ -203,10 +217,12 @@ class TraceReplay:
             start = _settle(snapshot, device, cfg)
         self.start_segments = start
         sim = _TraceAllocator(capacity, cfg, memory_fraction)
+        self._real_addresses = real_addresses
         if real_addresses:
             sim.real_addresses = [
                 t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
             ]
+            sim.range_starts = self._mapped_floors()
         self.allocator: CachingAllocator = sim
         self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
         self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
@@ -218,6 +234,9 @@ class TraceReplay:
                 seg.address, seg.size, seg.stream, seg.layout(), small=seg.small,
                 expandable=seg.expandable,
             )
+        #: the virtual ranges seeded: (start, stream, small); a range may begin below its
+        #: lowest run mapped at the start, where the trace maps pages
+        self._seeded_ranges = [(s.addr, s.stream, s.small) for s in sim._segs.values() if s.page]
         for seg in self.start_segments:
             for addr, size, req, pending in seg.blocks:
                 self._bsize[addr] = size
@@ -297,6 +316,7 @@ class TraceReplay:
         )
         n_allocs, matched, last = self._allocs, self._allocs_matched, self._last
         peak_at = self.peak_allocated_entry
+        tsim = sim if self._real_addresses and isinstance(sim, _TraceAllocator) else None
         i = first
         try:
             for i in range(first, stop):
@@ -306,6 +326,8 @@ class TraceReplay:
                     size = sizes[i]
                     n_events = len(events)
                     before = sim.allocated_bytes
+                    if tsim is not None:
+                        tsim.request_address = a
                     if self._retry is not None and self._retry[0] == i:
                         sa = self._malloc_after_release(size, streams[i])
                     else:
@@ -560,13 +582,24 @@ class TraceReplay:
             "found room in its cache (the trace has no such segment_alloc)"
         )
 
+    def _mapped_floors(self) -> dict[tuple[int, bool], int]:
+        """(stream, small) -> the lowest page the trace maps of that pool's range below its
+        lowest run mapped at the start (that range began there or lower); the pool of a
+        ``segment_map`` is the pool of the request it maps for (the next ``alloc``)."""
+        t, names = self._trace, self._names
+        floors: dict[tuple[int, bool], int] = {}
+        for i in range(len(t)):
+            if names[t.actions[i]] == "segment_map":
+                key = (t.streams[i], self._pool_of(self._next_alloc(i)) == "small")
+                floors[key] = min(floors.get(key, t.addrs[i]), t.addrs[i])
+        return floors
+
     def _expandable_prefix(self) -> bool:
-        """Whether the trace maps pages below the lowest run of a virtual range at its start
-        (the run above the page belongs to another pool than the run below it, or none is)."""
+        """Whether the trace maps pages below the start of a seeded virtual range (the range
+        above the page belongs to another pool than the range below it, or none is)."""
         runs: dict[int, list[tuple[int, bool]]] = {}
-        for seg in self.start_segments:
-            if seg.expandable:
-                runs.setdefault(seg.stream, []).append((seg.address, seg.small))
+        for start, stream, small in self._seeded_ranges:
+            runs.setdefault(stream, []).append((start, small))
         if not runs:
             return False
         t = self._trace
