@@ -592,7 +592,20 @@ class TraceReplay:
             if names[t.actions[i]] == "segment_map":
                 key = (t.streams[i], self._pool_of(self._next_alloc(i)) == "small")
                 floors[key] = min(floors.get(key, t.addrs[i]), t.addrs[i])
-        return floors
+        lowest: dict[tuple[int, bool], int] = {}
+        for seg in self.start_segments:
+            if seg.expandable:
+                key = (seg.stream, seg.small)
+                lowest[key] = min(lowest.get(key, seg.address), seg.address)
+        # a floor with another start segment between it and the range's lowest run is not that
+        # range's (a later range of the pool, or a page the pool's guess got wrong): not used
+        return {
+            key: lo for key, lo in floors.items()
+            if key in lowest and lo < lowest[key] and not any(
+                lo < s.address + s.size and s.address < lowest[key]
+                for s in self.start_segments if (s.stream, s.small) != key or not s.expandable
+            )
+        }
 
     def _expandable_prefix(self) -> bool:
         """Whether the trace maps pages below the start of a seeded virtual range (the range
