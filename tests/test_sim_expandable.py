@@ -142,6 +142,8 @@ def test_real_expandable_trace_replays_at_every_real_address() -> None:
     assert res.start == "empty" and res.first_divergence is None
     assert (res.allocs_matched, res.allocs_expected) == (n_allocs, n_allocs)
     assert res.final_layout_equal
+    n_maps = sum(e["action"] == "segment_map" for e in trace)
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (n_maps, n_maps) == (148, 148)
     # every page mapped where and as the real allocator mapped it
     real = [(e["action"], e["addr"], e["size"]) for e in trace]
     assert _maps([e[:3] for e in r.allocator.events]) == _maps(real)
@@ -175,6 +177,7 @@ def test_hand_written_expandable_trace_replays_exactly() -> None:
     res = r.result()
     assert res.first_divergence is None and res.final_layout_equal
     assert (res.allocs_matched, res.allocs_expected) == (5, 5)
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (4, 4)
     real = [(e["action"], e["addr"], e["size"]) for e in trace]
     assert _maps([e[:3] for e in r.allocator.events]) == _maps(real)
     assert res.peak_reserved_bytes == 40 * MiB + 2 * MiB + 60 * MiB - 40 * MiB
@@ -194,3 +197,21 @@ def test_a_range_guessed_too_long_is_cut_before_the_next_real_range() -> None:
     assert r.result().allocs_matched == 2
     sizes = {s.addr: s.size for s in r.allocator._segs.values()}
     assert sizes[base] == 1020 * MiB  # whole 20 MiB pages below the small range
+
+
+def test_a_page_mapped_otherwise_is_counted_and_reported() -> None:
+    # the file maps two pages for a 10 MiB request, the allocator one (it maps the rounded
+    # request): the block lands at the same address, but the maps differ
+    from torchmem.cli.replay import _render
+
+    e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}  # noqa: E731
+    base = 1 << 40
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        e("segment_map", base, 40 * MiB), e("alloc", base, 10 * MiB)]],
+        "allocator_settings": {"expandable_segments": True}})
+    res = replay(snap)
+    assert res.allocs_matched == 1
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (0, 1)
+    text = _render([res.to_dict()])
+    assert "the simulator diverged" in text
+    assert "segment_maps matched     0 of 1 (expandable pages: same address and size" in text

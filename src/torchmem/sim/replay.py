@@ -74,6 +74,8 @@ class ReplayResult:
     ``alloc`` entry behind it: ``{"entry", "size", "stream"}``), ``simulated`` (what the simulator
     did instead: the block it gave and its segment) and ``explanation`` (in words).
     ``final_layout_equal`` says whether the simulator's final segments equal the snapshot's.
+    ``segment_maps_expected`` counts the trace's ``segment_map`` entries (expandable segments),
+    ``segment_maps_matched`` those the simulator mapped at the same address and size, in order.
 
     ``start`` is ``"empty"`` (the trace starts from an empty allocator) or ``"rebuilt"`` (a
     mid-run trace: the state at its start was rebuilt, see :func:`start_state`); ``notes`` say
@@ -92,6 +94,8 @@ class ReplayResult:
     final_layout_equal: bool
     allocs_expected: int = 0
     allocs_matched: int = 0
+    segment_maps_expected: int = 0
+    segment_maps_matched: int = 0
     start: str = "empty"
     start_segments: int = 0
     start_live_blocks: int = 0
@@ -255,6 +259,8 @@ class TraceReplay:
         #: start state, before any entry).
         self.peak_allocated_entry = -1
         self._expected: list[tuple[int, int, int]] = []  # (entry, size, stream)
+        self._maps_expected: list[tuple[int, int]] = []  # the trace's segment_map (addr, size)
+        self._maps_got: list[tuple[int, int]] = []  # the simulator's, in order
         self._got: list[tuple[int, int, int, int]] = []  # (entry, size, stream, address)
         self._allocs = 0
         self._allocs_matched = 0
@@ -337,6 +343,8 @@ class TraceReplay:
                         for ev in events[n_events:]:
                             if ev[0] == "segment_alloc":
                                 got.append((i, ev[2], ev[3], ev[1]))
+                            elif ev[0] == "segment_map":
+                                self._maps_got.append((ev[1], ev[2]))
                     block_sizes[i] = bsize
                     bsizes[a] = bsize
                     reqs[a] = size
@@ -388,6 +396,8 @@ class TraceReplay:
                 act = names[c]
                 if act == "segment_alloc":
                     self._expected.append((i, sizes[i], streams[i]))
+                elif act == "segment_map":
+                    self._maps_expected.append((a, sizes[i]))
                 elif act in ("segment_free", "segment_unmap") and last not in (
                     "segment_free", "segment_unmap"
                 ):
@@ -704,6 +714,11 @@ class TraceReplay:
             final_layout_equal=self._layouts_equal(),
             allocs_expected=self._allocs,
             allocs_matched=self._allocs_matched,
+            segment_maps_expected=len(self._maps_expected),
+            segment_maps_matched=sum(
+                self._maps_expected[k] == self._maps_got[k]
+                for k in range(min(len(self._maps_expected), len(self._maps_got)))
+            ),
             start="empty" if n_segs == 0 else "rebuilt",
             start_segments=n_segs,
             start_live_blocks=n_live,
