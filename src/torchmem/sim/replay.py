@@ -13,13 +13,16 @@ one ``empty_cache()``, unless it is the out-of-memory retry of the next alloc wi
 ``max_split_size`` set (only oversize blocks released): then the simulator retries that alloc
 itself on a device just too small for it. New simulated segments take the addresses of the
 trace's ``segment_alloc`` entries in order, so with a correct simulator every block lands at its
-real address.
+real address. Expandable segments' virtual ranges are the driver's too: a range the simulator
+opens starts at the real address of the request that opens it (its first block lies at the
+range's start), and a range seeded from the start state begins at the lowest page the trace maps
+in that stream's pool, when no other segment lies between.
 
 Checks: the k-th simulated ``segment_alloc`` must have the size, stream and pool of the trace's
-k-th (the pool of the request it served); every ``alloc`` should land at its real address; at the
-end the simulator's segments must equal the snapshot's (``final_layout_equal``: the same multiset
-of segments, each with its size, stream and blocks as offset, size and whether active). The peaks
-of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
+k-th (the pool of the request it served); every ``alloc`` should land at its real address, every
+``segment_map`` at its address with its size; at the end the simulator's segments must equal the
+snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream and
+blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
 trace are reported too. (Over 600 lines: the replay loop, the settling of open slack, which
 reruns it, and the explanation of its divergences share one class's state.)
 
