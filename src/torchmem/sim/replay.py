@@ -601,8 +601,11 @@ class TraceReplay:
         ``segment_map`` is the pool of the request it maps for (the next ``alloc``)."""
         t, names = self._trace, self._names
         floors: dict[tuple[int, bool], int] = {}
+        if "segment_map" not in names or not any(s.expandable for s in self.start_segments):
+            return floors
+        c_map = names.index("segment_map")
         for i in range(len(t)):
-            if names[t.actions[i]] == "segment_map":
+            if t.actions[i] == c_map:
                 key = (t.streams[i], self._pool_of(self._next_alloc(i)) == "small")
                 floors[key] = min(floors.get(key, t.addrs[i]), t.addrs[i])
         lowest: dict[tuple[int, bool], int] = {}
