@@ -85,6 +85,46 @@ def expandable() -> dict[str, Any]:
             "allocator_settings": {"expandable_segments": True, "max_split_size": -1}}
 
 
+def expandable_ranges() -> dict[str, Any]:
+    """Expandable segments at driver-chosen addresses, written by hand from the allocator's rules
+    (20 MiB large pages, 2 MiB small pages, lowest-address mapping, 512 B splitting):
+
+    map the large range's first page, alloc 8 MiB; a 4 KiB request opens the small range; 30 MiB
+    grows the large range by a page (the free 12 MiB tail plus the new page, merged); both large
+    blocks freed merge into one free 40 MiB block; ``empty_cache`` unmaps its two pages, so the
+    large range is released (the small one keeps its live block); 50 MiB then opens a new large
+    range at another address (three pages), and 1 MiB + 1 B (large pool) splits its free tail.
+    """
+    big, small, again = 0x302000000, 0x1948000000, 0x6000000000
+    trace = [
+        _e("segment_map", big, 20 * MiB, 0, 1),
+        _e("alloc", big, 8 * MiB, 0, 2),
+        _e("segment_map", small, 2 * MiB, 0, 3),
+        _e("alloc", small, 4096, 0, 4),
+        _e("segment_map", big + 20 * MiB, 20 * MiB, 0, 5),
+        _e("alloc", big + 8 * MiB, 30 * MiB, 0, 6),
+        _e("free_requested", big, 8 * MiB, 0, 7),
+        _e("free_completed", big, 8 * MiB, 0, 8),
+        _e("free_requested", big + 8 * MiB, 30 * MiB, 0, 9),
+        _e("free_completed", big + 8 * MiB, 30 * MiB, 0, 10),
+        _e("segment_unmap", big, 40 * MiB, 0, 11),
+        _e("segment_map", again, 60 * MiB, 0, 12),
+        _e("alloc", again, 50 * MiB, 0, 13),
+        _e("alloc", again + 50 * MiB, MiB + 1, 0, 14),
+    ]
+    segs = [
+        _seg(0, small, 2 * MiB, [_b(small, 4096, 4096, "active_allocated"),
+                                 _b(small + 4096, 2 * MiB - 4096, 0, "inactive")],
+             segment_type="small", expandable=True),
+        _seg(0, again, 60 * MiB, [_b(again, 50 * MiB, 50 * MiB, "active_allocated"),
+                                  _b(again + 50 * MiB, MiB + 512, MiB + 1, "active_allocated"),
+                                  _b(again + 51 * MiB + 512, 9 * MiB - 512, 0, "inactive")],
+             expandable=True),
+    ]
+    return {"segments": segs, "device_traces": [trace],
+            "allocator_settings": {"expandable_segments": True, "max_split_size": -1}}
+
+
 def oom(fragmented: bool) -> dict[str, Any]:
     """A 40 MiB segment with two live 10 MiB blocks and two free 10 MiB holes; then a 20 MiB
     request fails. ``fragmented``: the device still had 5 MiB free (10+10+5 >= 20: fragmentation);

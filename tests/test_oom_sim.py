@@ -112,6 +112,44 @@ def test_a_mid_run_trace_replays_from_its_rebuilt_start() -> None:
     assert "which the real settings made" in o.explanation
 
 
+def test_a_mid_run_expandable_trace_at_driver_addresses_gets_what_ifs() -> None:
+    # expandable_segments:True, 1000 MiB: 600 MiB, 4 KiB (the small pool's range) and 100 MiB;
+    # the 600 MiB freed and unmapped by empty_cache; the trace starts there (the large range's
+    # lowest page mapped at the start is 600 MiB above its start), then 300 + 300 MiB map the
+    # range's first pages and 400 MiB runs out of memory. The ranges are moved to addresses of
+    # the driver's choosing, as on a real GPU, so the replay must find them in the trace.
+    a = CachingAllocator(capacity=CAP, config="expandable_segments:True")
+    x = a.malloc(600 * MiB)
+    a.malloc(4096)
+    a.malloc(100 * MiB)
+    a.free(x)
+    a.empty_cache()
+    cut = len(a.events)
+    a.malloc(300 * MiB)
+    a.malloc(300 * MiB)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(400 * MiB)
+    small = next(e[1] for e in a.events if e[0] == "segment_map" and e[2] == 2 * MiB)
+
+    def moved(addr: int) -> int:
+        return addr - small + 0x1948000000 if addr >= small else addr - x + 0x302000000
+
+    raw = to_pytorch_dict(a.snapshot())
+    raw["device_traces"][0] = raw["device_traces"][0][cut:]
+    for e in raw["device_traces"][0]:
+        if e["action"] != "oom":
+            e["addr"] = moved(e["addr"])
+    for seg in raw["segments"]:
+        seg["address"] = moved(seg["address"])
+        for b in seg["blocks"]:
+            b["address"] = moved(b["address"])
+    (o,) = oom_report(from_pytorch(raw))
+    assert o.simulated is not None and o.simulated["start"] == "rebuilt" and o.simulated["exact"]
+    got = {a["setting"]: a["avoided"] for a in o.alternatives}
+    assert got and not any(got.values())  # 700 MiB live, 400 MiB more: nothing helps
+    assert "did not reproduce" not in o.explanation
+
+
 def test_a_trace_the_simulator_does_not_reproduce_gets_no_what_ifs() -> None:
     # the hand-written OOM file makes a 40 MiB segment for a 10 MiB request: not the allocator
     (o,) = oom_report(from_pytorch(synth.oom(fragmented=True)))

@@ -1,14 +1,22 @@
-"""Expandable segments: seeding mapped ranges, and invariants on random request streams
-(reserved bytes equal the mapped pages the events report, whole pages, merged free blocks)."""
+"""Expandable segments: seeding mapped ranges, invariants on random request streams
+(reserved bytes equal the mapped pages the events report, whole pages, merged free blocks), and
+replays of expandable-segment traces at their real virtual addresses (a real H100 trace from
+empty and cut mid-run, checked against its own entries and memory_stats; a hand-written one)."""
 
 from __future__ import annotations
 
+import json
+import pickle
 import random
+from pathlib import Path
 
 import pytest
 
+import snapshot_synth
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
-from torchmem.sim import CachingAllocator
+from torchmem.io.pytorch_snapshot import from_pytorch
+from torchmem.sim import CachingAllocator, replay
+from torchmem.sim.replay import TraceReplay
 
 MiB = 1 << 20
 BASE = 1 << 40
@@ -104,3 +112,106 @@ def test_expandable_blocks_are_skipped_when_the_option_is_off() -> None:
     assert a.events[-2] == ("segment_alloc", y, 12 * MiB, 0)
     a.empty_cache()
     assert a.events[-1] == ("segment_unmap", BASE, 20 * MiB, 0)
+
+
+# -- replaying expandable-segment traces at their real virtual addresses -----------------------
+
+GPU_DATA = Path(__file__).resolve().parent / "data" / "gpu"
+
+
+def _real_expandable() -> dict:
+    with open(GPU_DATA / "alloc_expandable.pickle", "rb") as f:
+        return pickle.load(f)
+
+
+def _maps(entries: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    return [e for e in entries if e[0] in ("segment_map", "segment_unmap")]
+
+
+def test_real_expandable_trace_replays_at_every_real_address() -> None:
+    # H100, torch 2.11, expandable_segments:True, recorded from an empty allocator
+    # (tests/data/gpu/README.md); the real addresses of the two virtual ranges (large pool at
+    # 0x302000000, small pool at 0x1948000000) are the driver's, not the simulator's.
+    raw = _real_expandable()
+    trace = raw["device_traces"][0]
+    n_allocs = sum(e["action"] == "alloc" for e in trace)
+    assert n_allocs == 2037
+    r = TraceReplay(from_pytorch(raw))
+    r.run()
+    res = r.result()
+    assert res.start == "empty" and res.first_divergence is None
+    assert (res.allocs_matched, res.allocs_expected) == (n_allocs, n_allocs)
+    assert res.final_layout_equal
+    n_maps = sum(e["action"] == "segment_map" for e in trace)
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (n_maps, n_maps) == (148, 148)
+    # every page mapped where and as the real allocator mapped it
+    real = [(e["action"], e["addr"], e["size"]) for e in trace]
+    assert _maps([e[:3] for e in r.allocator.events]) == _maps(real)
+    # the peaks the real allocator's memory_stats recorded
+    stats = json.loads((GPU_DATA / "alloc_expandable.json").read_text())["memory_stats"]
+    assert (res.peak_allocated_bytes, res.peak_requested_bytes, res.peak_reserved_bytes) == (
+        stats["allocated_bytes.all.peak"], stats["requested_bytes.all.peak"],
+        stats["reserved_bytes.all.peak"])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 1000, 3000])
+def test_real_expandable_trace_cut_mid_run_replays_exactly(cut: int) -> None:
+    # The same trace without its first ``cut`` entries: the start state (mapped runs and live
+    # blocks) is rebuilt from the end state; with cut 1 or 3 the small pool's range is opened
+    # by the trace itself, at the real address.
+    raw = _real_expandable()
+    raw["device_traces"][0] = raw["device_traces"][0][cut:]
+    n_allocs = sum(e["action"] == "alloc" for e in raw["device_traces"][0])
+    res = replay(from_pytorch(raw))
+    assert res.start == "rebuilt" and res.first_divergence is None
+    assert (res.allocs_matched, res.allocs_expected) == (n_allocs, n_allocs) and n_allocs > 300
+    assert res.final_layout_equal
+
+
+def test_hand_written_expandable_trace_replays_exactly() -> None:
+    # map, grow, unmap at empty_cache (the range is released), a new range at another address
+    raw = snapshot_synth.expandable_ranges()
+    trace = raw["device_traces"][0]
+    r = TraceReplay(from_pytorch(raw))
+    r.run()
+    res = r.result()
+    assert res.first_divergence is None and res.final_layout_equal
+    assert (res.allocs_matched, res.allocs_expected) == (5, 5)
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (4, 4)
+    real = [(e["action"], e["addr"], e["size"]) for e in trace]
+    assert _maps([e[:3] for e in r.allocator.events]) == _maps(real)
+    assert res.peak_reserved_bytes == 40 * MiB + 2 * MiB + 60 * MiB - 40 * MiB
+
+
+def test_a_range_guessed_too_long_is_cut_before_the_next_real_range() -> None:
+    # Without the device's size the simulator reserves 1.125 x 80 GiB per range; the real small
+    # range starts 1 GiB above the large one here: the large range is cut to 1 GiB before it.
+    e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}  # noqa: E731
+    base = 1 << 40
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        e("segment_map", base, 20 * MiB), e("alloc", base, 10 * MiB),
+        e("segment_map", base + 1024 * MiB, 2 * MiB), e("alloc", base + 1024 * MiB, 512)]],
+        "allocator_settings": {"expandable_segments": True}})
+    r = TraceReplay(snap)
+    r.run()
+    assert r.result().allocs_matched == 2
+    sizes = {s.addr: s.size for s in r.allocator._segs.values()}
+    assert sizes[base] == 1020 * MiB  # whole 20 MiB pages below the small range
+
+
+def test_a_page_mapped_otherwise_is_counted_and_reported() -> None:
+    # the file maps two pages for a 10 MiB request, the allocator one (it maps the rounded
+    # request): the block lands at the same address, but the maps differ
+    from torchmem.cli.replay import _render
+
+    e = lambda a, addr, size: {"action": a, "addr": addr, "size": size, "stream": 0}  # noqa: E731
+    base = 1 << 40
+    snap = from_pytorch({"segments": [], "device_traces": [[
+        e("segment_map", base, 40 * MiB), e("alloc", base, 10 * MiB)]],
+        "allocator_settings": {"expandable_segments": True}})
+    res = replay(snap)
+    assert res.allocs_matched == 1
+    assert (res.segment_maps_matched, res.segment_maps_expected) == (0, 1)
+    text = _render([res.to_dict()])
+    assert "the simulator diverged" in text
+    assert "segment_maps matched     0 of 1 (expandable pages: same address and size" in text

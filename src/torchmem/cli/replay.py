@@ -54,7 +54,8 @@ def _render(results: list[dict[str, Any]]) -> str:
     out: list[str] = []
     for r in results:
         div = r["first_divergence"]
-        ok = div is None and r["final_layout_equal"]
+        ok = (div is None and r["final_layout_equal"]
+              and r.get("segment_maps_matched", 0) == r.get("segment_maps_expected", 0))
         head = "the simulator reproduced the trace" if ok else "the simulator diverged"
         if not r.get("allocs_expected") and not r["segment_allocs_expected"]:
             head = "nothing to check (no alloc or segment_alloc in the trace)"
@@ -66,6 +67,11 @@ def _render(results: list[dict[str, Any]]) -> str:
             f"{r['segment_allocs_expected']} (same size, stream and pool, in order)"
         )
         out.append(f"  allocs at real address   {r.get('allocs_matched', 0)} of {r.get('allocs_expected', 0)}")
+        if r.get("segment_maps_expected"):
+            out.append(
+                f"  segment_maps matched     {r.get('segment_maps_matched', 0)} of "
+                f"{r['segment_maps_expected']} (expandable pages: same address and size, in order)"
+            )
         out.append(
             "  final layout equal       "
             + ("yes (same segments, blocks, sizes and states as the snapshot)" if r["final_layout_equal"]

@@ -94,10 +94,45 @@ class ExpandableMixin:
         return addr < seg.addr + seg.size
 
     def _expandable_address(self, size: int) -> int:
-        """Where the next expandable virtual range of ``size`` bytes starts (a subclass may choose)."""
+        """Where the next expandable virtual range of ``size`` bytes starts (a subclass may choose
+        another free address: the range is cut short before the next segment above it)."""
         addr = self._next_address
-        self._next_address += size
+        for seg in self._segs.values():  # past every range (a seeded one may end above it)
+            addr = max(addr, seg.addr + seg.size)
+        self._next_address = addr + size
         return addr
+
+    def _range_start(self, address: int, stream: int, small: bool) -> int:
+        """Where a seeded virtual range whose lowest mapped page is ``address`` begins (a
+        subclass that knows of lower pages may say; a lower start that does not fit is ignored)."""
+        return address
+
+    def _room_at(self, addr: int) -> bool:
+        """Whether a new virtual range can start at ``addr``: outside every segment, or in the
+        unmapped tail of an expandable range (guessed too long), which is then cut there."""
+        for seg in self._segs.values():
+            if not seg.addr <= addr < seg.addr + seg.size:
+                continue
+            if not seg.page:
+                return False
+            end = seg.addr + seg.size
+            cut = seg.addr + (addr - seg.addr) // seg.page * seg.page
+            ua = self._uend.get(end)
+            if ua is None or ua < seg.addr or ua > cut or cut == seg.addr:
+                return False  # pages mapped above the cut, or nothing below it
+            self._remove_unmapped(ua, seg.stream, seg.small)
+            if cut > ua:
+                self._insert_unmapped(ua, cut - ua, seg.stream, seg.small)
+            seg.size = cut - seg.addr
+            return True
+        return True
+
+    def _range_size(self, addr: int, va: int, page: int) -> int:
+        """``va`` bytes, cut to whole pages before the next segment above ``addr``."""
+        later = [s for s in self._segs if s > addr]
+        if later:
+            va = min(va, (min(later) - addr) // page * page)
+        return va
 
     def _expandable_best_fit(self, lst: list[int], i: int) -> int:
         """get_free_block's expandable twist: with expandable segments on, compare a block in an
@@ -175,6 +210,9 @@ class ExpandableMixin:
         if va < rounded:  # a virtual range of the device's size cannot hold it: out of memory
             return -1
         addr = self._expandable_address(va)
+        va = self._range_size(addr, va, page)
+        if va < rounded:
+            return -1
         self._new_expandable_range(addr, va, stream, small, page)
         return addr
 
@@ -280,12 +318,13 @@ class ExpandableMixin:
                         f"add_segment(address={address:#x}, size={size}): overlaps the existing "
                         f"segment [{start:#x}, {start + seg.size:#x}); segments must not overlap"
                     )
-            va = self._va_size(page)
-            later = [s for s in self._segs if s > address]
-            if later:
-                va = min(va, (min(later) - address) // page * page)
-            self._new_expandable_range(address, va, stream, small, page)
-            host = address
+            host = self._range_start(address, stream, small)
+            if host > address or (address - host) % page or any(
+                host < start + seg.size and start < address for start, seg in self._segs.items()
+            ):
+                host = address  # a lower start that does not fit: the lowest mapped page
+            va = self._range_size(host, self._va_size(page), page)
+            self._new_expandable_range(host, va, stream, small, page)
         elif (address - self._seg_of(address).addr) % page:
             raise InvalidInputError(
                 f"add_segment(address={address:#x}, expandable=True): not on a page boundary of "

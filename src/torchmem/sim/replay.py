@@ -13,13 +13,16 @@ one ``empty_cache()``, unless it is the out-of-memory retry of the next alloc wi
 ``max_split_size`` set (only oversize blocks released): then the simulator retries that alloc
 itself on a device just too small for it. New simulated segments take the addresses of the
 trace's ``segment_alloc`` entries in order, so with a correct simulator every block lands at its
-real address.
+real address. Expandable segments' virtual ranges are the driver's too: a range the simulator
+opens starts at the real address of the request that opens it (its first block lies at the
+range's start), and a range seeded from the start state begins at the lowest page the trace maps
+in that stream's pool, when no other segment lies between.
 
 Checks: the k-th simulated ``segment_alloc`` must have the size, stream and pool of the trace's
-k-th (the pool of the request it served); every ``alloc`` should land at its real address; at the
-end the simulator's segments must equal the snapshot's (``final_layout_equal``: the same multiset
-of segments, each with its size, stream and blocks as offset, size and whether active). The peaks
-of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
+k-th (the pool of the request it served); every ``alloc`` should land at its real address, every
+``segment_map`` at its address with its size; at the end the simulator's segments must equal the
+snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream and
+blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
 trace are reported too. (Over 600 lines: the replay loop, the settling of open slack, which
 reruns it, and the explanation of its divergences share one class's state.)
 
@@ -74,6 +77,8 @@ class ReplayResult:
     ``alloc`` entry behind it: ``{"entry", "size", "stream"}``), ``simulated`` (what the simulator
     did instead: the block it gave and its segment) and ``explanation`` (in words).
     ``final_layout_equal`` says whether the simulator's final segments equal the snapshot's.
+    ``segment_maps_expected`` counts the trace's ``segment_map`` entries (expandable segments),
+    ``segment_maps_matched`` those the simulator mapped at the same address and size, in order.
 
     ``start`` is ``"empty"`` (the trace starts from an empty allocator) or ``"rebuilt"`` (a
     mid-run trace: the state at its start was rebuilt, see :func:`start_state`); ``notes`` say
@@ -92,6 +97,8 @@ class ReplayResult:
     final_layout_equal: bool
     allocs_expected: int = 0
     allocs_matched: int = 0
+    segment_maps_expected: int = 0
+    segment_maps_matched: int = 0
     start: str = "empty"
     start_segments: int = 0
     start_live_blocks: int = 0
@@ -126,6 +133,11 @@ class _TraceAllocator(CachingAllocator):
         super().__init__(capacity, config, memory_fraction=memory_fraction)
         self.real_addresses: list[int] = []  # the trace's segment_alloc addresses, in order
         self._used = 0
+        #: the real address of the request being replayed: where a new expandable range starts
+        #: (its first block is at the range's start), None when the real addresses are not used
+        self.request_address: int | None = None
+        #: (stream, small) -> the lowest page the trace shows of that pool's virtual range
+        self.range_starts: dict[tuple[int, bool], int] = {}
 
     def _segment_address(self, size: int) -> int:
         if self._used < len(self.real_addresses):
@@ -134,6 +146,15 @@ class _TraceAllocator(CachingAllocator):
             self._next_address = max(self._next_address, addr + size)
             return addr
         return super()._segment_address(size)
+
+    def _expandable_address(self, size: int) -> int:
+        a = self.request_address
+        if a is not None and self._room_at(a):
+            return a
+        return super()._expandable_address(size)
+
+    def _range_start(self, address: int, stream: int, small: bool) -> int:
+        return min(address, self.range_starts.get((stream, small), address))
 
 
 def _config_from(snapshot: Snapshot, config: AllocatorConfig | str | None) -> AllocatorConfig:
@@ -203,10 +224,12 @@ class TraceReplay:
             start = _settle(snapshot, device, cfg)
         self.start_segments = start
         sim = _TraceAllocator(capacity, cfg, memory_fraction)
+        self._real_addresses = real_addresses
         if real_addresses:
             sim.real_addresses = [
                 t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
             ]
+            sim.range_starts = self._mapped_floors()
         self.allocator: CachingAllocator = sim
         self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
         self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
@@ -218,6 +241,9 @@ class TraceReplay:
                 seg.address, seg.size, seg.stream, seg.layout(), small=seg.small,
                 expandable=seg.expandable,
             )
+        #: the virtual ranges seeded: (start, stream, small); a range may begin below its
+        #: lowest run mapped at the start, where the trace maps pages
+        self._seeded_ranges = [(s.addr, s.stream, s.small) for s in sim._segs.values() if s.page]
         for seg in self.start_segments:
             for addr, size, req, pending in seg.blocks:
                 self._bsize[addr] = size
@@ -236,6 +262,8 @@ class TraceReplay:
         #: start state, before any entry).
         self.peak_allocated_entry = -1
         self._expected: list[tuple[int, int, int]] = []  # (entry, size, stream)
+        self._maps_expected: list[tuple[int, int]] = []  # the trace's segment_map (addr, size)
+        self._maps_got: list[tuple[int, int]] = []  # the simulator's, in order
         self._got: list[tuple[int, int, int, int]] = []  # (entry, size, stream, address)
         self._allocs = 0
         self._allocs_matched = 0
@@ -297,6 +325,7 @@ class TraceReplay:
         )
         n_allocs, matched, last = self._allocs, self._allocs_matched, self._last
         peak_at = self.peak_allocated_entry
+        tsim = sim if self._real_addresses and isinstance(sim, _TraceAllocator) else None
         i = first
         try:
             for i in range(first, stop):
@@ -306,6 +335,8 @@ class TraceReplay:
                     size = sizes[i]
                     n_events = len(events)
                     before = sim.allocated_bytes
+                    if tsim is not None:
+                        tsim.request_address = a
                     if self._retry is not None and self._retry[0] == i:
                         sa = self._malloc_after_release(size, streams[i])
                     else:
@@ -315,6 +346,8 @@ class TraceReplay:
                         for ev in events[n_events:]:
                             if ev[0] == "segment_alloc":
                                 got.append((i, ev[2], ev[3], ev[1]))
+                            elif ev[0] == "segment_map":
+                                self._maps_got.append((ev[1], ev[2]))
                     block_sizes[i] = bsize
                     bsizes[a] = bsize
                     reqs[a] = size
@@ -366,6 +399,8 @@ class TraceReplay:
                 act = names[c]
                 if act == "segment_alloc":
                     self._expected.append((i, sizes[i], streams[i]))
+                elif act == "segment_map":
+                    self._maps_expected.append((a, sizes[i]))
                 elif act in ("segment_free", "segment_unmap") and last not in (
                     "segment_free", "segment_unmap"
                 ):
@@ -560,13 +595,40 @@ class TraceReplay:
             "found room in its cache (the trace has no such segment_alloc)"
         )
 
-    def _expandable_prefix(self) -> bool:
-        """Whether the trace maps pages below the lowest run of a virtual range at its start
-        (the run above the page belongs to another pool than the run below it, or none is)."""
-        runs: dict[int, list[tuple[int, bool]]] = {}
+    def _mapped_floors(self) -> dict[tuple[int, bool], int]:
+        """(stream, small) -> the lowest page the trace maps of that pool's range below its
+        lowest run mapped at the start (that range began there or lower); the pool of a
+        ``segment_map`` is the pool of the request it maps for (the next ``alloc``)."""
+        t, names = self._trace, self._names
+        floors: dict[tuple[int, bool], int] = {}
+        if "segment_map" not in names or not any(s.expandable for s in self.start_segments):
+            return floors
+        c_map = names.index("segment_map")
+        for i in range(len(t)):
+            if t.actions[i] == c_map:
+                key = (t.streams[i], self._pool_of(self._next_alloc(i)) == "small")
+                floors[key] = min(floors.get(key, t.addrs[i]), t.addrs[i])
+        lowest: dict[tuple[int, bool], int] = {}
         for seg in self.start_segments:
             if seg.expandable:
-                runs.setdefault(seg.stream, []).append((seg.address, seg.small))
+                key = (seg.stream, seg.small)
+                lowest[key] = min(lowest.get(key, seg.address), seg.address)
+        # a floor with another start segment between it and the range's lowest run is not that
+        # range's (a later range of the pool, or a page the pool's guess got wrong): not used
+        return {
+            key: lo for key, lo in floors.items()
+            if key in lowest and lo < lowest[key] and not any(
+                lo < s.address + s.size and s.address < lowest[key]
+                for s in self.start_segments if (s.stream, s.small) != key or not s.expandable
+            )
+        }
+
+    def _expandable_prefix(self) -> bool:
+        """Whether the trace maps pages below the start of a seeded virtual range (the range
+        above the page belongs to another pool than the range below it, or none is)."""
+        runs: dict[int, list[tuple[int, bool]]] = {}
+        for start, stream, small in self._seeded_ranges:
+            runs.setdefault(stream, []).append((start, small))
         if not runs:
             return False
         t = self._trace
@@ -658,6 +720,11 @@ class TraceReplay:
             final_layout_equal=self._layouts_equal(),
             allocs_expected=self._allocs,
             allocs_matched=self._allocs_matched,
+            segment_maps_expected=len(self._maps_expected),
+            segment_maps_matched=sum(
+                self._maps_expected[k] == self._maps_got[k]
+                for k in range(min(len(self._maps_expected), len(self._maps_got)))
+            ),
             start="empty" if n_segs == 0 else "rebuilt",
             start_segments=n_segs,
             start_live_blocks=n_live,
