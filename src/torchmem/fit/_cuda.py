@@ -174,9 +174,13 @@ MODELLED: list[tuple[str, str, str]] = [
     ),
     (
         "cuBLAS / cuBLASLt workspace",
-        "one workspace per (thread, stream) becomes an allocator block at its first GEMM",
+        "one workspace per (thread, stream) becomes an allocator block at its first GEMM; "
+        "cuBLASLt GEMMs (addmm with a bias, as nn.Linear runs) allocate a second one of their "
+        "own unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1",
         "CudaEmulation.gemm_workspace_bytes: CUBLAS_WORKSPACE_CONFIG's default for the "
-        "compute capability (8,519,680 B before Hopper, 32 MiB from 9.0)",
+        "compute capability (8,519,680 B before Hopper, 32 MiB from 9.0); "
+        "CudaEmulation.lt_workspace_bytes (CUBLASLT_WORKSPACE_SIZE, 1 MiB by default) at the "
+        "first cuBLASLt GEMM of each thread (CudaEmulation.uses_cublaslt)",
     ),
     (
         "cuDNN RNN workspace and reserve (nn.LSTM/GRU/RNN)",
@@ -791,6 +795,27 @@ def _flash_backward_transients(args: Sequence[Any], num_mp: int) -> list[tuple[i
     return found
 
 
+_LT_GEMMS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in ("addmm", "_addmm_activation")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _env_flag(name: str) -> bool | None:
+    """``c10::utils::check_env``: ``True`` for "1"/"true", ``False`` for "0"/"false" (any
+    case), ``None`` when unset or anything else."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    return None
+
+
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -872,8 +897,8 @@ class CudaEmulation:
         PyTorch's ``CublasHandlePool.cpp`` takes the size from ``CUBLAS_WORKSPACE_CONFIG``
         (the sum of its ``:SIZE_KiB:COUNT`` terms) and otherwise defaults to ``:4096:8`` =
         32 MiB on compute capability 9.x, 10.x and 12.x, and ``:4096:2:16:8`` = 8 MiB + 128 KiB
-        = 8,519,680 B before Hopper. The cuBLASLt workspace is the same block (unified by
-        default), so this is the whole per-stream cost. It is allocated through the caching
+        = 8,519,680 B before Hopper. cuBLASLt GEMMs add a workspace of their own
+        (:attr:`lt_workspace_bytes`). It is allocated through the caching
         allocator, so it is a block like any tensor (and lives as long as the process).
 
         Example:
@@ -892,6 +917,92 @@ class CudaEmulation:
         if self.compute_capability[0] in (9, 10, 12):
             return 4096 * 1024 * 8
         return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+    @property
+    def lt_workspace_bytes(self) -> int:
+        """Bytes of the cuBLASLt workspace each (thread, stream) allocates at its first cuBLASLt
+        GEMM (:meth:`uses_cublaslt`), on top of its cuBLAS workspace; 0 when they share one.
+
+        ``CublasHandlePool.cpp`` (PyTorch 2.11, as recorded on an H100 in ``tests/data/gpu``):
+        ``getCUDABlasLtWorkspace`` returns the cuBLAS workspace only when
+        ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set to a true value; otherwise it allocates its
+        own block through the caching allocator, of ``getCUDABlasLtWorkspaceSize()``:
+        ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024), capped at the cuBLAS workspace's size
+        unless the variable is set to a false value. The recorded GPT runs show it: 1 MiB after
+        the 32 MiB workspace at the first ``addmm`` with a bias (forward thread only; the
+        backward's plain ``mm`` calls do not use cuBLASLt).
+
+        Example:
+            >>> CudaEmulation((9, 0)).lt_workspace_bytes
+            1048576
+        """
+        unified = _env_flag("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+        if unified is True:
+            return 0
+        size = 1024
+        raw = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
+        if raw is not None:
+            try:
+                size = int(raw.strip())
+            except ValueError:
+                pass
+        nbytes = max(size, 0) * 1024
+        if unified is None:
+            nbytes = min(nbytes, self.gemm_workspace_bytes)
+        return nbytes
+
+    def uses_cublaslt(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether CUDA runs this call through cuBLASLt (``gemm_and_bias``), which needs
+        the cuBLASLt workspace (:attr:`lt_workspace_bytes`).
+
+        ``addmm_out_cuda_impl`` (``aten/src/ATen/native/cuda/Blas.cpp``,
+        ``isInputCompliesAddmmCudaLt``): ``addmm`` / ``_addmm_activation`` with ``beta == 1``
+        into a fresh 2-D output, a contiguous bias that is 1-D (or squeezes to 1-D) of the
+        output's width (or, with a fused activation, 2-D and broadcastable), a float, double,
+        half or bfloat16 GEMM whose matrices have more than one row and column; never when
+        ``DISABLE_ADDMM_CUDA_LT=1``. ``nn.Linear`` with a bias on a 2-D input is the common
+        case; ``mm`` (no bias, or the backward's GEMMs) is not.
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((9, 0))
+            >>> with FakeTensorMode():
+            ...     x, w, b = torch.empty(8, 4), torch.empty(4, 16), torch.empty(16)
+            >>> emu.uses_cublaslt(torch.ops.aten.addmm.default, (b, x, w), {})
+            True
+            >>> emu.uses_cublaslt(torch.ops.aten.mm.default, (x, w), {})
+            False
+        """
+        if func not in _LT_GEMMS or os.environ.get("DISABLE_ADDMM_CUDA_LT") == "1":
+            return False
+        if len(args) < 3 or not all(isinstance(t, torch.Tensor) for t in args[:3]):
+            return False
+        bias, mat1, mat2 = args[0], args[1], args[2]
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        activation = func is not torch.ops.aten.addmm.default  # _addmm_activation
+        try:
+            if complex(beta) != 1.0:
+                return False
+        except TypeError:
+            return False
+        if mat1.dim() != 2 or mat2.dim() != 2:
+            return False
+        m, k = mat1.shape
+        k2, n = mat2.shape
+        if not (m > 1 and k > 1 and k2 > 1 and n > 1):
+            return False
+        if mat1.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            return False
+        fused_bias = (
+            bias.is_contiguous()
+            and (bias.dim() == 1 or bias.squeeze().dim() == 1)
+            and bias.size(-1) == n
+        )
+        broadcast_bias = activation and bias.dim() == 2 and all(
+            s in (1, t) for s, t in zip(bias.shape, (m, n))
+        )
+        return bool(fused_bias or broadcast_bias)
 
     # -- transients -----------------------------------------------------------------------------
 

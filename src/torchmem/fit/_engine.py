@@ -9,7 +9,8 @@ promptly as real ones). A tracker listener sends each birth to
 :meth:`~torchmem.sim.CachingAllocator.free`, in program order, on an allocator with the GPU's
 usable capacity. A thin dispatch mode on top adds what CUDA does and a CPU run never shows:
 the cuBLAS workspace of each (thread, stream) at its first GEMM (backward runs on autograd's
-own thread, so a training step has two) and the kernels' transient workspaces
+own thread, so a training step has two), the cuBLASLt workspace at its first cuBLASLt GEMM (an
+``addmm`` with a bias) and the kernels' transient workspaces
 (:class:`~torchmem.fit._cuda.CudaEmulation`).
 
 The first allocation the simulator cannot satisfy is the out-of-memory point: its operator,
@@ -144,6 +145,8 @@ class _State:
         self.dist: Any = None
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
+        # cuBLASLt workspace per (thread, stream): CudaEmulation.lt_workspace_bytes
+        self.lt_size = int(emu.lt_workspace_bytes) if emu is not None else 0
 
     def _peaks(self) -> None:
         sim = self.sim
@@ -221,6 +224,17 @@ class _State:
                 self.ws_keys.add(key)
                 if self._malloc(self.ws_size, None, str(func), "cuBLAS workspace") is not None:
                     self.ws_bytes += self.ws_size
+            # cuBLASLt's own workspace, after the cuBLAS one, at the first Lt GEMM
+            lt_key = ("cublasLt", key)
+            if (
+                self.lt_size
+                and self.oom is None
+                and lt_key not in self.ws_keys
+                and self.emu.uses_cublaslt(func, args, kwargs or {})
+            ):
+                self.ws_keys.add(lt_key)
+                if self._malloc(self.lt_size, None, str(func), "cuBLASLt workspace") is not None:
+                    self.ws_bytes += self.lt_size
         if self.emu is not None and self.oom is None:
             # All of a kernel's scratch buffers are live together, freed in reverse order.
             held: list[int] = []
