@@ -429,6 +429,33 @@ def test_uses_cublaslt(monkeypatch):
     assert not emu.uses_cublaslt(addmm, (b, x, w), {})
 
 
+def test_efficient_attention_backward_scratch():
+    from torchmem.fit._cuda import _efficient_backward_transients
+
+    def scratch(shape, dtype, cc):
+        b, h, m, d = shape
+        with FakeTensorMode():
+            q = torch.empty(b, m, h, d, dtype=dtype).transpose(1, 2)  # the forward's layout
+            g = torch.empty(b, m, h, d, dtype=dtype).transpose(1, 2)
+        return [(n, label.split(": ")[1], *rest)
+                for n, label, *rest in _efficient_backward_transients((g, q, q, q, None, q), {}, cc)]
+
+    # fp32 (the GPT fp32 runs of tests/data/gpu, per layer): delta from the product and the
+    # row sums, which go once delta exists; then the dQ workspace, 8 x 1 x (4 + 64 x 64) floats
+    # per (batch, head)
+    assert scratch((8, 16, 512, 64), torch.float32, (9, 0)) == [
+        (16777216, "grad_out * out"), (262144, "row sums"), (262144, "delta", (1, 0)),
+        (16793600, "workspace")]
+    # bf16, head dim 128 on an A100: the 128 x 128 kernel keeps dK/dV in registers
+    assert scratch((2, 4, 1024, 128), torch.bfloat16, (8, 0)) == [
+        (32768, "delta"), (2 * 4 * 8 * 1 * (4 + 128 * 128) * 4, "workspace")]
+    # ... on an RTX 4090 (less shared memory): 64-row blocks, dK/dV accumulated in fp32, one
+    # key split (200 // (2 x 4) = 25 > 16 blocks of keys: 16 splits)
+    gkv = 16 * 1024 * 128
+    assert scratch((2, 4, 1024, 128), torch.bfloat16, (8, 9)) == [
+        (32768, "delta"), (2 * 4 * (2 * gkv + 16 * 2 * (4 + 64 * 64)) * 4, "workspace")]
+
+
 def _transients(cc, shape, op, *rest, layout=None, sms=None):
     emu = CudaEmulation(cc, multiprocessors=sms)
     with FakeTensorMode():

@@ -56,7 +56,12 @@ import torch
 
 from torchmem.errors import InvalidInputError
 
-__all__ = ["MODELLED", "CudaEmulation"]
+__all__ = ["MODELLED", "CudaEmulation", "Transient"]
+
+#: One scratch buffer of :meth:`CudaEmulation.transients`: ``(bytes, label)``, or
+#: ``(bytes, label, frees)`` where ``frees`` are the indices of earlier scratch buffers of the
+#: same call that the kernel frees right after allocating this one (in that order).
+Transient = tuple[int, str] | tuple[int, str, tuple[int, ...]]
 
 # -- CUDA's autocast policy (aten/src/ATen/autocast_mode.cpp, the KERNEL_CUDA lists) ------------
 # Overload names as the dispatcher registers them ("" is the default overload). The test checks
@@ -147,7 +152,9 @@ MODELLED: list[tuple[str, str, str]] = [
         "and the CUDA "
         "op is called (its fake kernel allocates output + logsumexp (+ RNG state); the flash "
         "backward's scratch (softmax_d, fp32 dq accumulator, contiguous grad_out) comes from "
-        "transients(); the memory-efficient backward's workspace is not modelled; head dims not "
+        "transients(), and so do the memory-efficient backward's delta and fp32 dQ (dK/dV) "
+        "workspace and its forward's fp32 output accumulator (head dims > 128 in half "
+        "precision); its forward's philox seed and offset stay on the host; head dims not "
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
         "cuDNN's own workspace (sized by its heuristics at run time) is not modelled",
@@ -816,6 +823,150 @@ def _env_flag(name: str) -> bool | None:
     return None
 
 
+_EFFICIENT_BACKWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None),
+    "default",
+    None,
+)
+_EFFICIENT_FORWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None), "default", None
+)
+
+#: Compute capabilities whose opt-in shared memory per block (>= 163 KB) fits the
+#: memory-efficient backward's 128-row kernels; the others (sm75, sm86, sm89, sm120: 64 to
+#: 99 KB) fall back to 64-row blocks (generate_kernels.py: "fallback to 64 for GPUs with less
+#: shmem").
+_BIG_SMEM = {(8, 0), (8, 7), (9, 0), (10, 0), (10, 3), (11, 0)}
+
+
+def _efficient_backward_kernel(
+    half: bool, max_k: int, cc: tuple[int, int]
+) -> tuple[int, int, bool] | None:
+    """The memory-efficient backward kernel ``dispatch_cutlassB`` launches (the first of
+    generate_kernels.py's sorted list that fits): ``(block_i, block_j, output_in_rf)``, or
+    ``None`` when no kernel takes the head dim."""
+    sm = 80 if cc >= (8, 0) else (75 if cc >= (7, 5) else (70 if cc >= (7, 0) else 50))
+    for kmax in (32, 64, 96, 128, 2**16):
+        if kmax < max_k:
+            continue
+        if kmax == 96:  # sm86/89's K<=96 kernel (128 x 64, outputs in registers), half only
+            if half and cc in ((8, 6), (8, 9)):
+                return 128, 64, True
+            continue
+        blocks = [64]
+        if kmax > 64 and (sm >= 80 or (sm >= 70 and half)):
+            blocks.insert(0, 128)  # sort order: the highest block_i first
+        for bi in blocks:
+            if bi == 128 and cc not in _BIG_SMEM and not (sm == 70 and cc == (7, 0)):
+                continue
+            rf = half and kmax <= bi
+            preload = half and sm >= 80 and rf
+            bj = 128 if (preload and kmax > 64) else 64
+            return bi, bj, rf
+    return None
+
+
+def _efficient_backward_transients(
+    args: Sequence[Any], kwargs: dict[str, Any], cc: tuple[int, int]
+) -> list[Transient]:
+    """Scratch of ``_efficient_attention_backward`` (attention_backward.cu, PyTorch 2.11) for
+    ``_scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, bias, out, lse, ...)``
+    (inputs in (B, H, M, K) layout; the kernel works in (B, M, H, K)).
+
+    - ``grad_out.contiguous()`` in (B, M, H, Kv) when it is not.
+    - ``delta`` (B, H, M) fp32: an empty buffer the kernel fills (half precision), else
+      ``(grad_out.float() * out.float()).sum(-1).transpose(-2, -1).contiguous()``: the casts
+      (half only), the product and the row sums are live until ``delta`` exists, then freed.
+    - the kernel's workspace (``Params::workspace_size``, kernel_backward.h), per (batch,
+      head), in floats: for dQ always (split keys enabled), per block of ``block_i`` queries
+      and ``block_j`` head-dim columns one ``GradQTempStorage`` (4 ints + ``block_i *
+      block_j`` floats); for dK and dV in half precision when the head dim exceeds what the
+      kernel keeps in registers, ``num_splits_key`` copies of keys x head dim, rounded up to
+      the blocks; the sum rounded up to 4 floats. Zeroed when keys are split: no other
+      buffer.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     q = torch.empty(8, 16, 2048, 64, dtype=torch.bfloat16)
+        ...     out = torch.empty(8, 2048, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
+        >>> [(n, label.split(": ")[1]) for n, label, *_ in _efficient_backward_transients(
+        ...     (out, q, q, q, None, out), {}, (9, 0))]
+        [(1048576, 'delta'), (67174400, 'workspace')]
+    """
+    grad_out, q, k, v = args[:4]
+    b, h, m, dk = q.shape
+    n, dv = k.size(2), v.size(3)
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    kernel = _efficient_backward_kernel(half, max(dk, dv), cc)
+    found: list[Transient] = []
+    if not grad_out.transpose(1, 2).is_contiguous():
+        found.append((grad_out.numel() * grad_out.element_size(),
+                      "efficient backward: contiguous grad_out"))
+    if kernel is None:
+        return found
+    bi, bj, rf = kernel
+    delta = b * h * m * 4
+    computes_delta = half and (rf or not (7, 0) <= cc < (7, 5))  # kKernelComputesDelta
+    if computes_delta:
+        found.append((delta, "efficient backward: delta"))
+    else:
+        first = len(found)
+        full = b * m * h * dv * 4
+        parts = []
+        if half:
+            parts += [(full, "efficient backward: grad_out as fp32"),
+                      (full, "efficient backward: out as fp32")]
+        parts += [(full, "efficient backward: grad_out * out"),
+                  (b * m * h * 4, "efficient backward: row sums")]
+        found.extend(parts)
+        temporaries = tuple(range(first + len(parts) - 1, first - 1, -1))
+        found.append((delta, "efficient backward: delta", temporaries))
+
+    def up(x: int, to: int) -> int:
+        return -(-x // to) * to
+
+    accum_kv = half and not rf
+    splits = max(-(-n // bj), 1)
+    if b * h >= 256 and n <= 2 * bj:
+        splits = 1
+    if accum_kv:
+        splits = min(splits, 200 // (b * h))
+    if splits < 1 or torch.are_deterministic_algorithms_enabled():
+        splits = 1
+    gk = splits * up(n, bj) * up(dk, bi) if accum_kv else 0
+    gv = splits * up(n, bj) * up(dv, bi) if accum_kv else 0
+    gq = -(-m // bi) * -(-dk // bj) * (4 + bi * bj)
+    workspace = b * h * up(gk + gv + gq, 4) * 4
+    if workspace:
+        found.append((workspace, "efficient backward: workspace"))
+    return found
+
+
+def _efficient_forward_transients(args: Sequence[Any], out: Any) -> list[Transient]:
+    """Scratch of ``_efficient_attention_forward`` (attention.cu): the kernel for head dims
+    over 128 (``kMaxK`` 65536, 128 keys per block) accumulates the output in fp32 when the
+    output is half precision (``kNeedsOutputAccumulatorBuffer``): a (B, M, H, Kv) fp32 buffer
+    after the outputs, freed on return.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     q = torch.empty(2, 4, 128, 256, dtype=torch.float16)
+        ...     o = torch.empty(2, 4, 128, 256, dtype=torch.float16)
+        >>> _efficient_forward_transients((q, q, q), (o,))
+        [(1048576, 'efficient forward: fp32 output accumulator')]
+    """
+    q, v = args[0], args[2]
+    o = out[0] if isinstance(out, (tuple, list)) else out
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if not half or max(q.size(-1), v.size(-1)) <= 128 or not isinstance(o, torch.Tensor):
+        return []
+    return [(o.numel() * 4, "efficient forward: fp32 output accumulator")]
+
+
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -1004,20 +1155,48 @@ class CudaEmulation:
         )
         return bool(fused_bias or broadcast_bias)
 
+    def host_outputs(self, func: Any, out: Any) -> list[torch.Tensor]:
+        """Outputs of ``func`` that CUDA keeps in host memory where the fake run puts them on
+        the device: the memory-efficient attention forward's philox seed and offset
+        (``_efficient_attention_forward``, attention.cu: CPU scalars unless a CUDA graph is
+        being captured; the recorded H100 runs allocate neither).
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((9, 0))
+            >>> with FakeTensorMode():
+            ...     q = torch.empty(1, 2, 16, 64)
+            ...     out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            ...         q, q, q, None, True)
+            >>> [tuple(t.shape) for t in emu.host_outputs(
+            ...     torch.ops.aten._scaled_dot_product_efficient_attention.default, out)]
+            [(), ()]
+        """
+        if func is _EFFICIENT_FORWARD and isinstance(out, (tuple, list)) and len(out) >= 4:
+            return [t for t in out[2:4] if isinstance(t, torch.Tensor)]
+        return []
+
     # -- transients -----------------------------------------------------------------------------
 
     def transients(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
-    ) -> list[tuple[int, str]]:
+    ) -> list[Transient]:
         """Scratch buffers the CUDA kernel of ``func`` allocates after its outputs and frees
         before it returns: ``[(bytes, label), ...]`` in allocation order (empty for most ops).
-        All of them are live together; they are freed in reverse order.
+        All of them are live together, except those an entry ``(bytes, label, frees)`` names
+        in ``frees`` (indices of earlier entries, freed right after that entry is allocated);
+        the rest are freed in reverse order when the kernel returns.
 
         Modelled: the flash-attention backward (``_flash_attention_backward`` and flash's
         ``mha_bwd``: contiguous copies of ``grad_out`` / ``out`` in (B, L, H, D) layout when
         they are not, ``softmax_d`` (B, H, L rounded up to 128) and the fp32 ``dq`` accumulator
         (B, L rounded to 128, H, D rounded to 32; one per SM split when deterministic), and the
-        expanded dK/dV of grouped-query attention); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        expanded dK/dV of grouped-query attention); the memory-efficient attention
+        (:func:`_efficient_backward_transients`: its backward's ``delta`` and, when the kernel
+        does not compute it, the fp32 product and row sums it comes from, then the kernel's
+        fp32 workspace for the dQ (and dK/dV) accumulation; the forward's fp32 output
+        accumulator for head dims over 128 in half precision); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
         dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
         output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
         a staging buffer for the blocks' partial results and an ``int`` semaphore per output
@@ -1036,7 +1215,11 @@ class CudaEmulation:
             [(50331648, 'reduction staging'), (24, 'reduction semaphores')]
         """
         if func is _FLASH_BACKWARD:
-            return _flash_backward_transients(args, self.multiprocessors)
+            return list(_flash_backward_transients(args, self.multiprocessors))
+        if func is _EFFICIENT_BACKWARD:
+            return _efficient_backward_transients(args, kwargs, self.compute_capability)
+        if func is _EFFICIENT_FORWARD:
+            return _efficient_forward_transients(args, out)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
         if spec is None or not args or not isinstance(args[0], torch.Tensor):
             return []
