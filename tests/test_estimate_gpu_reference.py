@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import gpu_cases
 import torchmem
 from torchmem.fit import GPU
@@ -70,3 +72,51 @@ def test_efficient_attention_backward_buffers():
     assert abs(rel(e.peak_reserved_bytes, s["reserved_bytes.all.peak"])) < 0.01
     # the forward's philox seed and offset stay on the host: peak allocated is exact
     assert e.peak_allocated_bytes == s["allocated_bytes.all.peak"]
+
+
+def _two_streams_estimate() -> torchmem.Estimate:
+    # Tensor.record_stream refused the fake run's stand-in stream ("unknown parameter type");
+    # now a no-op (the estimate runs all streams as one, in program order). The recorded step
+    # ends in acc.sum().item(), a value read fake tensors cannot answer (the estimate refuses
+    # it by design), so this is the same step without the read.
+    import torch
+
+    def build(batch_size: int):
+        inner_side = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        w = torch.randn(1024, 1024, device="cuda")
+
+        def step() -> None:
+            acc = torch.zeros(batch_size, 1024, device="cuda")
+            for _ in range(8):
+                with torch.cuda.stream(inner_side):
+                    buf = torch.randn(batch_size, 1024, device="cuda") @ w
+                main.wait_stream(inner_side)
+                buf.record_stream(main)
+                acc += buf.relu()
+                del buf
+            acc.sum()
+        return step
+
+    rec = recorded("two_streams")
+    v = rec["versions"]
+    gpu = GPU(v["gpu"], v["total_memory"], tuple(v["capability"]), "recorded",
+              multiprocessors=v.get("multiprocessors"))
+    return torchmem.estimate(build, gpu=gpu, batch_size=rec["batch_size"], margin=0)
+
+
+def test_record_stream_two_streams_allocated():
+    e = _two_streams_estimate()
+    rec = recorded("two_streams")
+    assert e.workspace_bytes == rec["cublas_workspace_bytes"]  # one GEMM stream, no cuBLASLt
+    alloc = rec["stats"]["allocated_bytes.all.peak"]
+    assert abs(rel(e.peak_allocated_bytes, alloc)) < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not modelled: a block freed after record_stream stays unusable until the other stream's "
+    "work is done (the real run's active peak, 155 MB, is far above its allocated peak, 88 MB, "
+    "and it reserves 174 MB); the simulator reuses it at once and reserves about 90 MB"))
+def test_record_stream_two_streams_reserved():
+    e = _two_streams_estimate()
+    assert_goals("two_streams", e)
