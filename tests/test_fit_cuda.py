@@ -392,6 +392,70 @@ def test_gemm_workspace_bytes(monkeypatch):
     assert CudaEmulation((9, 0)).gemm_workspace_bytes == 16 * 1024 * 8
 
 
+def test_lt_workspace_bytes(monkeypatch):
+    for name in ("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE",
+                 "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    # its own 1 MiB block unless unified is asked for (the H100 runs of tests/data/gpu)
+    assert CudaEmulation((9, 0)).lt_workspace_bytes == 1 << 20
+    assert CudaEmulation((8, 6)).lt_workspace_bytes == 1 << 20
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "65536")  # KiB; capped at cuBLAS's size
+    assert CudaEmulation((9, 0)).lt_workspace_bytes == 32 * 2**20
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")  # not capped
+    assert CudaEmulation((9, 0)).lt_workspace_bytes == 64 * 2**20
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")  # shares cuBLAS's block
+    assert CudaEmulation((9, 0)).lt_workspace_bytes == 0
+
+
+def test_uses_cublaslt(monkeypatch):
+    monkeypatch.delenv("DISABLE_ADDMM_CUDA_LT", raising=False)
+    emu = CudaEmulation((9, 0))
+    aten = torch.ops.aten
+    addmm, act, mm = aten.addmm.default, aten._addmm_activation.default, aten.mm.default
+    with FakeTensorMode():
+        x, w, b = torch.empty(8, 4), torch.empty(4, 16), torch.empty(16)
+        b2, row = torch.empty(8, 16), torch.empty(1, 4)
+        xh, wh, bh = (t.half() for t in (x, w, b))
+        xi, wi, bi = (t.long() for t in (x, w, b))
+    assert emu.uses_cublaslt(addmm, (b, x, w), {})
+    assert emu.uses_cublaslt(addmm, (bh, xh, wh), {})
+    assert not emu.uses_cublaslt(mm, (x, w), {})
+    assert not emu.uses_cublaslt(addmm, (b, x, w), {"beta": 0.5})
+    assert not emu.uses_cublaslt(addmm, (b2, x, w), {})        # 2-D bias: plain cuBLAS
+    assert emu.uses_cublaslt(act, (b2, x, w), {})              # unless an activation is fused
+    assert not emu.uses_cublaslt(addmm, (b, row, w), {})       # a one-row matrix
+    assert not emu.uses_cublaslt(addmm, (bi, xi, wi), {})      # integer GEMM
+    monkeypatch.setenv("DISABLE_ADDMM_CUDA_LT", "1")
+    assert not emu.uses_cublaslt(addmm, (b, x, w), {})
+
+
+def test_efficient_attention_backward_scratch():
+    from torchmem.fit._cuda import _efficient_backward_transients
+
+    def scratch(shape, dtype, cc):
+        b, h, m, d = shape
+        with FakeTensorMode():
+            q = torch.empty(b, m, h, d, dtype=dtype).transpose(1, 2)  # the forward's layout
+            g = torch.empty(b, m, h, d, dtype=dtype).transpose(1, 2)
+        return [(n, label.split(": ")[1], *rest)
+                for n, label, *rest in _efficient_backward_transients((g, q, q, q, None, q), {}, cc)]
+
+    # fp32 (the GPT fp32 runs of tests/data/gpu, per layer): delta from the product and the
+    # row sums, which go once delta exists; then the dQ workspace, 8 x 1 x (4 + 64 x 64) floats
+    # per (batch, head)
+    assert scratch((8, 16, 512, 64), torch.float32, (9, 0)) == [
+        (16777216, "grad_out * out"), (262144, "row sums"), (262144, "delta", (1, 0)),
+        (16793600, "workspace")]
+    # bf16, head dim 128 on an A100: the 128 x 128 kernel keeps dK/dV in registers
+    assert scratch((2, 4, 1024, 128), torch.bfloat16, (8, 0)) == [
+        (32768, "delta"), (2 * 4 * 8 * 1 * (4 + 128 * 128) * 4, "workspace")]
+    # ... on an RTX 4090 (less shared memory): 64-row blocks, dK/dV accumulated in fp32, one
+    # key split (200 // (2 x 4) = 25 > 16 blocks of keys: 16 splits)
+    gkv = 16 * 1024 * 128
+    assert scratch((2, 4, 1024, 128), torch.bfloat16, (8, 9)) == [
+        (32768, "delta"), (2 * 4 * (2 * gkv + 16 * 2 * (4 + 64 * 64)) * 4, "workspace")]
+
+
 def _transients(cc, shape, op, *rest, layout=None, sms=None):
     emu = CudaEmulation(cc, multiprocessors=sms)
     with FakeTensorMode():

@@ -117,7 +117,7 @@ class _FakeRun:
                 self.live += self.emu.gemm_workspace_bytes
                 self._bump()
         held = []
-        for n, label in self.emu.transients(func, args, kwargs or {}, out):
+        for n, label, *_ in self.emu.transients(func, args, kwargs or {}, out):
             held.append((self.sim.malloc(n), n))
             self.live += n
             self._bump()

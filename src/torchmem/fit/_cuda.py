@@ -56,7 +56,12 @@ import torch
 
 from torchmem.errors import InvalidInputError
 
-__all__ = ["MODELLED", "CudaEmulation"]
+__all__ = ["MODELLED", "CudaEmulation", "Transient"]
+
+#: One scratch buffer of :meth:`CudaEmulation.transients`: ``(bytes, label)``, or
+#: ``(bytes, label, frees)`` where ``frees`` are the indices of earlier scratch buffers of the
+#: same call that the kernel frees right after allocating this one (in that order).
+Transient = tuple[int, str] | tuple[int, str, tuple[int, ...]]
 
 # -- CUDA's autocast policy (aten/src/ATen/autocast_mode.cpp, the KERNEL_CUDA lists) ------------
 # Overload names as the dispatcher registers them ("" is the default overload). The test checks
@@ -147,7 +152,9 @@ MODELLED: list[tuple[str, str, str]] = [
         "and the CUDA "
         "op is called (its fake kernel allocates output + logsumexp (+ RNG state); the flash "
         "backward's scratch (softmax_d, fp32 dq accumulator, contiguous grad_out) comes from "
-        "transients(); the memory-efficient backward's workspace is not modelled; head dims not "
+        "transients(), and so do the memory-efficient backward's delta and fp32 dQ (dK/dV) "
+        "workspace and its forward's fp32 output accumulator (head dims > 128 in half "
+        "precision); its forward's philox seed and offset stay on the host; head dims not "
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
         "cuDNN's own workspace (sized by its heuristics at run time) is not modelled",
@@ -174,9 +181,13 @@ MODELLED: list[tuple[str, str, str]] = [
     ),
     (
         "cuBLAS / cuBLASLt workspace",
-        "one workspace per (thread, stream) becomes an allocator block at its first GEMM",
+        "one workspace per (thread, stream) becomes an allocator block at its first GEMM; "
+        "cuBLASLt GEMMs (addmm with a bias, as nn.Linear runs) allocate a second one of their "
+        "own unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1",
         "CudaEmulation.gemm_workspace_bytes: CUBLAS_WORKSPACE_CONFIG's default for the "
-        "compute capability (8,519,680 B before Hopper, 32 MiB from 9.0)",
+        "compute capability (8,519,680 B before Hopper, 32 MiB from 9.0); "
+        "CudaEmulation.lt_workspace_bytes (CUBLASLT_WORKSPACE_SIZE, 1 MiB by default) at the "
+        "first cuBLASLt GEMM of each thread (CudaEmulation.uses_cublaslt)",
     ),
     (
         "cuDNN RNN workspace and reserve (nn.LSTM/GRU/RNN)",
@@ -791,6 +802,171 @@ def _flash_backward_transients(args: Sequence[Any], num_mp: int) -> list[tuple[i
     return found
 
 
+_LT_GEMMS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in ("addmm", "_addmm_activation")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _env_flag(name: str) -> bool | None:
+    """``c10::utils::check_env``: ``True`` for "1"/"true", ``False`` for "0"/"false" (any
+    case), ``None`` when unset or anything else."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    return None
+
+
+_EFFICIENT_BACKWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", None),
+    "default",
+    None,
+)
+_EFFICIENT_FORWARD = getattr(
+    getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None), "default", None
+)
+
+#: Compute capabilities whose opt-in shared memory per block (>= 163 KB) fits the
+#: memory-efficient backward's 128-row kernels; the others (sm75, sm86, sm89, sm120: 64 to
+#: 99 KB) fall back to 64-row blocks (generate_kernels.py: "fallback to 64 for GPUs with less
+#: shmem").
+_BIG_SMEM = {(8, 0), (8, 7), (9, 0), (10, 0), (10, 3), (11, 0)}
+
+
+def _efficient_backward_kernel(
+    half: bool, max_k: int, cc: tuple[int, int]
+) -> tuple[int, int, bool] | None:
+    """The memory-efficient backward kernel ``dispatch_cutlassB`` launches (the first of
+    generate_kernels.py's sorted list that fits): ``(block_i, block_j, output_in_rf)``, or
+    ``None`` when no kernel takes the head dim."""
+    sm = 80 if cc >= (8, 0) else (75 if cc >= (7, 5) else (70 if cc >= (7, 0) else 50))
+    for kmax in (32, 64, 96, 128, 2**16):
+        if kmax < max_k:
+            continue
+        if kmax == 96:  # sm86/89's K<=96 kernel (128 x 64, outputs in registers), half only
+            if half and cc in ((8, 6), (8, 9)):
+                return 128, 64, True
+            continue
+        blocks = [64]
+        if kmax > 64 and (sm >= 80 or (sm >= 70 and half)):
+            blocks.insert(0, 128)  # sort order: the highest block_i first
+        for bi in blocks:
+            if bi == 128 and cc not in _BIG_SMEM and not (sm == 70 and cc == (7, 0)):
+                continue
+            rf = half and kmax <= bi
+            preload = half and sm >= 80 and rf
+            bj = 128 if (preload and kmax > 64) else 64
+            return bi, bj, rf
+    return None
+
+
+def _efficient_backward_transients(
+    args: Sequence[Any], kwargs: dict[str, Any], cc: tuple[int, int]
+) -> list[Transient]:
+    """Scratch of ``_efficient_attention_backward`` (attention_backward.cu, PyTorch 2.11) for
+    ``_scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, bias, out, lse, ...)``
+    (inputs in (B, H, M, K) layout; the kernel works in (B, M, H, K)).
+
+    - ``grad_out.contiguous()`` in (B, M, H, Kv) when it is not.
+    - ``delta`` (B, H, M) fp32: an empty buffer the kernel fills (half precision), else
+      ``(grad_out.float() * out.float()).sum(-1).transpose(-2, -1).contiguous()``: the casts
+      (half only), the product and the row sums are live until ``delta`` exists, then freed.
+    - the kernel's workspace (``Params::workspace_size``, kernel_backward.h), per (batch,
+      head), in floats: for dQ always (split keys enabled), per block of ``block_i`` queries
+      and ``block_j`` head-dim columns one ``GradQTempStorage`` (4 ints + ``block_i *
+      block_j`` floats); for dK and dV in half precision when the head dim exceeds what the
+      kernel keeps in registers, ``num_splits_key`` copies of keys x head dim, rounded up to
+      the blocks; the sum rounded up to 4 floats. Zeroed when keys are split: no other
+      buffer.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     q = torch.empty(8, 16, 2048, 64, dtype=torch.bfloat16)
+        ...     out = torch.empty(8, 2048, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
+        >>> [(n, label.split(": ")[1]) for n, label, *_ in _efficient_backward_transients(
+        ...     (out, q, q, q, None, out), {}, (9, 0))]
+        [(1048576, 'delta'), (67174400, 'workspace')]
+    """
+    grad_out, q, k, v = args[:4]
+    b, h, m, dk = q.shape
+    n, dv = k.size(2), v.size(3)
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    kernel = _efficient_backward_kernel(half, max(dk, dv), cc)
+    found: list[Transient] = []
+    if not grad_out.transpose(1, 2).is_contiguous():
+        found.append((grad_out.numel() * grad_out.element_size(),
+                      "efficient backward: contiguous grad_out"))
+    if kernel is None:
+        return found
+    bi, bj, rf = kernel
+    delta = b * h * m * 4
+    computes_delta = half and (rf or not (7, 0) <= cc < (7, 5))  # kKernelComputesDelta
+    if computes_delta:
+        found.append((delta, "efficient backward: delta"))
+    else:
+        first = len(found)
+        full = b * m * h * dv * 4
+        parts = []
+        if half:
+            parts += [(full, "efficient backward: grad_out as fp32"),
+                      (full, "efficient backward: out as fp32")]
+        parts += [(full, "efficient backward: grad_out * out"),
+                  (b * m * h * 4, "efficient backward: row sums")]
+        found.extend(parts)
+        temporaries = tuple(range(first + len(parts) - 1, first - 1, -1))
+        found.append((delta, "efficient backward: delta", temporaries))
+
+    def up(x: int, to: int) -> int:
+        return -(-x // to) * to
+
+    accum_kv = half and not rf
+    splits = max(-(-n // bj), 1)
+    if b * h >= 256 and n <= 2 * bj:
+        splits = 1
+    if accum_kv:
+        splits = min(splits, 200 // (b * h))
+    if splits < 1 or torch.are_deterministic_algorithms_enabled():
+        splits = 1
+    gk = splits * up(n, bj) * up(dk, bi) if accum_kv else 0
+    gv = splits * up(n, bj) * up(dv, bi) if accum_kv else 0
+    gq = -(-m // bi) * -(-dk // bj) * (4 + bi * bj)
+    workspace = b * h * up(gk + gv + gq, 4) * 4
+    if workspace:
+        found.append((workspace, "efficient backward: workspace"))
+    return found
+
+
+def _efficient_forward_transients(args: Sequence[Any], out: Any) -> list[Transient]:
+    """Scratch of ``_efficient_attention_forward`` (attention.cu): the kernel for head dims
+    over 128 (``kMaxK`` 65536, 128 keys per block) accumulates the output in fp32 when the
+    output is half precision (``kNeedsOutputAccumulatorBuffer``): a (B, M, H, Kv) fp32 buffer
+    after the outputs, freed on return.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     q = torch.empty(2, 4, 128, 256, dtype=torch.float16)
+        ...     o = torch.empty(2, 4, 128, 256, dtype=torch.float16)
+        >>> _efficient_forward_transients((q, q, q), (o,))
+        [(1048576, 'efficient forward: fp32 output accumulator')]
+    """
+    q, v = args[0], args[2]
+    o = out[0] if isinstance(out, (tuple, list)) else out
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if not half or max(q.size(-1), v.size(-1)) <= 128 or not isinstance(o, torch.Tensor):
+        return []
+    return [(o.numel() * 4, "efficient forward: fp32 output accumulator")]
+
+
 # -- the emulation --------------------------------------------------------------------------------
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -872,8 +1048,8 @@ class CudaEmulation:
         PyTorch's ``CublasHandlePool.cpp`` takes the size from ``CUBLAS_WORKSPACE_CONFIG``
         (the sum of its ``:SIZE_KiB:COUNT`` terms) and otherwise defaults to ``:4096:8`` =
         32 MiB on compute capability 9.x, 10.x and 12.x, and ``:4096:2:16:8`` = 8 MiB + 128 KiB
-        = 8,519,680 B before Hopper. The cuBLASLt workspace is the same block (unified by
-        default), so this is the whole per-stream cost. It is allocated through the caching
+        = 8,519,680 B before Hopper. cuBLASLt GEMMs add a workspace of their own
+        (:attr:`lt_workspace_bytes`). It is allocated through the caching
         allocator, so it is a block like any tensor (and lives as long as the process).
 
         Example:
@@ -893,20 +1069,134 @@ class CudaEmulation:
             return 4096 * 1024 * 8
         return 4096 * 1024 * 2 + 16 * 1024 * 8
 
+    @property
+    def lt_workspace_bytes(self) -> int:
+        """Bytes of the cuBLASLt workspace each (thread, stream) allocates at its first cuBLASLt
+        GEMM (:meth:`uses_cublaslt`), on top of its cuBLAS workspace; 0 when they share one.
+
+        ``CublasHandlePool.cpp`` (PyTorch 2.11, as recorded on an H100 in ``tests/data/gpu``):
+        ``getCUDABlasLtWorkspace`` returns the cuBLAS workspace only when
+        ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set to a true value; otherwise it allocates its
+        own block through the caching allocator, of ``getCUDABlasLtWorkspaceSize()``:
+        ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024), capped at the cuBLAS workspace's size
+        unless the variable is set to a false value. The recorded GPT runs show it: 1 MiB after
+        the 32 MiB workspace at the first ``addmm`` with a bias (forward thread only; the
+        backward's plain ``mm`` calls do not use cuBLASLt).
+
+        Example:
+            >>> CudaEmulation((9, 0)).lt_workspace_bytes
+            1048576
+        """
+        unified = _env_flag("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+        if unified is True:
+            return 0
+        size = 1024
+        raw = os.environ.get("CUBLASLT_WORKSPACE_SIZE")
+        if raw is not None:
+            try:
+                size = int(raw.strip())
+            except ValueError:
+                pass
+        nbytes = max(size, 0) * 1024
+        if unified is None:
+            nbytes = min(nbytes, self.gemm_workspace_bytes)
+        return nbytes
+
+    def uses_cublaslt(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether CUDA runs this call through cuBLASLt (``gemm_and_bias``), which needs
+        the cuBLASLt workspace (:attr:`lt_workspace_bytes`).
+
+        ``addmm_out_cuda_impl`` (``aten/src/ATen/native/cuda/Blas.cpp``,
+        ``isInputCompliesAddmmCudaLt``): ``addmm`` / ``_addmm_activation`` with ``beta == 1``
+        into a fresh 2-D output, a contiguous bias that is 1-D (or squeezes to 1-D) of the
+        output's width (or, with a fused activation, 2-D and broadcastable), a float, double,
+        half or bfloat16 GEMM whose matrices have more than one row and column; never when
+        ``DISABLE_ADDMM_CUDA_LT=1``. ``nn.Linear`` with a bias on a 2-D input is the common
+        case; ``mm`` (no bias, or the backward's GEMMs) is not.
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((9, 0))
+            >>> with FakeTensorMode():
+            ...     x, w, b = torch.empty(8, 4), torch.empty(4, 16), torch.empty(16)
+            >>> emu.uses_cublaslt(torch.ops.aten.addmm.default, (b, x, w), {})
+            True
+            >>> emu.uses_cublaslt(torch.ops.aten.mm.default, (x, w), {})
+            False
+        """
+        if func not in _LT_GEMMS or os.environ.get("DISABLE_ADDMM_CUDA_LT") == "1":
+            return False
+        if len(args) < 3 or not all(isinstance(t, torch.Tensor) for t in args[:3]):
+            return False
+        bias, mat1, mat2 = args[0], args[1], args[2]
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        activation = func is not torch.ops.aten.addmm.default  # _addmm_activation
+        try:
+            if complex(beta) != 1.0:
+                return False
+        except TypeError:
+            return False
+        if mat1.dim() != 2 or mat2.dim() != 2:
+            return False
+        m, k = mat1.shape
+        k2, n = mat2.shape
+        if not (m > 1 and k > 1 and k2 > 1 and n > 1):
+            return False
+        if mat1.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            return False
+        fused_bias = (
+            bias.is_contiguous()
+            and (bias.dim() == 1 or bias.squeeze().dim() == 1)
+            and bias.size(-1) == n
+        )
+        broadcast_bias = activation and bias.dim() == 2 and all(
+            s in (1, t) for s, t in zip(bias.shape, (m, n))
+        )
+        return bool(fused_bias or broadcast_bias)
+
+    def host_outputs(self, func: Any, out: Any) -> list[torch.Tensor]:
+        """Outputs of ``func`` that CUDA keeps in host memory where the fake run puts them on
+        the device: the memory-efficient attention forward's philox seed and offset
+        (``_efficient_attention_forward``, attention.cu: CPU scalars unless a CUDA graph is
+        being captured; the recorded H100 runs allocate neither).
+
+        Example:
+            >>> import torch
+            >>> from torch._subclasses import FakeTensorMode
+            >>> emu = CudaEmulation((9, 0))
+            >>> with FakeTensorMode():
+            ...     q = torch.empty(1, 2, 16, 64)
+            ...     out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            ...         q, q, q, None, True)
+            >>> [tuple(t.shape) for t in emu.host_outputs(
+            ...     torch.ops.aten._scaled_dot_product_efficient_attention.default, out)]
+            [(), ()]
+        """
+        if func is _EFFICIENT_FORWARD and isinstance(out, (tuple, list)) and len(out) >= 4:
+            return [t for t in out[2:4] if isinstance(t, torch.Tensor)]
+        return []
+
     # -- transients -----------------------------------------------------------------------------
 
     def transients(
         self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any
-    ) -> list[tuple[int, str]]:
+    ) -> list[Transient]:
         """Scratch buffers the CUDA kernel of ``func`` allocates after its outputs and frees
         before it returns: ``[(bytes, label), ...]`` in allocation order (empty for most ops).
-        All of them are live together; they are freed in reverse order.
+        All of them are live together, except those an entry ``(bytes, label, frees)`` names
+        in ``frees`` (indices of earlier entries, freed right after that entry is allocated);
+        the rest are freed in reverse order when the kernel returns.
 
         Modelled: the flash-attention backward (``_flash_attention_backward`` and flash's
         ``mha_bwd``: contiguous copies of ``grad_out`` / ``out`` in (B, L, H, D) layout when
         they are not, ``softmax_d`` (B, H, L rounded up to 128) and the fp32 ``dq`` accumulator
         (B, L rounded to 128, H, D rounded to 32; one per SM split when deterministic), and the
-        expanded dK/dV of grouped-query attention); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        expanded dK/dV of grouped-query attention); the memory-efficient attention
+        (:func:`_efficient_backward_transients`: its backward's ``delta`` and, when the kernel
+        does not compute it, the fp32 product and row sums it comes from, then the kernel's
+        fp32 workspace for the dQ (and dK/dV) accumulation; the forward's fp32 output
+        accumulator for head dims over 128 in half precision); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
         dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
         output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
         a staging buffer for the blocks' partial results and an ``int`` semaphore per output
@@ -925,7 +1215,11 @@ class CudaEmulation:
             [(50331648, 'reduction staging'), (24, 'reduction semaphores')]
         """
         if func is _FLASH_BACKWARD:
-            return _flash_backward_transients(args, self.multiprocessors)
+            return list(_flash_backward_transients(args, self.multiprocessors))
+        if func is _EFFICIENT_BACKWARD:
+            return _efficient_backward_transients(args, kwargs, self.compute_capability)
+        if func is _EFFICIENT_FORWARD:
+            return _efficient_forward_transients(args, out)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
         if spec is None or not args or not isinstance(args[0], torch.Tensor):
             return []

@@ -9,7 +9,8 @@ promptly as real ones). A tracker listener sends each birth to
 :meth:`~torchmem.sim.CachingAllocator.free`, in program order, on an allocator with the GPU's
 usable capacity. A thin dispatch mode on top adds what CUDA does and a CPU run never shows:
 the cuBLAS workspace of each (thread, stream) at its first GEMM (backward runs on autograd's
-own thread, so a training step has two) and the kernels' transient workspaces
+own thread, so a training step has two), the cuBLASLt workspace at its first cuBLASLt GEMM (an
+``addmm`` with a bias) and the kernels' transient workspaces
 (:class:`~torchmem.fit._cuda.CudaEmulation`).
 
 The first allocation the simulator cannot satisfy is the out-of-memory point: its operator,
@@ -133,6 +134,8 @@ class _State:
         self.peak_res = 0
         self.ws_bytes = 0
         self.ws_keys: set[object] = set()
+        #: storages the fake run made on the device that CUDA keeps in host memory
+        self.host: set[int] = set()
         self.oom: OOMSite | None = None
         self.phase = "other"
         self.snapshot: Any = None
@@ -144,6 +147,8 @@ class _State:
         self.dist: Any = None
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
+        # cuBLASLt workspace per (thread, stream): CudaEmulation.lt_workspace_bytes
+        self.lt_size = int(emu.lt_workspace_bytes) if emu is not None else 0
 
     def _peaks(self) -> None:
         sim = self.sim
@@ -201,7 +206,10 @@ class _State:
                 self.peak_req_seq = ev.seq
                 self.ws_at_peak = self.ws_bytes
         elif kind == _FREE:
-            self.live_req -= ev.nbytes
+            if ev.storage in self.host:  # already given back (host_outputs)
+                self.host.discard(ev.storage)
+            else:
+                self.live_req -= ev.nbytes
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
@@ -221,15 +229,39 @@ class _State:
                 self.ws_keys.add(key)
                 if self._malloc(self.ws_size, None, str(func), "cuBLAS workspace") is not None:
                     self.ws_bytes += self.ws_size
+            # cuBLASLt's own workspace, after the cuBLAS one, at the first Lt GEMM
+            lt_key = ("cublasLt", key)
+            if (
+                self.lt_size
+                and self.oom is None
+                and lt_key not in self.ws_keys
+                and self.emu.uses_cublaslt(func, args, kwargs or {})
+            ):
+                self.ws_keys.add(lt_key)
+                if self._malloc(self.lt_size, None, str(func), "cuBLASLt workspace") is not None:
+                    self.ws_bytes += self.lt_size
+        if self.emu is not None:
+            # outputs CUDA keeps in host memory: not device memory after all
+            for t in self.emu.host_outputs(func, out):
+                sid = self.sid_of.get(t.untyped_storage()._cdata)
+                addr = self.addr.pop(sid, None) if sid is not None else None
+                if addr is not None:
+                    self.sim.free(addr)
+                    self.live_req -= t.untyped_storage().nbytes()
+                    self.host.add(sid)  # type: ignore[arg-type]
         if self.emu is not None and self.oom is None:
             # All of a kernel's scratch buffers are live together, freed in reverse order.
-            held: list[int] = []
-            for nbytes, label in self.emu.transients(func, args, kwargs, out):
-                addr = self._malloc(int(nbytes), None, str(func), str(label))
+            # (an entry may name earlier ones the kernel frees right after allocating it)
+            held: dict[int, int] = {}
+            for i, entry in enumerate(self.emu.transients(func, args, kwargs, out)):
+                addr = self._malloc(int(entry[0]), None, str(func), str(entry[1]))
                 if addr is None:
                     break
-                held.append(addr)
-            for addr in reversed(held):
+                held[i] = addr
+                for j in entry[2] if len(entry) > 2 else ():  # type: ignore[misc]
+                    if j in held:
+                        self.sim.free(held.pop(j))
+            for addr in reversed(list(held.values())):
                 self.sim.free(addr)
 
 

@@ -199,6 +199,14 @@ class _Stream(_Event):
         return None
 
 
+def _fake_record_stream(self: torch.Tensor, stream: Any) -> None:
+    """``Tensor.record_stream`` for the fake run, which runs every stream as the one default
+    stream in program order: a freed block is free for reuse at once, as it is on a GPU once
+    the recorded stream's work is done (torch's own method refuses the stand-in stream)."""
+    if not isinstance(stream, (_Stream, torch.Stream)):
+        raise TypeError(f"record_stream expects a stream, got {type(stream).__name__}")
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the (fake) CPU device."""
 
@@ -287,10 +295,12 @@ def fake_cuda(
     get_iterator = DataLoader._get_iterator
 
     opt_step = GradScaler._maybe_opt_step
+    record_stream = torch.Tensor.record_stream
     mode = _CudaToCpu()
     try:
         for k, v in patches.items():
             setattr(cuda, k, v)
+        torch.Tensor.record_stream = _fake_record_stream  # type: ignore[method-assign,assignment]
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
         GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
@@ -303,6 +313,7 @@ def fake_cuda(
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
+        torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
         DataLoader._get_iterator = get_iterator  # type: ignore[method-assign]

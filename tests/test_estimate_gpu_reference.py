@@ -1,0 +1,122 @@
+"""``torchmem.estimate`` against the real H100 runs of ``tests/data/gpu`` (torch 2.11 there, the
+installed torch here), case by case, for the behaviours each figure depends on.
+
+Every figure is read from the case's JSON (``stats``: the allocator's peaks over the whole
+recorded run; ``cublas_workspace_bytes``); nothing is copied into this file. The goals: peak
+allocated within 1 %, peak reserved within 5 %; where a rule makes a figure exact, it is
+asserted exactly. The cases' builds are ``tests/gpu_cases.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import gpu_cases
+import torchmem
+from torchmem.fit import GPU
+
+DATA = Path(__file__).parent / "data" / "gpu"
+
+
+def recorded(case: str) -> dict[str, Any]:
+    """The case's JSON record (``stats``, ``versions``, ``cublas_workspace_bytes`` ...)."""
+    return json.loads((DATA / f"{case}.json").read_text())
+
+
+def estimate_case(case: str, **kw: Any) -> torchmem.Estimate:
+    """The estimate of ``case`` on the recorded GPU (its memory, capability and SM count;
+    the memory fraction applied), with the case's allocator settings and no margin."""
+    c = gpu_cases.CASES[case]
+    v = recorded(case)["versions"]
+    total = v["total_memory"]
+    cap = int(total * c.memory_fraction) if c.memory_fraction else total
+    gpu = GPU(v["gpu"], cap, tuple(v["capability"]), "recorded",
+              multiprocessors=v.get("multiprocessors"))
+    return torchmem.estimate(
+        lambda bs: c.build(bs, **c.params), gpu=gpu, batch_size=c.batch_size,
+        alloc_conf=c.alloc_conf or None, margin=0, **kw,
+    )
+
+
+def rel(est: int, real: int) -> float:
+    return (est - real) / real
+
+
+def assert_goals(case: str, e: torchmem.Estimate) -> dict[str, Any]:
+    s = recorded(case)["stats"]
+    alloc, reserved = s["allocated_bytes.all.peak"], s["reserved_bytes.all.peak"]
+    assert abs(rel(e.peak_allocated_bytes, alloc)) < 0.01, (e.peak_allocated_bytes, alloc)
+    assert abs(rel(e.peak_reserved_bytes, reserved)) < 0.05, (e.peak_reserved_bytes, reserved)
+    return s
+
+
+def test_cublaslt_workspace_gpt_fp32():
+    # the forward's addmm with a bias (nn.Linear) runs through cuBLASLt, whose 1 MiB workspace
+    # is its own allocator block after the 32 MiB cuBLAS one: 2 x 32 MiB + 1 MiB in all
+    e = estimate_case("gpt_fp32_b8")
+    assert e.workspace_bytes == recorded("gpt_fp32_b8")["cublas_workspace_bytes"]
+    s = assert_goals("gpt_fp32_b8", e)
+    assert abs(e.peak_allocated_bytes - s["allocated_bytes.all.peak"]) < (1 << 20) // 4
+    assert e.peak_reserved_bytes == s["reserved_bytes.all.peak"]
+
+
+def test_efficient_attention_backward_buffers():
+    # bf16, causal, forced EFFICIENT_ATTENTION: the backward's delta (B, H, M) fp32 and the
+    # kernel's fp32 dQ workspace (67,174,400 B here) were missing (reserved -13 %)
+    e = estimate_case("sdpa_efficient")
+    s = assert_goals("sdpa_efficient", e)
+    assert abs(rel(e.peak_reserved_bytes, s["reserved_bytes.all.peak"])) < 0.01
+    # the forward's philox seed and offset stay on the host: peak allocated is exact
+    assert e.peak_allocated_bytes == s["allocated_bytes.all.peak"]
+
+
+def _two_streams_estimate() -> torchmem.Estimate:
+    # Tensor.record_stream refused the fake run's stand-in stream ("unknown parameter type");
+    # now a no-op (the estimate runs all streams as one, in program order). The recorded step
+    # ends in acc.sum().item(), a value read fake tensors cannot answer (the estimate refuses
+    # it by design), so this is the same step without the read.
+    import torch
+
+    def build(batch_size: int):
+        inner_side = torch.cuda.Stream()
+        main = torch.cuda.current_stream()
+        w = torch.randn(1024, 1024, device="cuda")
+
+        def step() -> None:
+            acc = torch.zeros(batch_size, 1024, device="cuda")
+            for _ in range(8):
+                with torch.cuda.stream(inner_side):
+                    buf = torch.randn(batch_size, 1024, device="cuda") @ w
+                main.wait_stream(inner_side)
+                buf.record_stream(main)
+                acc += buf.relu()
+                del buf
+            acc.sum()
+        return step
+
+    rec = recorded("two_streams")
+    v = rec["versions"]
+    gpu = GPU(v["gpu"], v["total_memory"], tuple(v["capability"]), "recorded",
+              multiprocessors=v.get("multiprocessors"))
+    return torchmem.estimate(build, gpu=gpu, batch_size=rec["batch_size"], margin=0)
+
+
+def test_record_stream_two_streams_allocated():
+    e = _two_streams_estimate()
+    rec = recorded("two_streams")
+    assert e.workspace_bytes == rec["cublas_workspace_bytes"]  # one GEMM stream, no cuBLASLt
+    alloc = rec["stats"]["allocated_bytes.all.peak"]
+    assert abs(rel(e.peak_allocated_bytes, alloc)) < 0.01
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not modelled: a block freed after record_stream stays unusable until the other stream's "
+    "work is done (the real run's active peak, 155 MB, is far above its allocated peak, 88 MB, "
+    "and it reserves 174 MB); the simulator reuses it at once and reserves about 90 MB"))
+def test_record_stream_two_streams_reserved():
+    e = _two_streams_estimate()
+    assert_goals("two_streams", e)
