@@ -402,7 +402,8 @@ def recorded_gpu(name: str) -> Any:
     v = recorded(name)["versions"]
     frac = CASES[name].memory_fraction
     total = v["total_memory"] if frac is None else int(v["total_memory"] * frac)
-    return GPU(v["gpu"], total, tuple(v["capability"]), "tests/data/gpu (recorded)")
+    return GPU(v["gpu"], total, tuple(v["capability"]), "tests/data/gpu (recorded)",
+               multiprocessors=v.get("multiprocessors"))
 
 
 def estimate_case(name: str) -> Any:

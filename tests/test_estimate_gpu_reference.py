@@ -9,37 +9,15 @@ asserted exactly. The cases' builds are ``tests/gpu_cases.py``.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import gpu_cases
 import torchmem
-from torchmem.fit import GPU
 
-DATA = Path(__file__).parent / "data" / "gpu"
-
-
-def recorded(case: str) -> dict[str, Any]:
-    """The case's JSON record (``stats``, ``versions``, ``cublas_workspace_bytes`` ...)."""
-    return json.loads((DATA / f"{case}.json").read_text())
-
-
-def estimate_case(case: str, **kw: Any) -> torchmem.Estimate:
-    """The estimate of ``case`` on the recorded GPU (its memory, capability and SM count;
-    the memory fraction applied), with the case's allocator settings and no margin."""
-    c = gpu_cases.CASES[case]
-    v = recorded(case)["versions"]
-    total = v["total_memory"]
-    cap = int(total * c.memory_fraction) if c.memory_fraction else total
-    gpu = GPU(v["gpu"], cap, tuple(v["capability"]), "recorded",
-              multiprocessors=v.get("multiprocessors"))
-    return torchmem.estimate(
-        lambda bs: c.build(bs, **c.params), gpu=gpu, batch_size=c.batch_size,
-        alloc_conf=c.alloc_conf or None, margin=0, **kw,
-    )
+recorded = gpu_cases.recorded
+estimate_case = gpu_cases.estimate_case
 
 
 def rel(est: int, real: int) -> float:
@@ -99,10 +77,8 @@ def _two_streams_estimate() -> torchmem.Estimate:
         return step
 
     rec = recorded("two_streams")
-    v = rec["versions"]
-    gpu = GPU(v["gpu"], v["total_memory"], tuple(v["capability"]), "recorded",
-              multiprocessors=v.get("multiprocessors"))
-    return torchmem.estimate(build, gpu=gpu, batch_size=rec["batch_size"], margin=0)
+    return torchmem.estimate(build, gpu=gpu_cases.recorded_gpu("two_streams"),
+                             batch_size=rec["batch_size"], margin=0)
 
 
 def test_record_stream_two_streams_allocated():
