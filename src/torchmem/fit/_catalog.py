@@ -46,6 +46,11 @@ _GiB = 1 << 30
 #: below sit in that range by generation (newer GPUs load larger kernel images); they vary with
 #: the driver and the libraries used, which is why an estimate shows the context as its own
 #: line. Measure yours and pass ``GPU(..., context_override=...)`` for an exact figure.
+#: Measured on Hopper (``tests/data/gpu``: H100 80GB HBM3, driver 580.159.04, torch 2.11 with
+#: CUDA 13.0): 548,995,072 B (523.6 MiB) right after CUDA starts, close to the 530 MiB below;
+#: then 619 to 767 MiB outside the allocator at the end of the 26 reference runs, as cuBLAS and
+#: cuDNN kernels load on first use: up to 255 MB more than the context, which the fit margin
+#: (1% of peak reserved + 256 MiB, :mod:`torchmem.fit._margin`) covers.
 CONTEXT_BYTES: dict[int, int] = {
     7: 310 * _MiB,  # Volta (V100), Turing (T4: 7.5)
     8: 430 * _MiB,  # Ampere (A100, A10G, RTX 30xx, A6000), Ada (L4, L40S, RTX 40xx: 8.9)
