@@ -86,7 +86,7 @@ def test_module_spec(capsys):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["{train}:broken"], "raised DataDependentOutputException at {train}:16"),
+    (["{train}:broken", "--strict-values"], "raised DataDependentOutputException at {train}:16"),
     (["{train}:nothing"], "returned NoneType, expected a zero-argument step()"),
     (["{train}:build", "--gpu", "H9000"], "unknown GPU 'H9000'; expected one of: A100-40GB"),
     (["{train}:build", "--steps", "0"], "--steps must be >= 1"),
@@ -103,7 +103,7 @@ def test_bad_input_is_a_clear_error(train, capsys, args, needle):
 
 def test_nothing_written_on_failure(train, tmp_path, capsys):
     out = tmp_path / "estimate.pickle"
-    code = main(["estimate", f"{train}:broken", "-o", str(out)])
+    code = main(["estimate", f"{train}:broken", "--strict-values", "-o", str(out)])
     assert code == 2 and not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["train.py"]
 

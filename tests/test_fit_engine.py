@@ -217,7 +217,7 @@ def test_real_memory_work_is_named(tmp_path, snippet, hint):
 
     build = load_object(f"{path}:build", call=False)
     with pytest.raises(InvalidInputError) as ei:
-        estimate(build, gpu="T4")
+        estimate(build, gpu="T4", strict_values=True)   # value reads refused, as before
     msg = str(ei.value)
     assert f"{path}:7" in msg and snippet in msg and hint in msg and "step() raised" in msg
 

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -45,7 +46,8 @@ from typing import Any
 
 from torchmem.errors import InvalidInputError
 
-__all__ = ["add_arguments", "run", "render_text", "parse_value", "parse_sets", "parse_range"]
+__all__ = ["add_arguments", "assumed_lines", "run", "render_text", "parse_value", "parse_sets",
+           "parse_range"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
+    parser.add_argument("--strict-values", action="store_true",
+                        help="refuse values read from tensors (.item(), float(t), if t:) instead "
+                             "of answering them with the documented stand-ins (listed as "
+                             "'assumed values')")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     parser.add_argument("-o", "--output", default=None, metavar="PICKLE",
                         help="also write the simulated run as a PyTorch memory snapshot")
@@ -200,8 +206,34 @@ def render_text(est: Any, file: Any = None) -> None:
         con.print(line)
     if est.attention_kernel:
         con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
+    for line in assumed_lines(est):
+        con.print(line)
     for note in est.notes:
         con.print(f"note: {note}")
+
+
+def assumed_lines(est: Any, top: int = 10) -> list[str]:
+    """The report's lines for the values the estimate assumed where the step read tensors.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> est = SimpleNamespace(assumed_values=[
+        ...     {"where": "train.py:9", "op": "aten.mean.default", "value": 1.0, "count": 2}])
+        >>> print("\n".join(assumed_lines(est)))
+        values assumed where the step read tensors (fake tensors have none; --strict-values refuses them):
+            train.py:9  aten.mean.default -> 1.0  (2 reads)
+    """
+    reads = list(getattr(est, "assumed_values", []) or [])
+    if not reads:
+        return []
+    lines = ["values assumed where the step read tensors (fake tensors have none; "
+             "--strict-values refuses them):"]
+    for r in reads[:top]:
+        n = r.get("count", 1)
+        lines.append(f"    {r['where']}  {r['op']} -> {r['value']!r}" + (f"  ({n} reads)" if n > 1 else ""))
+    if len(reads) > top:
+        lines.append(f"    ... and {len(reads) - top} more places (--json lists all)")
+    return lines
 
 
 def _render_ranks(est: Any, con: Any) -> None:
@@ -323,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         Traceback (most recent call last):
         torchmem.errors.InvalidInputError: expected a build function...
     """
-    from torchmem.fit import GPUS, estimate, gpu
+    from torchmem.fit import GPUS, gpu
 
     if getattr(args, "list_gpus", False):
         for g in GPUS.values():
@@ -378,33 +410,18 @@ def run(args: argparse.Namespace) -> int:
 
     keep = bool(args.output) or bool(getattr(args, "suggest", False))  # --suggest replays it
     options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
-                                   keep_snapshot=keep, margin=margin)
+                                   keep_snapshot=keep, margin=margin,
+                                   strict_values=getattr(args, "strict_values", False))
     if getattr(args, "hf_config", None) and getattr(args, "world_size", None) is not None:
         raise InvalidInputError(
             "--world-size runs a build function's sharding (fully_shard, DDP) on a fake process "
             "group; --hf-config builds an unsharded model; fix: drop --world-size, or write a "
             "build(batch_size) that shards the model and pass it as FILE:build"
         )
-    if getattr(args, "hf_config", None):
-        from torchmem.cli._estimate_hf import estimate_from_args
-
-        est = estimate_from_args(args, card, params=params, maximize=maximize, progress=say,
-                                 **options)
-    else:
-        from torchmem.cli._objects import load_object
-
-        build = load_object(args.spec, call=False)
-        if not callable(build):
-            raise InvalidInputError(
-                f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
-                "returning a zero-argument step()"
-            )
-        est = estimate(
-            build, card, args.batch_size, params=params, maximize=maximize,
-            steps=2 if args.steps is None else args.steps, progress=say,
-            kv_cache_attr=getattr(args, "kv_cache_attr", None) or None,
-            world_size=getattr(args, "world_size", None), **options,
-        )
+    # with --json, stdout is the JSON document: what the user's code prints goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        est = _estimate(args, card, params, maximize, say, options)
     if args.output:
         if est.snapshot is None:
             raise InvalidInputError("the simulator returned no snapshot; nothing was written")
@@ -425,3 +442,30 @@ def run(args: argparse.Namespace) -> int:
     if maximize is not None:
         return 0 if est.max_value else 3
     return 0 if est.fits else 3
+
+
+def _estimate(args: argparse.Namespace, card: Any, params: dict[str, Any], maximize: str | None,
+              say: Any, options: dict[str, Any]) -> Any:
+    """Run the estimate the arguments ask for (a config with --hf-config, else FILE:build)."""
+    from torchmem.fit import estimate
+
+    if getattr(args, "hf_config", None):
+        from torchmem.cli._estimate_hf import estimate_from_args
+
+        return estimate_from_args(args, card, params=params, maximize=maximize, progress=say,
+                                  **options)
+
+    from torchmem.cli._objects import load_object
+
+    build = load_object(args.spec, call=False)
+    if not callable(build):
+        raise InvalidInputError(
+            f"{args.spec} is a {type(build).__name__}, expected a function build(batch_size) "
+            "returning a zero-argument step()"
+        )
+    return estimate(
+        build, card, args.batch_size, params=params, maximize=maximize,
+        steps=2 if args.steps is None else args.steps, progress=say,
+        kv_cache_attr=getattr(args, "kv_cache_attr", None) or None,
+        world_size=getattr(args, "world_size", None), **options,
+    )

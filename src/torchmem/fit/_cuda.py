@@ -366,7 +366,9 @@ def _sdpa_backend(
         and (5, 0) <= cc <= (12, 1)
         and dense
         and same_batch
-        and gqa_ok
+        # no grouped query heads: sdp_utils.cpp checks its dense inputs with
+        # check_batch_size_and_num_heads_dense<false /*supports_grouped_query_attention*/>
+        and same_heads
         and nonzero
         and all(t.stride(-1) == 1 for t in (q, k, v))
         and d_qk == k.size(-1)

@@ -51,6 +51,7 @@ from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
 from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
+from torchmem.fit._values import ValueReads
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
 
@@ -285,16 +286,25 @@ class _SimMode(TorchDispatchMode):
     backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
     value reads are answered (:mod:`torchmem.fit._generate`)."""
 
-    def __init__(self, state: _State, gen: GenerationPatches | None = None) -> None:
+    def __init__(self, state: _State, gen: GenerationPatches | None = None,
+                 values: ValueReads | None = None) -> None:
         super().__init__()
         self.state = state
         self.gen = gen or GenerationPatches()
+        self.values = values or ValueReads(strict=True)
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         gen = self.gen
-        if func is LOCAL_SCALAR and gen.installed:
-            value = gen.answer(args[0])
+        values = self.values
+        if func is LOCAL_SCALAR:
+            if gen.installed:
+                value = gen.answer(args[0])
+                if value is not None:
+                    if not values.strict:
+                        values.record(values.stand_in(args[0])[0], value)
+                    return value
+            value = values.answer(args[0])
             if value is not None:
                 return value
         zeros, self.zeros = self.zeros, None
@@ -303,6 +313,8 @@ class _SimMode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if gen.installed:
             gen.note_output(func, out, args)
+        if not values.strict:
+            values.note_output(func, out, args)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
@@ -387,6 +399,7 @@ def run_once(
     params: Mapping[str, Any] | None = None,
     kv_cache_attr: Sequence[str] | None = None,
     world_size: int | None = None,
+    strict_values: bool = False,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -399,6 +412,10 @@ def run_once(
 
     ``world_size=N`` runs rank 0 of an ``N``-rank job under a fake process group
     (:mod:`torchmem.fit._dist`): ``build`` may call ``fully_shard`` or wrap in DDP.
+
+    Values read from tensors (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``) are answered
+    by :mod:`torchmem.fit._values`' policy and listed in ``Estimate.assumed_values``;
+    ``strict_values=True`` refuses them instead.
 
     Example:
         >>> import torch
@@ -433,6 +450,7 @@ def run_once(
     step: Any = None
     failure: InvalidInputError | None = None
     gen = GenerationPatches()
+    values = ValueReads(strict=strict_values)
     kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _world(world, fake_mode, build, st, tracker), tracker:
@@ -442,7 +460,7 @@ def run_once(
             context_bytes=card.context_bytes,
         ):
             emu_ctx = emu if emu is not None else _Null()
-            with emu_ctx, _SimMode(st, gen), kv:
+            with emu_ctx, _SimMode(st, gen, values), kv:
                 try:
                     gen.install()
                     try:
@@ -496,6 +514,7 @@ def run_once(
         )
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
     est.params = kw
+    est.assumed_values = [r.to_dict() for r in values.reads]
     if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)
         est.attention_kernel, attention_notes = emu.attention_report()
         est.notes.extend(attention_notes)

@@ -173,6 +173,7 @@ class Estimate:
     world_size: int | None = None
     model_state: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
+    assumed_values: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def usable_bytes(self) -> int:
@@ -308,6 +309,7 @@ class Estimate:
         if self.world_size is not None:
             d.update(world_size=self.world_size, model_state=dict(self.model_state),
                      collectives={k: dict(v) for k, v in self.collectives.items()})
+        d["assumed_values"] = [dict(a) for a in self.assumed_values]
         if self.notes:
             d["notes"] = list(self.notes)
         return d

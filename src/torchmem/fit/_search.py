@@ -151,6 +151,7 @@ def estimate(
     margin: int | str | None = None,
     kv_cache_attr: Sequence[str] | None = None,
     world_size: int | None = None,
+    strict_values: bool = False,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -201,6 +202,13 @@ def estimate(
     your own) is reported as ``by_category["kv_cache"]`` and ``Estimate.kv_cache`` (bytes per
     token and per sequence): the tensors transformers' cache objects hold, or those held by
     the module attributes named in ``kv_cache_attr`` (``["k_cache", "v_cache"]``).
+
+    Values the step reads from tensors (``loss.item()``, ``float(grad_norm)``, ``if
+    mask.all():``, ``.tolist()``), which fake tensors do not have, are answered by a documented
+    policy (finite losses and norms, masks all ones, nothing non-finite: see
+    :mod:`torchmem.fit._values`) and listed in ``Estimate.assumed_values`` (where, the operator
+    that made the tensor, the value assumed, how often); ``strict_values=True`` refuses them
+    with an error naming the line instead.
 
     ``world_size=N`` estimates one rank (rank 0) of an ``N``-rank job without the ranks:
     torchmem creates PyTorch's fake process group of ``N`` ranks for ``build`` and ``step``,
@@ -266,7 +274,7 @@ def estimate(
     def run(b: int, extra: Mapping[str, Any], snap: bool = False) -> Estimate:
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
-                     world_size=world_size)
+                     world_size=world_size, strict_values=strict_values)
         return _apply_margin(e, margin, card)
 
     if maximize is None:
