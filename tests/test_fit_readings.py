@@ -219,3 +219,30 @@ def test_everything_is_restored_after_the_estimate() -> None:
     run_once(lambda b: (lambda: torch.cuda.reset_peak_memory_stats()), 1, "T4", steps=1)
     assert {n: getattr(torch.cuda.memory, n) for n in names} == before
     assert {n: getattr(torch.cuda, n) for n in before_cuda} == before_cuda
+
+
+def test_simulator_peaks_of_active_and_requested_bytes() -> None:
+    """A block whose free waits for another stream stays active (and requested) until
+    ``process_events``; its bytes count in those peaks, not in the allocated peak; a reset sets
+    every peak to the current value."""
+    from torchmem.sim import CachingAllocator
+
+    a = CachingAllocator()
+    x = a.malloc(1000)                      # a 1024-byte block
+    a.record_stream(x, 1)
+    a.free(x)                               # pending: allocated 0, active 1024, requested 1000
+    y = a.malloc(3000)                      # a 3072-byte block
+    s = a.memory_stats()
+    assert (s["allocated_bytes.all.current"], s["allocated_bytes.all.peak"]) == (3072, 3072)
+    assert (s["active_bytes.all.current"], s["active_bytes.all.peak"]) == (4096, 4096)
+    assert (s["requested_bytes.all.current"], s["requested_bytes.all.peak"]) == (4000, 4000)
+    a.process_events()
+    a.reset_peak()
+    s = a.memory_stats()
+    assert s["active_bytes.all.peak"] == s["active_bytes.all.current"] == 3072
+    assert s["requested_bytes.all.peak"] == s["requested_bytes.all.current"] == 3000
+    a.free(y)
+    s = a.memory_stats()
+    assert (s["requested_bytes.all.current"], s["requested_bytes.all.peak"]) == (0, 3000)
+    assert (s["allocated_bytes.all.allocated"], s["allocated_bytes.all.freed"]) == (4096, 4096)
+    assert (s["requested_bytes.all.allocated"], s["requested_bytes.all.freed"]) == (4000, 4000)
