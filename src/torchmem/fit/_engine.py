@@ -51,6 +51,7 @@ from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
 from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
+from torchmem.fit._readings import SimReadings
 from torchmem.fit._values import ValueReads
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
@@ -443,9 +444,10 @@ def run_once(
     emu = _emulation(card)
     st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
 
-    def counters() -> tuple[int, int, int, int]:
-        return sim.allocated_bytes, sim.reserved_bytes, st.peak_alloc, st.peak_res
-
+    readings = SimReadings(
+        sim, total_bytes=card.total_bytes, context_bytes=card.context_bytes,
+        on_record=lambda on: setattr(st, "frames", on or keep_snapshot),
+    )
     tracker = track(stacks=True, listeners=[st.listener])
     step: Any = None
     failure: InvalidInputError | None = None
@@ -455,7 +457,7 @@ def run_once(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _world(world, fake_mode, build, st, tracker), tracker:
         with fake_mode, fake_cuda(
-            card.name, card.compute_capability, empty_cache=sim.empty_cache, counters=counters,
+            card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
             total_bytes=card.total_bytes,
             context_bytes=card.context_bytes,
         ):

@@ -11,8 +11,11 @@ the target GPU. For user code written for CUDA this module makes that work:
   target GPU's name, ``get_device_capability()`` its compute capability,
   ``get_device_properties()`` its name, memory and capability, ``is_bf16_supported()``
   follows it; ``synchronize``, ``set_device``, ``manual_seed``, ``torch.cuda.device(...)``
-  do nothing; ``empty_cache()`` empties the *simulated* cache; ``memory_allocated()``,
-  ``memory_reserved()``, their ``max_`` forms and ``mem_get_info()`` read the simulator;
+  do nothing; ``empty_cache()`` empties the *simulated* cache; the memory readings
+  (``memory_allocated()``, ``max_memory_allocated()``, ``reset_peak_memory_stats()``,
+  ``memory_stats()``, ``memory_summary()``, ``mem_get_info()``,
+  ``memory._record_memory_history()``, ``memory._snapshot()``, ...) read or drive the
+  simulator, in ``torch.cuda`` and ``torch.cuda.memory`` (:mod:`torchmem.fit._readings`);
   streams and events are stand-ins (everything runs on the default stream);
   ``.pin_memory()`` returns the tensor;
 - ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
@@ -41,6 +44,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from torchmem.fit._readings import SimReadings
 
 __all__ = ["fake_cuda"]
 
@@ -232,15 +237,16 @@ def fake_cuda(
     capability: tuple[int, int],
     *,
     empty_cache: Callable[[], None] | None = None,
-    counters: Callable[[], tuple[int, int, int, int]] | None = None,
+    readings: SimReadings | None = None,
     total_bytes: int = 0,
     context_bytes: int = 0,
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
-    ``empty_cache`` is called by ``torch.cuda.empty_cache()``; ``counters`` returns
-    ``(allocated, reserved, max_allocated, max_reserved)`` for the ``torch.cuda.memory_*``
-    functions. Not thread-safe and not re-entrant: one estimate at a time per process.
+    ``empty_cache`` is called by ``torch.cuda.empty_cache()``; ``readings`` answers the memory
+    readings (``torch.cuda.memory_allocated()`` and the rest) from the estimate's simulator
+    (without it, from an empty one). Not thread-safe and not re-entrant: one estimate at a
+    time per process.
 
     Example:
         >>> import torch
@@ -249,7 +255,13 @@ def fake_cuda(
         ('T4', False)
     """
     cuda = torch.cuda
-    counts = counters or (lambda: (0, 0, 0, 0))
+    memory = torch.cuda.memory
+    if readings is None:
+        from torchmem.sim import CachingAllocator
+
+        readings = SimReadings(
+            CachingAllocator(), total_bytes=total_bytes, context_bytes=context_bytes
+        )
     props = types.SimpleNamespace(
         name=name, total_memory=total_bytes, major=capability[0], minor=capability[1],
         multi_processor_count=1, is_integrated=False, is_multi_gpu_board=False,
@@ -257,8 +269,6 @@ def fake_cuda(
     stream = _Stream()
     patches: dict[str, Any] = {
         "get_device_properties": lambda *a, **k: props,
-        "mem_get_info": lambda *a, **k: (
-            max(0, total_bytes - context_bytes - counts()[1]), total_bytes),
         "device": lambda *a, **k: contextlib.nullcontext(),
         "stream": lambda *a, **k: contextlib.nullcontext(),
         "Stream": _Stream,
@@ -276,13 +286,13 @@ def fake_cuda(
         "get_device_capability": lambda *a, **k: capability,
         "is_bf16_supported": lambda *a, **k: capability >= (8, 0),
         "empty_cache": (lambda: empty_cache()) if empty_cache else (lambda: None),
-        "memory_allocated": lambda *a, **k: counts()[0],
-        "memory_reserved": lambda *a, **k: counts()[1],
-        "max_memory_allocated": lambda *a, **k: counts()[2],
-        "max_memory_reserved": lambda *a, **k: counts()[3],
-        "reset_peak_memory_stats": lambda *a, **k: None,
     }
+    own = readings.patches()
+    patches.update({k: v for k, v in own.items() if not k.startswith("_")})
+    memory_patches = {k: v for k, v in own.items() if hasattr(memory, k)}
+    memory_patches["empty_cache"] = patches["empty_cache"]
     saved = {k: getattr(cuda, k) for k in patches if hasattr(cuda, k)}
+    memory_saved = {k: getattr(memory, k) for k in memory_patches}
     module_apply = torch.nn.Module._apply
     init = torch.nn.init
     trunc = init._no_grad_trunc_normal_
@@ -300,6 +310,8 @@ def fake_cuda(
     try:
         for k, v in patches.items():
             setattr(cuda, k, v)
+        for k, v in memory_patches.items():
+            setattr(memory, k, v)
         torch.Tensor.record_stream = _fake_record_stream  # type: ignore[method-assign,assignment]
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
@@ -322,3 +334,5 @@ def fake_cuda(
                 setattr(cuda, k, saved[k])
             else:
                 delattr(cuda, k)
+        for k, v in memory_saved.items():
+            setattr(memory, k, v)

@@ -53,9 +53,12 @@ def build_snapshot(
     event_frames: Mapping[int, Frames],
     block_frames: Mapping[int, Frames],
     settings: dict[str, Any] | None,
+    *,
+    since: int = 0,
 ) -> Snapshot:
     """The snapshot of one device: ``segments`` as ``(address, size, stream, small, expandable,
-    [(offset, size, requested, state)])``, ``events`` as ``(action, address, size, stream)``.
+    [(offset, size, requested, state)])``, ``events`` as ``(action, address, size, stream)``;
+    the trace keeps the events from index ``since`` on (``time_us`` is the index in ``events``).
 
     Example:
         >>> build_snapshot(1, [], [], {}, {}, {"max_split_size": -1}).allocator_settings
@@ -90,7 +93,9 @@ def build_snapshot(
             )
         )
     trace = snap.new_trace(device)
-    for i, (action, addr, size, stream) in enumerate(events):
+    start = max(0, since)
+    for i in range(start, len(events)):
+        action, addr, size, stream = events[i]
         fr = event_frames.get(i)
         stack = snap.intern_stack(_frames(snap, fr)) if fr else 0
         trace.append(action, addr, size, stream, i, stack)

@@ -227,6 +227,15 @@ class CachingAllocator(ExpandableMixin):
         self.max_reserved_bytes = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
+        #: Requested (unrounded) bytes of active blocks, as PyTorch's ``requested_bytes``.
+        self.requested_bytes = 0
+        self.max_requested_bytes = 0
+        self.max_active_bytes = 0
+        #: Block bytes and requested bytes allocated since creation (``*.all.allocated``).
+        self.total_allocated_bytes = 0
+        self.total_requested_bytes = 0
+        self._pending_bytes = 0  # block bytes whose free waits for other streams
+        self._seeded = [0, 0]  # block and requested bytes allocated by add_segment
         self._max_split = cfg.max_split_size
         self._max_nsr = cfg.max_non_split_rounding_size
         self._large_seg = cfg.large_segment_size
@@ -318,6 +327,13 @@ class CachingAllocator(ExpandableMixin):
         allocated = self.allocated_bytes = self.allocated_bytes + bsize
         if allocated > self.max_allocated_bytes:
             self.max_allocated_bytes = allocated
+        if allocated + self._pending_bytes > self.max_active_bytes:
+            self.max_active_bytes = allocated + self._pending_bytes
+        requested = self.requested_bytes = self.requested_bytes + size
+        if requested > self.max_requested_bytes:
+            self.max_requested_bytes = requested
+        self.total_allocated_bytes += bsize
+        self.total_requested_bytes += size
         if frames is not None:
             self._frames[addr] = frames
             self._event_frames[len(self.events)] = frames
@@ -346,7 +362,9 @@ class CachingAllocator(ExpandableMixin):
         events.append(("free_requested", address, requested, stream))
         if self._uses and address in self._uses:
             self._pending[address] = t
+            self._pending_bytes += size
             return
+        self.requested_bytes -= requested
         if self._special:
             self._free_block(address, size, requested, stream, small)
             return
@@ -428,6 +446,8 @@ class CachingAllocator(ExpandableMixin):
                     continue
             bsize, requested, stream, small = pending.pop(address)
             del self._uses[address]
+            self._pending_bytes -= bsize
+            self.requested_bytes -= requested
             self._free_block(address, bsize, requested, stream, small)
 
     def synchronize(self) -> None:
@@ -459,32 +479,53 @@ class CachingAllocator(ExpandableMixin):
             >>> a = CachingAllocator(); p = a.malloc(100); a.active_bytes
             512
         """
-        return self.allocated_bytes + sum(t[0] for t in self._pending.values())
+        return self.allocated_bytes + self._pending_bytes
 
     def memory_stats(self) -> dict[str, int]:
         """The counters ``torch.cuda.memory_stats()`` reports, under its key names, for what the
-        simulation tracks: ``allocated_bytes`` / ``reserved_bytes`` (current and peak),
-        ``active_bytes`` and ``requested_bytes`` (current), ``segment`` (mapped ranges count as
-        one each), ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc`` / ``num_device_free``
-        (cudaMalloc/cudaFree and page map/unmap calls).
+        simulation tracks: ``allocated_bytes``, ``reserved_bytes``, ``active_bytes`` and
+        ``requested_bytes`` for ``all`` pools (``current``, ``peak`` since :meth:`reset_peak`,
+        ``allocated`` and ``freed`` since creation; blocks seeded with :meth:`add_segment`
+        count as allocated before it), ``allocation`` and ``segment`` (``current``; mapped
+        ranges count as one segment each), ``num_alloc_retries``, ``num_ooms``,
+        ``num_device_alloc`` / ``num_device_free`` (cudaMalloc/cudaFree and page map/unmap
+        calls).
 
         Example:
             >>> a = CachingAllocator(); p = a.malloc(1000); s = a.memory_stats()
             >>> s["allocated_bytes.all.current"], s["requested_bytes.all.current"], s["segment.all.current"]
             (1024, 1000, 1)
+            >>> a.free(p); s = a.memory_stats()
+            >>> s["requested_bytes.all.peak"], s["active_bytes.all.freed"], s["reserved_bytes.all.allocated"]
+            (1000, 1024, 2097152)
         """
         counts = {"segment_alloc": 0, "segment_map": 0, "segment_free": 0, "segment_unmap": 0}
+        sizes = dict.fromkeys(counts, 0)
         for e in self.events:
             if e[0] in counts:
                 counts[e[0]] += 1
-        requested = sum(t[1] for t in self._alloc.values()) + sum(t[1] for t in self._pending.values())
+                sizes[e[0]] += e[2]
+        tot_alloc = self.total_allocated_bytes + self._seeded[0]
+        tot_req = self.total_requested_bytes + self._seeded[1]
+        active = self.active_bytes
         return {
             "allocated_bytes.all.current": self.allocated_bytes,
             "allocated_bytes.all.peak": self.max_allocated_bytes,
+            "allocated_bytes.all.allocated": tot_alloc,
+            "allocated_bytes.all.freed": tot_alloc - self.allocated_bytes,
             "reserved_bytes.all.current": self.reserved_bytes,
             "reserved_bytes.all.peak": self.max_reserved_bytes,
-            "active_bytes.all.current": self.active_bytes,
-            "requested_bytes.all.current": requested,
+            "reserved_bytes.all.allocated": sizes["segment_alloc"] + sizes["segment_map"],
+            "reserved_bytes.all.freed": sizes["segment_free"] + sizes["segment_unmap"],
+            "active_bytes.all.current": active,
+            "active_bytes.all.peak": self.max_active_bytes,
+            "active_bytes.all.allocated": tot_alloc,
+            "active_bytes.all.freed": tot_alloc - active,
+            "requested_bytes.all.current": self.requested_bytes,
+            "requested_bytes.all.peak": self.max_requested_bytes,
+            "requested_bytes.all.allocated": tot_req,
+            "requested_bytes.all.freed": tot_req - self.requested_bytes,
+            "allocation.all.current": len(self._alloc),
             "segment.all.current": len(self._segment_states()),
             "num_alloc_retries": self.num_alloc_retries,
             "num_ooms": self.num_ooms,
@@ -493,7 +534,9 @@ class CachingAllocator(ExpandableMixin):
         }
 
     def reset_peak(self) -> None:
-        """Reset :attr:`max_allocated_bytes` and :attr:`max_reserved_bytes` to the current values.
+        """Reset :attr:`max_allocated_bytes`, :attr:`max_reserved_bytes`,
+        :attr:`max_active_bytes` and :attr:`max_requested_bytes` to the current values, as
+        ``torch.cuda.reset_peak_memory_stats()`` does.
 
         Example:
             >>> a = CachingAllocator(); a.free(a.malloc(4096)); a.reset_peak()
@@ -502,6 +545,8 @@ class CachingAllocator(ExpandableMixin):
         """
         self.max_allocated_bytes = self.allocated_bytes
         self.max_reserved_bytes = self.reserved_bytes
+        self.max_active_bytes = self.active_bytes
+        self.max_requested_bytes = self.requested_bytes
 
     # -- seeding ------------------------------------------------------------------------------
 
@@ -555,12 +600,17 @@ class CachingAllocator(ExpandableMixin):
             if requested > 0:
                 self._alloc[addr] = (bsize, requested, stream, small)
                 self.allocated_bytes += bsize
+                self.requested_bytes += requested
+                self._seeded[0] += bsize
+                self._seeded[1] += requested
                 allocated.append(addr)
             else:
                 self._insert_free(addr, bsize, stream, small)
         self._next_address = max(self._next_address, address + size)
         self.max_allocated_bytes = max(self.max_allocated_bytes, self.allocated_bytes)
         self.max_reserved_bytes = max(self.max_reserved_bytes, self.reserved_bytes)
+        self.max_active_bytes = max(self.max_active_bytes, self.active_bytes)
+        self.max_requested_bytes = max(self.max_requested_bytes, self.requested_bytes)
         return allocated
 
     # -- views --------------------------------------------------------------------------------
@@ -589,8 +639,12 @@ class CachingAllocator(ExpandableMixin):
             for start, size, stream, small, expandable, blocks in self._segment_states()
         ]
 
-    def snapshot(self, device: int = 0) -> Snapshot:
+    def snapshot(self, device: int = 0, *, since: int = 0) -> Snapshot:
         """The allocator's state and trace as a :class:`~torchmem.model.snapshot.Snapshot`.
+
+        ``since`` keeps only the trace from event ``since`` on (what
+        ``torch.cuda.memory._record_memory_history()`` would have recorded had it started
+        there); ``time_us`` stays the event's index in :attr:`events`.
 
         Segments with their blocks (``active_allocated``, ``active_pending_free``, ``inactive``),
         ``segment_type``, ``is_expandable``, the config's ``allocator_settings`` and the device
@@ -606,6 +660,8 @@ class CachingAllocator(ExpandableMixin):
             ('active_allocated', 'f')
             >>> [e.action for e in s.trace(0)], s.allocator_settings["max_split_size"]
             (['segment_alloc', 'alloc'], -1)
+            >>> [(e.action, e.time_us) for e in a.snapshot(since=1).trace(0)]
+            [('alloc', 1)]
         """
         return build_snapshot(
             device,
@@ -614,6 +670,7 @@ class CachingAllocator(ExpandableMixin):
             self._event_frames,
             self._frames,
             self.config.to_settings(),
+            since=since,
         )
 
     # -- internals: states --------------------------------------------------------------------
