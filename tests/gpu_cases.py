@@ -133,7 +133,7 @@ def _gpt_parts(batch: int, cfg: GPTConfig, checkpoint: bool = False, optimizer: 
 def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, micro_batches: int = 1,
               cfg: GPTConfig = GPT_SMALL, optimizer: str = "default", weights_bf16: bool = False,
               host: bool = False, readings: list[dict[str, int]] | None = None,
-              read_loss: bool = True) -> Callable[[], None]:
+) -> Callable[[], None]:
     """One AdamW step of :class:`GPT`: forward (under bf16 autocast when ``bf16``), cross-entropy,
     backward, ``opt.step()``, ``opt.zero_grad()``; ``checkpoint`` wraps each block in
     non-reentrant activation checkpointing; ``micro_batches`` splits the batch and accumulates
@@ -143,8 +143,8 @@ def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, mic
     moves it with ``.to("cuda")``, keeps the batch on the host (pinned) and copies it each step
     with ``non_blocking=True``. ``readings``: a list that gets, after each step, what the script
     itself would read from ``torch.cuda`` (the peaks of forward and of backward+step apart, reset
-    with ``torch.cuda.reset_peak_memory_stats()`` between them; the loss read with ``.item()``
-    unless ``read_loss`` is false, as under an estimate, which has no values to read).
+    with ``torch.cuda.reset_peak_memory_stats()`` between them; the loss read with ``.item()``,
+    which an estimate answers and lists).
 
     Example:
         >>> import torchmem
@@ -173,7 +173,7 @@ def gpt_train(batch_size: int, bf16: bool = False, checkpoint: bool = False, mic
                        "forward_max_reserved": torch.cuda.max_memory_reserved()}
                 torch.cuda.reset_peak_memory_stats()
             (loss / micro_batches).backward()
-            value = loss.item() if readings is not None and read_loss else 0.0
+            value = loss.item() if readings is not None else 0.0
             del logits, loss
         opt.step()
         opt.zero_grad(set_to_none=True)

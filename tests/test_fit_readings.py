@@ -34,11 +34,13 @@ def test_gpt_phase_readings_match_the_h100() -> None:
     rec = gpu_cases.recorded("gpt_phase_readings")
     readings: list[dict[str, int]] = []
     e = torchmem.estimate(
-        lambda b: gpu_cases.gpt_train(b, readings=readings, read_loss=False),
+        lambda b: gpu_cases.gpt_train(b, readings=readings),   # unmodified: it reads loss.item()
         gpu=gpu_cases.recorded_gpu("gpt_phase_readings"), batch_size=rec["batch_size"],
         steps=rec["steps"], margin=0,
     )
     assert e.fits
+    reads = [a for a in e.assumed_values if "gpu_cases.py" in a["where"]]
+    assert {a["value"] for a in reads} == {1.0} and sum(a["count"] for a in reads) == rec["steps"]
     want = rec["readings"]
     assert len(readings) == len(want) == rec["steps"]
     for step, (got, real) in enumerate(zip(readings, want)):

@@ -100,6 +100,19 @@ def _where() -> str:
     return fallback or "?"
 
 
+def _has_value(t: Any) -> bool:
+    """True when a read of ``t`` has a real answer: a real tensor, or a fake one that carries its
+    constant (a Python number lifted to a tensor, such as an optimizer's step count).
+
+    Example:
+        >>> _has_value(torch.ones(()))
+        True
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) or getattr(t, "constant", None) is not None
+
+
 class ValueReads:
     """The policy and the list of the value reads of one estimate (see the module docstring).
 
@@ -144,7 +157,14 @@ class ValueReads:
             ...     v.answer(s), v.answer(s == 6)
             (6, False)
         """
-        if self.strict or not isinstance(out, torch.Tensor) or out.numel() != 1:
+        if self.strict:
+            return
+        if isinstance(out, (tuple, list)):  # nll_loss_forward and friends: (output, ...)
+            for o in out:
+                if isinstance(o, torch.Tensor) and o.numel() == 1:
+                    self._remember(o, str(func), None)
+            return
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
             return
         op = str(func)
         if func in _ALL:
@@ -193,7 +213,7 @@ class ValueReads:
             >>> with FakeTensorMode():
             ...     ValueReads(strict=True).answer(torch.ones(()))
         """
-        if self.strict:
+        if self.strict or _has_value(t):
             return None
         op, value = self.stand_in(t)
         self.record(op, value)
