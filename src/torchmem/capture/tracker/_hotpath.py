@@ -67,6 +67,28 @@ class _Mode(TorchDispatchMode):
             self._on_outputs(func, out, info)
         return out
 
+    def stop(self) -> None:
+        """Report nothing from now on (in a forked child): every operator looks like a view.
+
+        Example:
+            >>> import torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     tr._mode.stop(); x = torch.ones(4)
+            >>> len(tr)
+            0
+        """
+        self._ops = _NOTHING_NEW
+
+
+class _NothingNew:
+    """An operator table that says every operator's outputs alias its inputs."""
+
+    def get(self, func: Any) -> int:
+        return 0
+
+
+_NOTHING_NEW: Any = _NothingNew()
+
 
 def _output_tensors(out: Any) -> Iterable[Any]:
     """The tensors of an operator's output (none for a non-tensor result)."""

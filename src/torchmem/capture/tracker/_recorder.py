@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -170,6 +171,8 @@ class _Recorder:
         self._active = False
         self._used = False
         self._thread = threading.get_ident()
+        self._pid = os.getpid()  # the process tracking (a forked child records nothing)
+        self._mode: Any = None  # the dispatch mode while installed
         self._thread_idx = 0  # the tracking thread's name in the trace's thread table
         self._exit: list[Callable[[], None]] = []
         self._on_free_cb: Callable[[Any], None] = _ignore
