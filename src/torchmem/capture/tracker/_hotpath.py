@@ -293,6 +293,8 @@ class _HotPath(_Hooks):
                 live_dev[dev] = v
                 if v > peak_dev[dev]:
                     peak_dev[dev] = v
+            if len(kind_col) >= me._midway_at:  # aggregated: the iteration in progress is long
+                me._compact_midway()
 
         wops: dict[Any, str] = {}  # operator -> its name if its outputs are new storages, else ""
         skip_code = self._skip_code

@@ -165,6 +165,8 @@ class Tracker(_Threads):
                 self._streamer = None
             raise
         self._active = True
+        if self._agg is not None:
+            self._midway_at = self._agg.midway_at()
         self._pid = os.getpid()
         _RUNNING.add(self)
         return self
@@ -346,7 +348,11 @@ def track(
             at step markers and drops their events, keeping every event of each device's peak
             iteration, of the last ``keep_last`` iterations and of the storages still alive;
             an int ``N`` does so once the trace holds ``N`` events (full detail for shorter
-            runs). ``torchmem.analysis.summarize`` gives the same figures as for a full trace.
+            runs). Without step markers (an inference loop) or in a long iteration, the
+            iteration in progress is compacted every ``trace.aggregate.within`` rows (default
+            262,144), keeping its live storages and those alive at the peak: bounded memory
+            over any run length. ``torchmem.analysis.summarize`` gives the same figures as for
+            a full trace.
         keep_last: complete iterations an aggregated trace keeps in full (default 5).
         mode: ``"ops"`` (default): the dispatch tracker, which sees every operator's outputs
             (CPU and CUDA, stacks, listeners, streaming). ``"fast"``: allocator-level capture in
