@@ -345,3 +345,71 @@ def test_every_device_keeps_its_own_peak_iteration() -> None:
                 assert b[key] == a[key], (device, key)
     meta = summarize_trace(full.trace, device="meta")
     assert max(meta.iterations, key=lambda it: it.peak_bytes).step == 2
+
+
+def _stepless(n: int, kw: dict[str, Any], within: int = 0, held: list[int] | None = None) -> Any:
+    """An inference loop with no step marker: ``n`` batches through a small net, a 40 kB
+    buffer alive for a few batches a third of the way in (the run's peak)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    tr = torchmem.track(net, stacks=True, **kw)
+    if within:
+        tr.trace.aggregate.within = within
+    big = None
+    with tr, torch.no_grad():
+        for i in range(n):
+            _ = net(torch.randn(4 + i % 5, 16)).softmax(-1)
+            if i == n // 3:
+                big = torch.ones(10_000)
+            elif i == n // 3 + 4:
+                big = None
+            if held is not None:
+                held.append(len(tr))
+    assert big is None
+    return tr
+
+
+def test_a_run_without_step_markers_holds_a_bounded_number_of_events() -> None:
+    """Issue: ``aggregate=True`` kept every event of a step-less run (one endless iteration).
+    Now the iteration in progress is compacted every ``within`` rows: the held events stay
+    under ``within`` plus the storages alive, however long the run, and the summary is the
+    full run's, field by field."""
+    held: list[int] = []
+    agg = _stepless(1500, {"aggregate": 1}, within=500, held=held)
+    full = _stepless(1500, {})
+    a = agg.trace.aggregate
+    assert a.events == len(full.trace) > 10_000
+    assert a.compactions >= 15 and a.dropped > 0.9 * a.events
+    assert max(held) <= 500 + 64, max(held)
+    assert max(held[len(held) // 2:]) <= max(held[:len(held) // 2]) + 16  # flat, not growing
+    assert agg.peak() == full.peak() and agg.peak()["cpu"] > 40_000
+    want, got = _fields(full), _fields(agg)
+    assert sorted(want) == sorted(got)
+    for key in want:
+        assert got[key] == want[key], key
+    s = summarize_trace(agg.trace)
+    assert s.aggregated is not None and s.aggregated["events_folded"] == a.dropped
+    assert s.iterations and s.iterations[-1].complete is False
+
+
+def test_a_step_less_aggregated_run_saves_and_reads_back(tmp_path: Any) -> None:
+    agg = _stepless(600, {"aggregate": 1}, within=1000)
+    assert agg.trace.aggregate.compactions > 0
+    path = str(tmp_path / "a.tmtrace")
+    agg.save(path)
+    back = load_trace(path)
+    assert back.aggregate is not None and back.aggregate.within == 1000
+    want = summarize_trace(agg.trace).to_dict()
+    got = summarize_trace(back).to_dict()
+    assert {k: v for k, v in got.items() if k != "metadata"} == {
+        k: v for k, v in want.items() if k != "metadata"}
+
+
+def test_default_aggregation_compacts_step_less_runs_past_the_default_period() -> None:
+    """``aggregate=True``: the first compaction, with or without step markers, once the trace
+    holds ``DEFAULT_PERIOD`` events; the iteration in progress then every ``within`` rows."""
+    from torchmem.model.aggregate import DEFAULT_PERIOD
+
+    a = torchmem.track(aggregate=True).trace.aggregate
+    assert a.within == DEFAULT_PERIOD and a.midway_at() == DEFAULT_PERIOD
+    assert torchmem.track(aggregate=10).trace.aggregate.midway_at() == DEFAULT_PERIOD

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -185,3 +186,98 @@ def test_dataloader_copy_on_read_is_flagged_for_python_objects_only(
     else:
         assert host["copy_on_read_suspect"] is False
         assert all(g < 64 * MiB for g in growth), growth
+
+
+# A DataLoader (2 workers, forked) over one NumPy array whose items are made into tensors: no
+# copy-on-read, but every item is an operator (``torch.tensor``) in the worker. Each worker writes
+# its USS every 20,000 items.
+TENSOR_LOADER = DATALOADER.replace("N = 1_500_000", "N = 200_000").replace(
+    "self.seen % 50_000 == 0", "self.seen % 20_000 == 0").replace(
+    "item = int(r[0]), float(r[1]), 1", "item = torch.tensor(r)").replace(
+    'print("items", sum(len(b[0]) for b in loader))', 'print("items", sum(len(b) for b in loader))')
+
+
+@pytest.mark.slow
+def test_dataloader_workers_cost_under_torchmem_run_what_they_cost_under_python(
+    tmp_path: Path,
+) -> None:
+    """The tracker stops in forked workers: their private memory is what a plain ``python``
+    run gives them (before: every worker kept recording its own events, about 330 B per item
+    here, and a large dataset got flagged as copy-on-read)."""
+    assert "torch.tensor(r)" in TENSOR_LOADER and "N = 200_000" in TENSOR_LOADER
+    script = tmp_path / "loader.py"
+    script.write_text(TENSOR_LOADER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    usss = {}
+    for how in ("python", "torchmem"):
+        out = tmp_path / how
+        out.mkdir()
+        cmd = ([sys.executable, str(script), "numpy", str(out)] if how == "python" else
+               [sys.executable, "-m", "torchmem", "run", "--json", "-o",
+                str(tmp_path / "t.tmtrace"), str(script), "numpy", str(out)])
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert res.returncode == 0, res.stderr
+        usss[how] = sorted(int(p.read_text()) for p in out.glob("*.uss"))
+        assert len(usss[how]) == 2, usss
+        if how == "torchmem":
+            host = json.loads(res.stdout[res.stdout.index("{"):])["host"]
+    plain, tracked = usss["python"], usss["torchmem"]
+    assert all(t <= p + 6 * MiB for p, t in zip(plain, tracked)), (plain, tracked)
+    workers = [p for p in host["processes"] if p["role"] == "worker"]
+    assert len(workers) == 2
+    assert all(w["uss_growth_bytes"] < 8 * MiB for w in workers), workers
+    assert host["copy_on_read_suspect"] is False
+
+
+def _fork_in_block(path: Path, report: Path) -> tuple[int, Any, int]:
+    """Fork inside a tracked block; the child makes tensors, starts a tracker of its own, and
+    leaves the block (then reports whether the parent's file changed)."""
+    import torch
+
+    import torchmem
+
+    with torchmem.track(stacks=True, path=path) as tr:
+        keep = torch.ones(8)
+        before = len(tr)
+        pid = os.fork()
+        if pid == 0:
+            xs = [torch.ones(10) for _ in range(100)]
+            with torchmem.track() as inner:
+                ys = [torch.ones(10) for _ in range(100)]
+            report.write_text(json.dumps({
+                "events": len(tr) - before, "active": tr._active, "inner": len(inner),
+                "made": len(xs) + len(ys), "file": path.read_bytes().hex()}))
+        else:
+            _, status = os.waitpid(pid, 0)
+            assert status == 0
+            y = torch.ones(3)
+            del y
+        del keep
+    return pid, tr, before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_a_forked_child_records_nothing_and_leaves_the_parents_file_alone(tmp_path: Path) -> None:
+    """``os.fork`` inside a tracked block: the child's allocations are not in the parent's
+    trace, the child's tracker is inactive (a new tracker there works), and the child leaving
+    the block does not write the parent's file."""
+    import torchmem
+
+    path, report = tmp_path / "t.tmtrace", tmp_path / "child.json"
+    pid, tr, before = 0, None, 0
+    try:
+        pid, tr, before = _fork_in_block(path, report)
+    finally:
+        if pid == 0:  # the child: never run the rest of the test session
+            code = 1
+            try:
+                got = json.loads(report.read_text())
+                file_now = path.read_bytes().hex()
+                report.write_text(json.dumps({**got, "file": got["file"] == file_now}))
+                code = 0
+            finally:
+                os._exit(code)
+    got = json.loads(report.read_text())
+    assert got == {"events": 0, "active": False, "inner": 100, "made": 200, "file": True}
+    assert tr is not None and len(tr) == before + 3  # the parent's ones(3), its free, the free of keep
+    assert len(torchmem.load_trace(path)) == len(tr)

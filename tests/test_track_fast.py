@@ -249,3 +249,41 @@ def test_torchmem_run_mode_fast_refuses_live() -> None:
                            "--example"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--live needs --mode ops" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no os.fork on this platform")
+def test_a_forked_child_stops_the_native_capture(tmp_path: Path) -> None:
+    """``os.fork`` in a fast-tracked block (a DataLoader worker): the child's copy of the
+    native capture stops (before, it kept recording every allocation of the worker, and a
+    fast tracker of the child's own was refused as nested); leaving the block in the child
+    writes nothing to the parent's file."""
+    import json
+    import os
+
+    path, report = tmp_path / "t.tmtrace", tmp_path / "child.json"
+    pid = -1
+    try:
+        with torchmem.track(mode="fast", path=path) as tr:
+            keep = torch.ones(8)
+            pid = os.fork()
+            if pid == 0:
+                xs = [torch.ones(10) for _ in range(100)]
+                with torchmem.track(mode="fast") as inner:
+                    ys = [torch.ones(10) for _ in range(100)]
+                got = {"active": tr._active, "inner_allocs": sum(
+                    1 for e in inner.events() if e.kind.label == "alloc"), "made": len(xs + ys)}
+            else:
+                _, status = os.waitpid(pid, 0)
+                assert status == 0
+            del keep
+    finally:
+        if pid == 0:
+            code = 1
+            try:
+                report.write_text(json.dumps({**got, "file": path.exists()}))
+                code = 0
+            finally:
+                os._exit(code)
+    got = json.loads(report.read_text())
+    assert got == {"active": False, "inner_allocs": 100, "made": 200, "file": False}
+    assert path.exists() and len(torchmem.load_trace(path)) == len(tr)

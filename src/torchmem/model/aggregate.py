@@ -35,7 +35,14 @@ it holds (the tracker's live storages). :meth:`Aggregate.original_row` and
 :meth:`Aggregate.stable_id` give a row's index and a storage's id in the whole run (what a full
 trace would have said), which never change: the tracker hands those to its listeners.
 
-Runs without step markers are never compacted (there is no finished iteration to fold).
+Runs without step markers (an inference loop, data processing), and iterations that run long:
+once the iteration in progress has added :attr:`Aggregate.within` rows (default
+:data:`DEFAULT_PERIOD`) since it began or since the last compaction, the producer compacts it
+*midway* (``compact(trace, midway=True)``): its rows are dropped like a finished iteration's
+(counted first), except those of the storages still alive and of those alive at a device's peak
+(and marks), so the trace stays bounded however long the run. The peak, the totals, the final
+live bytes and the iteration table stay those of the whole run; such an iteration keeps its
+live and peak storages' rows, not every row.
 
 Example:
     >>> from torchmem.model.events import EventKind as K
@@ -193,6 +200,10 @@ class Aggregate:
         self.live_g: list[int] = []
         self.hist: dict[int, tuple[array[int], array[int]]] = {}
         self._step_op = -1
+        #: Rows the iteration in progress may add before a midway compaction (see the module
+        #: docstring); set it before the run starts.
+        self.within = DEFAULT_PERIOD
+        self.iter_start = 0  # the row where the iteration in progress (or its rest) begins
 
     # ---- folding --------------------------------------------------------------------------
     def _group(self, d: int, grouping: str, key: Any, name: str) -> int:
@@ -262,6 +273,7 @@ class Aggregate:
             if k == _MARK:
                 if op[i] == step_op:
                     self._mark(step[i])
+                    self.iter_start = i + 1
                 continue
             d = dev[i]
             while d >= len(devs):
@@ -311,6 +323,20 @@ class Aggregate:
             return n >= self.after
         return n - self.retained >= self.period
 
+    def midway_at(self) -> int:
+        """The trace length at which the iteration in progress is compacted midway (no step
+        marker needed): :attr:`within` rows past its start or the last compaction, and not
+        before ``after`` rows for a first compaction.
+
+        Example:
+            >>> a = Aggregate(after=10); a.within = 100; a.midway_at()
+            100
+            >>> Aggregate(after=1000).midway_at() == max(1000, DEFAULT_PERIOD)
+            True
+        """
+        at = self.iter_start + self.within
+        return at if self.compactions else max(at, self.after)
+
     def _alive_at(self, trace: Trace, d: int, row: int) -> set[int]:
         """Storages alive on device ``d`` after row ``row`` (exact in a compacted trace: see
         the module docstring)."""
@@ -325,9 +351,11 @@ class Aggregate:
                     alive.discard(sid[i])
         return alive
 
-    def compact(self, trace: Trace) -> array[int]:
+    def compact(self, trace: Trace, midway: bool = False) -> array[int]:
         """Drop the rows no longer needed (folded first); returns the map old row -> new row
-        (-1: dropped), for a producer to renumber the rows it holds.
+        (-1: dropped), for a producer to renumber the rows it holds. ``midway``: the iteration
+        in progress is compacted too (see the module docstring), keeping only the rows of
+        storages alive now or at a peak, and marks.
 
         Example:
             >>> from torchmem.model.events import EventKind as K
@@ -339,6 +367,12 @@ class Aggregate:
             >>> _ = tr.append(K.MARK, 4, "cpu", 0, 0, op="step", step=1)
             >>> _ = agg.fold(tr); list(agg.compact(tr)), len(tr)   # the live storage, the peak's
             ([0, -1, 1, 2, 3], 4)
+            >>> tr = Trace(); agg = Aggregate(keep_last=0, after=1)      # no step markers
+            >>> for i in range(4):                        # 8 bytes made and freed, 4 times
+            ...     a = tr.append(K.ALLOC, 2 * i, "cpu", 8, len(tr) + 1, op="aten::ones")
+            ...     _ = tr.append(K.FREE, 2 * i + 1, "cpu", 8, a + 1)
+            >>> list(agg.compact(tr, midway=True)), agg.peak_of(0), agg.events  # the peak's kept
+            ([0, 1, -1, -1, -1, -1, -1, -1], 8, 8)
         """
         self.fold(trace)
         n = len(trace.stack)
@@ -350,12 +384,17 @@ class Aggregate:
                 if self.pinned_at.get(d) != st.peak_row:
                     self.pinned[d] = self._alive_at(trace, d, st.peak_row)
                     self.pinned_at[d] = st.peak_row
+        cur = self.cur_step
+        if midway:
+            kept_steps.discard(cur)
         held = set(self.owner)
         for pinned in self.pinned.values():
             held |= pinned
         keep = bytearray(n)
         for i in range(n):
-            if step[i] in kept_steps or (kind[i] == _ALLOC and sid[i] in held):
+            k = kind[i]
+            if step[i] in kept_steps or (k == _ALLOC and sid[i] in held) or (
+                    midway and k == _MARK and step[i] == cur):
                 keep[i] = 1
         for i in range(n):  # a storage is kept with both of its rows, or not at all
             if kind[i] == _FREE:
@@ -393,7 +432,7 @@ class Aggregate:
                 st.peak_row = int(pos[st.peak_row])
                 self.pinned_at[d] = st.peak_row
         self.dropped += n - j
-        self.fold_row = self.retained = j
+        self.fold_row = self.retained = self.iter_start = j
         self.compactions += 1
         return pos
 
@@ -561,6 +600,8 @@ class Aggregate:
                        in enumerate(self.gnames)],
             "group_keys": [[k[0], k[1], k[2]] for k in self.group_index],
             "hist": [[g, list(its), list(vals)] for g, (its, vals) in self.hist.items()],
+            "within": self.within,
+            "iter_start": self.iter_start,
         }
 
     @classmethod
@@ -585,6 +626,8 @@ class Aggregate:
             for name in ("events", "dropped", "compactions", "fold_row", "retained", "cur_step"):
                 setattr(a, name, int(data[name]))
             a.initial = bool(data["initial"])
+            a.within = int(data.get("within", DEFAULT_PERIOD))  # absent before midway compaction
+            a.iter_start = int(data.get("iter_start", a.fold_row))
             a.orig.extend(int(x) for x in data["orig"])
             a.marks.extend(int(s) for s in data["marks"])
             a.devs = [_Dev.from_json(d) for d in data["devs"]]

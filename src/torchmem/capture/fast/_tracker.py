@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -63,6 +64,21 @@ from torchmem.model.events import Category, Event, EventKind, Phase
 from torchmem.model.trace import Trace
 
 __all__ = ["FastTracker"]
+
+#: Fast trackers between ``__enter__`` and ``__exit__`` in this process.
+_RUNNING: weakref.WeakSet[FastTracker] = weakref.WeakSet()
+
+
+def _stop_in_forked_child() -> None:
+    """``os.fork`` child (a DataLoader worker): stop the native capture the parent had
+    running; the child records nothing and writes no file."""
+    for tracker in list(_RUNNING):
+        tracker._leave_forked_child()
+    _RUNNING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_in_forked_child)
 
 # mark types shared with _native.cpp
 _M_GRADS, _M_OPT_STATE, _M_PARAMS, _M_BUFFERS, _M_INPUTS, _M_STEP, _M_FWD_START, _M_USER = range(1, 9)
@@ -374,10 +390,24 @@ class FastTracker:
         self._t0 = time.perf_counter_ns()  # the native clock is the same monotonic clock
         self._native.start()
         self._active = True
+        _RUNNING.add(self)
         return self
 
+    def _leave_forked_child(self) -> None:
+        """In a forked child: stop the native capture (the CPU allocator and the operator
+        callback are restored) and drop the hooks' work; leaving the block there writes
+        nothing (the parent owns the run and its file)."""
+        self._active = False
+        self.path = None
+        if self._native is not None:
+            self._native.stop()
+
     def __exit__(self, *exc: object) -> None:
+        _RUNNING.discard(self)
         if not self._active:
+            for h in self._hooks:  # in a forked child: the hooks are that process's own
+                h.remove()
+            self._hooks.clear()
             return
         try:
             self._grads_mark()

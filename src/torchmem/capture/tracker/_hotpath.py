@@ -67,6 +67,28 @@ class _Mode(TorchDispatchMode):
             self._on_outputs(func, out, info)
         return out
 
+    def stop(self) -> None:
+        """Report nothing from now on (in a forked child): every operator looks like a view.
+
+        Example:
+            >>> import torch, torchmem
+            >>> with torchmem.track() as tr:
+            ...     tr._mode.stop(); x = torch.ones(4)
+            >>> len(tr)
+            0
+        """
+        self._ops = _NOTHING_NEW
+
+
+class _NothingNew:
+    """An operator table that says every operator's outputs alias its inputs."""
+
+    def get(self, func: Any) -> int:
+        return 0
+
+
+_NOTHING_NEW: Any = _NothingNew()
+
 
 def _output_tensors(out: Any) -> Iterable[Any]:
     """The tensors of an operator's output (none for a non-tensor result)."""
@@ -271,6 +293,8 @@ class _HotPath(_Hooks):
                 live_dev[dev] = v
                 if v > peak_dev[dev]:
                     peak_dev[dev] = v
+            if len(kind_col) >= me._midway_at:  # aggregated: the iteration in progress is long
+                me._compact_midway()
 
         wops: dict[Any, str] = {}  # operator -> its name if its outputs are new storages, else ""
         skip_code = self._skip_code

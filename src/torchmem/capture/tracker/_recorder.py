@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -57,6 +58,7 @@ _PROVISIONAL = {
     _P_OPT: int(_C.TEMPORARY),
 }
 _TEMP = int(_C.TEMPORARY)
+_NEVER = 1 << 62  # a trace length never reached: no midway compaction
 _perf_ns = time.perf_counter_ns
 
 
@@ -170,6 +172,8 @@ class _Recorder:
         self._active = False
         self._used = False
         self._thread = threading.get_ident()
+        self._pid = os.getpid()  # the process tracking (a forked child records nothing)
+        self._mode: Any = None  # the dispatch mode while installed
         self._thread_idx = 0  # the tracking thread's name in the trace's thread table
         self._exit: list[Callable[[], None]] = []
         self._on_free_cb: Callable[[Any], None] = _ignore
@@ -188,6 +192,8 @@ class _Recorder:
         # aggregated mode: folds finished iterations and compacts the trace at step markers
         self._agg = Aggregate(keep_last, after) if after else None
         self.trace.aggregate = self._agg
+        # the trace length at which the hot path compacts the iteration in progress
+        self._midway_at = _NEVER
 
     def add_listener(self, fn: Listener) -> None:
         """Call ``fn(event, storage_or_None)`` for every event recorded from now on.
@@ -312,24 +318,36 @@ class _Recorder:
         row after that."""
         agg = self._agg
         assert agg is not None
-        tr = self.trace
-        agg.fold(tr)
-        if not agg.due(tr):
-            return seq
+        agg.fold(self.trace)
+        if agg.due(self.trace):
+            seq = int(self._compact_now(agg, midway=False)[seq])
+        self._midway_at = agg.midway_at()
+        return seq
+
+    def _compact_midway(self) -> None:
+        """The iteration in progress holds ``Aggregate.within`` new rows (a run without step
+        markers, or a long iteration): compact it now (the hot path calls this between
+        operators, so no row number is held anywhere but in the live storages' refs)."""
+        agg = self._agg
+        if agg is None or not self._active:
+            self._midway_at = _NEVER
+            return
+        self._compact_now(agg, midway=True)
+        self._midway_at = agg.midway_at()
+
+    def _compact_now(self, agg: Aggregate, midway: bool) -> Any:
         enabled = gc.isenabled()
         gc.disable()  # a collection now would free storages, appending rows mid-compaction
         try:
             if self._streamer is not None:
-                pos = self._streamer.restart(lambda: self._compact(agg), agg.to_json)
-            else:
-                pos = self._compact(agg)
+                return self._streamer.restart(lambda: self._compact(agg, midway), agg.to_json)
+            return self._compact(agg, midway)
         finally:
             if enabled:
                 gc.enable()
-        return int(pos[seq])
 
-    def _compact(self, agg: Aggregate) -> Any:
-        pos = agg.compact(self.trace)
+    def _compact(self, agg: Aggregate, midway: bool = False) -> Any:
+        pos = agg.compact(self.trace, midway)
         for ref in [*self._live.values(), *self._orphans.values()]:
             if ref.seq >= 0:
                 ref.seq = int(pos[ref.seq])

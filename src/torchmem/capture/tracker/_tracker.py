@@ -12,8 +12,10 @@ Example:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -31,6 +33,21 @@ if TYPE_CHECKING:
     from torchmem.capture.fast import FastTracker
 
 __all__ = ["Tracker", "track"]
+
+#: Trackers between ``__enter__`` and ``__exit__`` in this process (a forked child stops them).
+_RUNNING: weakref.WeakSet[Tracker] = weakref.WeakSet()
+
+
+def _stop_in_forked_child() -> None:
+    """``os.fork`` child (a DataLoader or multiprocessing worker): stop every tracker the
+    parent had running; the parent records its own run, the child records nothing."""
+    for tracker in list(_RUNNING):
+        tracker._leave_forked_child()
+    _RUNNING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_in_forked_child)
 
 
 class Tracker(_Threads):
@@ -148,9 +165,18 @@ class Tracker(_Threads):
                 self._streamer = None
             raise
         self._active = True
+        if self._agg is not None:
+            self._midway_at = self._agg.midway_at()
+        self._pid = os.getpid()
+        _RUNNING.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _RUNNING.discard(self)
+        if self._pid != os.getpid():  # a forked child leaving the block: the parent's run
+            self._leave_forked_child()
+            self._uninstall(forked=True)
+            return
         try:
             if self._active:
                 self._drain()
@@ -200,11 +226,23 @@ class Tracker(_Threads):
         self._install_threads()
         self._install_resize()
         keep_defaults_groupless()  # before the mode's first entry imports torch._dynamo
-        mode = _Mode(self)
+        mode = self._mode = _Mode(self)
         mode.__enter__()
         self._exit.append(lambda: mode.__exit__(None, None, None))
 
-    def _uninstall(self) -> None:
+    def _leave_forked_child(self) -> None:
+        """In a forked child: record nothing more and write nothing (the parent owns the run
+        and its file). The dispatch mode stays on the child's mode stack, inert, until the
+        block ends there (a DataLoader worker never gets there: it exits first). The trace,
+        the live-storage map and the rest are left untouched: they are the parent's pages,
+        shared until written, so leaving them costs the child no private memory."""
+        self._active = False
+        self._streamer = None  # its thread did not survive the fork; the parent closes the file
+        self.path = None
+        if self._mode is not None:
+            self._mode.stop()
+
+    def _uninstall(self, forked: bool = False) -> None:
         errors = []
         while self._exit:
             fn = self._exit.pop()
@@ -212,6 +250,10 @@ class Tracker(_Threads):
                 fn()
             except Exception as e:  # keep removing the rest
                 errors.append(e)
+        if forked:  # the parent's state: freeing it would copy its pages into the child
+            if errors:
+                raise errors[0]
+            return
         self._live.clear()  # drops the weak references: no callback after exit
         self._pending.clear()  # (drained at exit) and other threads' refs with it
         self._orphans.clear()
@@ -306,7 +348,11 @@ def track(
             at step markers and drops their events, keeping every event of each device's peak
             iteration, of the last ``keep_last`` iterations and of the storages still alive;
             an int ``N`` does so once the trace holds ``N`` events (full detail for shorter
-            runs). ``torchmem.analysis.summarize`` gives the same figures as for a full trace.
+            runs). Without step markers (an inference loop) or in a long iteration, the
+            iteration in progress is compacted every ``trace.aggregate.within`` rows (default
+            262,144), keeping its live storages and those alive at the peak: bounded memory
+            over any run length. ``torchmem.analysis.summarize`` gives the same figures as for
+            a full trace.
         keep_last: complete iterations an aggregated trace keeps in full (default 5).
         mode: ``"ops"`` (default): the dispatch tracker, which sees every operator's outputs
             (CPU and CUDA, stacks, listeners, streaming). ``"fast"``: allocator-level capture in
