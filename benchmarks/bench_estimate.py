@@ -4,7 +4,8 @@ instead, each in a fresh subprocess (wall time and peak RSS of that process).
 Workload: transformers' ``LlamaForCausalLM`` from a config (32 layers, hidden 4096,
 intermediate 11008, 32 heads, vocab 32000; 6.74 B parameters), fp32, AdamW, batch 1 x 2048
 tokens, ``loss.backward(); opt.step(); opt.zero_grad()``. ``--quick``: 4 layers, hidden 1024,
-intermediate 2752, 512 tokens.
+intermediate 2752, 512 tokens. ``--smoke``: 2 layers, hidden 64, vocab 1000, 32 tokens (checks
+that it runs; the figures mean nothing).
 
 Methods:
   torchmem       torchmem.estimate(build, gpu="H200", batch_size=1): 2 steps under fake
@@ -19,6 +20,7 @@ Methods:
 
 Run:  python benchmarks/bench_estimate.py           (about 1 minute on our 2 cores)
       python benchmarks/bench_estimate.py --quick
+      python benchmarks/bench_estimate.py --smoke
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from _child import run_child
 CHILD = r'''
 import json, resource, sys, time
 import torch
-method, quick = sys.argv[1], sys.argv[2] == "1"
+method, size = sys.argv[1], sys.argv[2]
 
 def config():
     from transformers import LlamaConfig
-    if quick:
+    if size == "smoke":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
+                           max_position_embeddings=32), 32
+    if size == "quick":
         return LlamaConfig(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4,
                            num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
                            max_position_embeddings=512), 512
@@ -91,8 +97,8 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def run(method: str, quick: bool) -> dict:
-    return run_child(CHILD, method, "1" if quick else "0")
+def run(method: str, size: str) -> dict:
+    return run_child(CHILD, method, size)
 
 
 def gib(n: int | None) -> str:
@@ -102,10 +108,13 @@ def gib(n: int | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small Llama config")
+    ap.add_argument("--smoke", action="store_true", help="a tiny Llama (tests: it runs)")
     args = ap.parse_args()
-    what = "Llama 4 x 1024, 512 tokens" if args.quick else "Llama-7B config, 1 x 2048 tokens"
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    what = {"smoke": "Llama 2 x 64, 32 tokens", "quick": "Llama 4 x 1024, 512 tokens",
+            "full": "Llama-7B config, 1 x 2048 tokens"}[size]
     print(f"{what}, fp32 AdamW training step; each method in a fresh subprocess\n")
-    res = {m: run(m, args.quick) for m in ("torchmem", "memtracker", "formula")}
+    res = {m: run(m, size) for m in ("torchmem", "memtracker", "formula")}
     print(f"{'method':<12}{'seconds':>9}{'peak RSS':>13}  {'requested':>11}  {'allocated':>11}"
           f"  {'reserved':>11}  verdict")
     for m, r in res.items():
@@ -129,7 +138,7 @@ def main() -> None:
             fig = r.get("peak_allocated") or r.get("peak_requested")
             print(f"torchmem reserved / {m} figure: {t['peak_reserved'] / fig:.3f}   "
                   f"time ratio torchmem / {m}: {t['seconds'] / r['seconds']:.2f}")
-        limits = "" if args.quick else (
+        limits = "" if size != "full" else (
             f"   (goal: <= 120 s and <= 4 GiB: {'met' if t['seconds'] <= 120 and t['max_rss'] <= 4 << 30 else 'NOT met'})")
         print(f"torchmem: {t['seconds']:.1f} s, peak RSS {t['max_rss'] / 2**30:.2f} GiB{limits}")
 

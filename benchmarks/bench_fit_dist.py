@@ -6,7 +6,8 @@ Workload: transformers' ``LlamaForCausalLM`` from a config (TinyLlama-1.1B: 22 l
 ``fully_shard`` on every decoder layer and on the model (bf16 compute and all-gathers, fp32
 reduce-scatters: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), AdamW,
 batch 1 x 2048 tokens, 2 steps of ``loss.backward(); opt.step(); opt.zero_grad()``; rank 0 of
-``N``. ``--quick``: 4 layers, hidden 512, 512 tokens.
+``N``. ``--quick``: 4 layers, hidden 512, 512 tokens. ``--smoke``: 2 layers, hidden 64, vocab
+1000, 32 tokens (checks that it runs; the figures mean nothing).
 
 Methods:
   torchmem        torchmem.estimate(build, gpu="H100-80GB", batch_size=1, world_size=N):
@@ -24,6 +25,7 @@ Methods:
 
 Run:  python benchmarks/bench_fit_dist.py                  (world sizes 8 and 64; a few minutes)
       python benchmarks/bench_fit_dist.py --quick
+      python benchmarks/bench_fit_dist.py --smoke --world-sizes 2
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ from _child import run_child
 CHILD = r'''
 import json, resource, sys, time
 import torch
-method, quick, n = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+method, size, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 def config():
     from transformers import LlamaConfig
-    if quick:
+    if size == "smoke":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                           max_position_embeddings=32), 32
+    if size == "quick":
         return LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
                            max_position_embeddings=512), 512
@@ -111,8 +117,8 @@ print("RESULT " + json.dumps(out))
 METHODS = ("torchmem", "fsdpmemtracker", "formula")
 
 
-def run(method: str, quick: bool, n: int) -> dict:
-    return run_child(CHILD, method, "1" if quick else "0", str(n))
+def run(method: str, size: str, n: int) -> dict:
+    return run_child(CHILD, method, size, str(n))
 
 
 def gib(n: int | None) -> str:
@@ -123,13 +129,16 @@ def gib(n: int | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small Llama config")
+    ap.add_argument("--smoke", action="store_true", help="a tiny Llama (tests: it runs)")
     ap.add_argument("--world-sizes", default="8,64", help="comma-separated, default 8,64")
     args = ap.parse_args()
-    what = "Llama 4 x 512, 512 tokens" if args.quick else "TinyLlama-1.1B config, 1 x 2048 tokens"
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    what = {"smoke": "Llama 2 x 64, 32 tokens", "quick": "Llama 4 x 512, 512 tokens",
+            "full": "TinyLlama-1.1B config, 1 x 2048 tokens"}[size]
     print(f"{what}, FSDP2 per layer (bf16 gathers), AdamW; rank 0 of N; each method in a "
           "fresh subprocess\n")
     for n in (int(x) for x in args.world_sizes.split(",")):
-        res = {m: run(m, args.quick, n) for m in METHODS}
+        res = {m: run(m, size, n) for m in METHODS}
         print(f"world size {n}")
         print(f"  {'method':<15}{'seconds':>8}{'peak RSS':>13}  {'requested':>11}  "
               f"{'allocated':>11}  {'reserved':>11}  {'comm. at peak':>13}  verdict")

@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/bench_ledger.py            (full: 8 threads x 100,000 pairs)
       python benchmarks/bench_ledger.py --quick    (smaller counts)
+      python benchmarks/bench_ledger.py --smoke    (tiny counts: checks that it runs, figures are noise)
 
 Side by side in one process (min of several repeats, ratios printed):
 
@@ -290,9 +291,15 @@ def bench_memory(n: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller counts")
+    p.add_argument("--smoke", action="store_true", help="tiny counts (tests: it runs, not its figures)")
     args = p.parse_args()
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPU(s)")
-    if args.quick:
+    if args.smoke:
+        bench_pairs(500, 2)
+        bench_threads(2, 500)
+        bench_capture(2, 1)
+        bench_memory(1_000)
+    elif args.quick:
         bench_pairs(10_000, 10)
         bench_threads(8, 10_000)
         bench_capture(10, 5)

@@ -20,6 +20,7 @@ cost is measured apart (the time to draw one panel) and added as a share of each
 
 Run:  python benchmarks/bench_live.py            (about 2 minutes on 2 busy cores)
       python benchmarks/bench_live.py --quick
+      python benchmarks/bench_live.py --smoke      (1 round of 2 steps: checks that it runs)
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def bench_workload(name: str, build: Any, rounds: int, n: int) -> dict[str, floa
     return best
 
 
-def panel_draw_ms() -> float:
+def panel_draw_ms(draws: int = 50) -> float:
     step, net, opt = transformer()
     view = LiveView("bench", console=_terminal_console())
     with torchmem.track(stacks=False, listeners=[view.on_event]):
@@ -124,19 +125,20 @@ def panel_draw_ms() -> float:
             step()
     console = _terminal_console()
     t0 = time.perf_counter()
-    for _ in range(50):
+    for _ in range(draws):
         console.print(live_panel(view.state()))
-    return (time.perf_counter() - t0) / 50 * 1e3
+    return (time.perf_counter() - t0) / draws * 1e3
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    ap.add_argument("--smoke", action="store_true", help="1 round of 2 steps (tests: it runs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rounds, n = (2, 10) if args.quick else (5, 30)
+    rounds, n = (1, 2) if args.smoke else (2, 10) if args.quick else (5, 30)
     print(f"torch {torch.__version__}, {rounds} rounds x {n} steps, thread CPU time per step")
-    draw = panel_draw_ms()
+    draw = panel_draw_ms(5 if args.smoke else 50)
     share = draw / 500.0  # drawn twice a second: this share of the process's time
     print(f"one panel drawn in {draw:.2f} ms: {100 * share:.2f}% of the time at 2 draws a second")
     for name, build in (("mlp", mlp), ("transformer", transformer)):

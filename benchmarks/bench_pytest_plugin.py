@@ -1,9 +1,9 @@
 """The pytest plugin's cost, side by side with pytest-memray (host memory, the closest tool).
 
-One generated test file, 40 tests, each a small CPU forward/backward (Linear(256, 256) x 4,
-batch 64). Each variant is a fresh ``pytest`` process; the figure is the sum of the tests' own
-times from pytest's JUnit XML (setup + call + teardown: interpreter start and collection are
-left out), the minimum over rounds, variants interleaved round by round:
+One generated test file, 40 tests (``--tests``), each a small CPU forward/backward
+(Linear(256, 256) x 4, batch 64). Each variant is a fresh ``pytest`` process; the figure is the
+sum of the tests' own times from pytest's JUnit XML (setup + call + teardown: interpreter start
+and collection are left out), the minimum over rounds, variants interleaved round by round:
 
   plain            no torchmem plugin, no memray
   torchmem-idle    the torchmem plugin loaded, no marker: must cost nothing (the tracker is
@@ -13,7 +13,7 @@ left out), the minimum over rounds, variants interleaved round by round:
   memray-marked    pytest-memray ``--memray``, the same marker (host memory); skipped when
                    pytest-memray is not installed
 
-Run:  python benchmarks/bench_pytest_plugin.py [--rounds 3]
+Run:  python benchmarks/bench_pytest_plugin.py [--rounds 3] [--tests 40]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def test_{i}():
 """
 
 
-def _write(folder: str, marked: bool) -> str:
+def _write(folder: str, marked: bool, tests: int) -> str:
     lines = ["import pytest, torch\n"]
-    for i in range(40):
+    for i in range(tests):
         if marked:
             lines.append('\n@pytest.mark.limit_memory("1 GB")')
         lines.append(BODY.format(i=i))
@@ -72,10 +72,11 @@ def _run(folder: str, test_file: str, args: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tests", type=int, default=40, help="tests in the generated file (default 40)")
     opts = ap.parse_args()
     have_memray = find_spec("pytest_memray") is not None
     with tempfile.TemporaryDirectory() as folder:
-        plain, marked = _write(folder, False), _write(folder, True)
+        plain, marked = _write(folder, False, opts.tests), _write(folder, True, opts.tests)
         memray_off = ["-p", "no:memray"] if have_memray else []
         variants: dict[str, tuple[str, list[str]]] = {
             "plain": (plain, _torchmem_args(False) + memray_off),
@@ -91,7 +92,7 @@ def main() -> None:
                 best[name] = min(best.get(name, t), t)
             print(f"round {r + 1}/{opts.rounds} done", file=sys.stderr)
     base = best["plain"]
-    print(f"40 tests (CPU forward/backward each), sum of test times, best of {opts.rounds}:")
+    print(f"{opts.tests} tests (CPU forward/backward each), sum of test times, best of {opts.rounds}:")
     for name, t in best.items():
         print(f"  {name:<16} {t * 1000:8.1f} ms   x{t / base:5.2f} of plain")
     if "memray-marked" in best:

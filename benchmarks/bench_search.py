@@ -18,6 +18,7 @@ give the same answer; the table shows the probes (fake runs) each needed and the
 
 Run:  python benchmarks/bench_search.py           (a few minutes on our 2 cores)
       python benchmarks/bench_search.py --quick
+      python benchmarks/bench_search.py --quick --layers 1 --gpus RTX-4090   (the tests' smoke run)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torchmem
 
 QUICK = False
+LAYERS: int | None = None  # --layers: overrides the config's layer count
 
 
 def build(batch: int, seq_len: int = 2048) -> Any:
@@ -42,6 +44,8 @@ def build(batch: int, seq_len: int = 2048) -> Any:
     else:
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                           num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+    if LAYERS is not None:
+        cfg.num_hidden_layers = LAYERS
     cfg.max_position_embeddings = max(seq_len, 2048)
     cfg._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
@@ -84,13 +88,19 @@ def by_bisection(gpu: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    global QUICK
+    global QUICK, LAYERS
+    gpus = ["RTX-4090", "H100-80GB"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small Llama (4 layers)")
+    ap.add_argument("--layers", type=int, default=None, help="this many layers (default 32, 4 quick)")
+    ap.add_argument("--gpus", default=",".join(gpus), help=f"comma-separated (default {','.join(gpus)})")
     args = ap.parse_args()
-    QUICK = args.quick
-    gpus = ["RTX-4090", "H100-80GB"]
-    what = "Llama 4 x 1024" if QUICK else "Llama-2-7B config"
+    QUICK, LAYERS = args.quick, args.layers
+    gpus = [g for g in args.gpus.split(",") if g]
+    if QUICK:
+        what = f"Llama {LAYERS or 4} x 1024"
+    else:
+        what = "Llama-2-7B config" + (f" with {LAYERS} layers" if LAYERS is not None else "")
     print(f"{what}, bf16, SDPA, prefill forward, batch 1: the longest seq_len that fits\n")
     print(f"{'gpu':<11}{'method':<13}{'answer':>8}{'probes':>8}{'seconds':>9}  attention")
     torchmem.estimate(build, gpu=gpus[0], batch_size=1, steps=1)  # imports, first-call costs

@@ -48,6 +48,8 @@ over rounds; the final save when the block ends is reported separately.
 Run:  python benchmarks/bench_tracker.py            (about 6 minutes on 2 busy cores)
       python benchmarks/bench_tracker.py --quick    (fewer rounds)
       python benchmarks/bench_tracker.py --stream   (streaming only, about 2 minutes)
+      python benchmarks/bench_tracker.py --smoke [--stream]   (1 round of 2 steps, a 10,000-event
+                                                    trace: checks that it runs, figures are noise)
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import sys
 import tempfile
@@ -293,13 +296,12 @@ def bytes_per_event(steps: int) -> tuple[float, int]:
     return (end - mid) / max(n, 1), n
 
 
-def load_million(tmp: str) -> tuple[float, int]:
+def load_million(tmp: str, n: int = 1_000_000, reps: int = 5) -> tuple[float, int]:
     tr = Trace()
     kinds = [int(EventKind.ALLOC), int(EventKind.FREE)]
     tr.intern_device("cpu")
     op = tr.intern("aten::mm")
     mod = tr.intern("Net.layers.0")
-    n = 1_000_000
     tr.kind.extend(kinds[i & 1] for i in range(n))
     tr.time_ns.extend(range(n))
     tr.device.extend([0] * n)
@@ -315,7 +317,7 @@ def load_million(tmp: str) -> tuple[float, int]:
     path = os.path.join(tmp, "million.tmtrace")
     save_trace(tr, path)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(reps):
         t0 = time.perf_counter()
         back = load_trace(path)
         best = min(best, time.perf_counter() - t0)
@@ -323,7 +325,8 @@ def load_million(tmp: str) -> tuple[float, int]:
     return best, os.path.getsize(path)
 
 
-def bench_streaming(name: str, build: Any, rounds: int, tmp: str) -> None:
+def bench_streaming(name: str, build: Any, rounds: int, tmp: str, seconds: float = 2.0,
+                    min_steps: int = 20) -> None:
     """Per-step cost of streaming the trace to disk, against the same tracker without it."""
     torch.manual_seed(0)
     step, net, opt = build()
@@ -331,7 +334,7 @@ def bench_streaming(name: str, build: Any, rounds: int, tmp: str) -> None:
     t0 = time.perf_counter()
     for _ in range(5):
         step()
-    n = max(20, int(2.0 / ((time.perf_counter() - t0) / 5)))  # about 2 s of steps per run
+    n = max(min_steps, int(seconds / ((time.perf_counter() - t0) / 5)))  # seconds of steps per run
     best = {k: (float("inf"), float("inf")) for k in ("in memory", "streamed")}
     finish = float("inf")
     for r in range(rounds):
@@ -363,15 +366,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stream", action="store_true", help="only the streaming comparison")
+    ap.add_argument("--smoke", action="store_true",
+                    help="1 round of 2 steps, a 10,000-event trace (tests: it runs, not its figures)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rounds, n = (3, 10) if args.quick else (12, 20)
+    rounds, n = (1, 2) if args.smoke else (3, 10) if args.quick else (12, 20)
     print(f"torch {torch.__version__}, {os.cpu_count()} cores (shared), 1 torch thread")
     if args.stream:
         with tempfile.TemporaryDirectory() as tmp:
             for name, build in (("mlp", mlp), ("transformer", transformer)):
-                bench_streaming(name, build, 3 if args.quick else 5, tmp)
+                if args.smoke:
+                    bench_streaming(name, build, 1, tmp, seconds=0.2, min_steps=3)
+                else:
+                    bench_streaming(name, build, 3 if args.quick else 5, tmp)
         return 0
+    if importlib.util.find_spec("memray") is None:
+        print("SKIP memray: not installed (pip install memray)")
     verdicts = []
     for name, build in (("mlp", mlp), ("transformer", transformer)):
         best, end = bench_workload(name, build, rounds, n)
@@ -403,12 +413,14 @@ def main() -> int:
     print()
     for v in verdicts:
         print(v)
-    per, nev = bytes_per_event(300 if args.quick else 1500)
+    per, nev = bytes_per_event(20 if args.smoke else 300 if args.quick else 1500)
     print(f"\ntracker memory: {per:.1f} bytes per held event over {nev} events "
           f"(columns alone: {BYTES_PER_EVENT} bytes/event; target <= 64)")
+    events, reps = (10_000, 1) if args.smoke else (1_000_000, 5)
     with tempfile.TemporaryDirectory() as tmp:
-        secs, size = load_million(tmp)
-    print(f"loading a 1,000,000-event trace ({size / 1e6:.1f} MB): {secs:.3f} s (min of 5; target <= 1 s)")
+        secs, size = load_million(tmp, events, reps)
+    print(f"loading a {events:,}-event trace ({size / 1e6:.1f} MB): {secs:.3f} s "
+          f"(min of {reps}; target <= 1 s)")
     return 0
 
 

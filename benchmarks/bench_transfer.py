@@ -2,6 +2,8 @@
 
 Run:  python benchmarks/bench_transfer.py            (512 MiB float32, 5 repeats)
       python benchmarks/bench_transfer.py --mb 128 --repeats 3   (quicker)
+      python benchmarks/bench_transfer.py --mb 2 --repeats 1 --chunks 1 --views plain \
+          --offload-layers 2 --offload-width 64 --offload-batch 8   (a smoke run: it runs)
 
 What is compared, side by side in one process (time: min of several repeats, methods
 interleaved so they share the machine's noise), and each once more in its own subprocess for
@@ -221,6 +223,8 @@ def main() -> int:
     ap.add_argument("--offload-layers", type=int, default=8, help="layers of the offload model (0: skip)")
     ap.add_argument("--offload-width", type=int, default=2048)
     ap.add_argument("--offload-batch", type=int, default=256)
+    ap.add_argument("--views", default="plain,transposed,sliced",
+                    help="source layouts to compare, comma separated (default all three)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--view", default="plain", choices=sorted(VIEWS), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -237,7 +241,12 @@ def main() -> int:
         "transposed": "transposed source x.t() (dense permutation; strides kept like Tensor.to)",
         "sliced": "stepped slice x[:, ::2] (half the elements, gaps; contiguous result)",
     }
+    views = [v for v in args.views.split(",") if v]
+    if unknown := [v for v in views if v not in titles]:
+        ap.error(f"unknown view(s) {unknown}; the views are {', '.join(titles)}")
     for view, title in titles.items():
+        if view not in views:
+            continue
         x = make(args.mb, view)
         run_table(title, table_for(view, chunks), x, args.repeats, args.mb, view, chunks)
         del x

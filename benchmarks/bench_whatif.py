@@ -19,7 +19,7 @@ which is how an estimate's run looks), times, best of ``--reps``:
 Prints the times, each over ``replay`` (the ratio), and whether the what-if with the recorded
 settings equals the recorded run (``identical``), so a regression in exactness shows here too.
 
-Run:  python benchmarks/bench_whatif.py [--reps 3] [--requests 1000000]
+Run:  python benchmarks/bench_whatif.py [--reps 3] [--requests 1000000] [--files NAME,...]
 """
 
 from __future__ import annotations
@@ -87,10 +87,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--suggest-generated", action="store_true",
                     help="also time suggest() on the generated trace (nine more replays)")
+    ap.add_argument("--files", default=",".join(FILES),
+                    help="comma-separated real snapshots of tests/data to time (default: all three)")
     args = ap.parse_args()
+    files = [f for f in args.files.split(",") if f]
+    unknown = [f for f in files if f not in FILES]
+    if unknown:
+        ap.error(f"unknown file(s) {unknown}; the files are {', '.join(FILES)}")
     print(f"{'trace':<46} {'entries':>9} {'replay':>8} {'whatif':>8} {'ratio':>5} "
           f"{'whatif exp':>8} {'ratio':>5}  {'identical':<9} {'reserved MiB (exp)':<16} suggest")
-    for name in FILES:
+    for name in files:
         row(name, load_snapshot(HERE.parent / "tests" / "data" / name), args.reps, True)
     t0 = time.perf_counter()
     snap = generated(args.requests)

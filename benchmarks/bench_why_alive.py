@@ -9,11 +9,13 @@
 2. One ``host_memory()`` reading (RSS, USS, PSS of the process tree; reads smaps_rollup) against
    ``psutil.Process().memory_info()`` (RSS only).
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py``
+Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py [--repeats 5]`` (each search timed
+as the best of ``--repeats``, each host-memory reading as the best of 4x that).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -62,14 +64,17 @@ def best_of(fn, n: int = 5) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many timings (default 5)")
+    reps = ap.parse_args().repeats
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)
     LOSSES.append((x @ w).sum())
     held = GLOBAL["k"][3]
     print(f"objects tracked by gc: {len(gc.get_objects())}")
-    t_fwd = best_of(lambda: why_alive(held, max_paths=1))
-    t_fwd_all = best_of(lambda: why_alive(held))
-    t_back = best_of(lambda: backward_walk(held))
+    t_fwd = best_of(lambda: why_alive(held, max_paths=1), reps)
+    t_fwd_all = best_of(lambda: why_alive(held), reps)
+    t_back = best_of(lambda: backward_walk(held), reps)
     print(f"{'tensor in GLOBAL[k][3]':<34} {'seconds':>9}  {'ratio':>6}  found")
     print(f"{'why_alive, first path':<34} {t_fwd:9.3f}  {t_fwd / t_back:6.2f}  "
           f"{str(why_alive(held, max_paths=1)[0])[:60]}")
@@ -80,9 +85,9 @@ def main() -> None:
     print(f"  why_alive:      {why_alive(x, max_paths=1)[0]}")
     print(f"  backward walk:  {backward_walk(x)}  (the graph is invisible to gc)")
     print()
-    t_host = best_of(lambda: host_memory(), n=20)
+    t_host = best_of(lambda: host_memory(), n=4 * reps)
     proc = psutil.Process()
-    t_rss = best_of(lambda: proc.memory_info(), n=20)
+    t_rss = best_of(lambda: proc.memory_info(), n=4 * reps)
     print(f"host_memory() (RSS+USS+PSS, process tree): {t_host * 1e3:.2f} ms; "
           f"psutil memory_info() (RSS): {t_rss * 1e3:.3f} ms; ratio {t_host / t_rss:.0f}x")
     print("at the default 0.2 s interval the sampler thread uses "

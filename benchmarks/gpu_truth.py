@@ -22,11 +22,14 @@ GPU, runs the gather/max backward scatters in place); "plain fake" only turns th
 off, so it misses the bf16 autocast policy (notHanmin) and the reductions' staging buffers
 (MAGMA27). tests/test_gpu_truth.py checks every phase separately.
 
-Run:  python benchmarks/gpu_truth.py        (about a minute on our 2 cores)
+Run:  python benchmarks/gpu_truth.py        (a few minutes on our 2 cores)
+      python benchmarks/gpu_truth.py --runs MAGMA27 --steps 1 --batch 1   (a smoke run: fewer
+            steps or a smaller batch than the recording, so its ratios to "real" mean nothing)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -62,6 +65,22 @@ def main() -> None:
         ("notHanmin", build_nothanmin, "A100-80GB", 4, 2),
         ("MAGMA27", build_magma27, "RTX-3090", 32, 6),
     ]
+    names = [r[0] for r in rows]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=",".join(names),
+                    help=f"comma-separated, of {', '.join(names)} (default both)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps of each run (default: the recording's; fewer: a smoke run)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="batch of each run (default: the recording's; smaller: a smoke run)")
+    args = ap.parse_args()
+    wanted = [r for r in args.runs.split(",") if r]
+    if unknown := [r for r in wanted if r not in names]:
+        ap.error(f"unknown run(s) {unknown}; the runs are {', '.join(names)}")
+    rows = [(name, build, gpu, args.batch or batch, args.steps or steps)
+            for name, build, gpu, batch, steps in rows if name in wanted]
+    if args.steps is not None or args.batch is not None:
+        print("smoke run: not the recorded steps and batch, so the ratios to 'real' mean nothing")
     print(f"{'run':<10} {'figure':<10} {'real':>16} {'torchmem':>16} {'ratio':>7} "
           f"{'plain fake':>16} {'ratio':>7}")
     for name, build, gpu, batch, steps in rows:

@@ -1,0 +1,328 @@
+"""A smoke run of every benchmark (BENCHMARKS.md): each script runs as a subprocess with the
+smallest sizes its options allow and must exit 0 and print the figures it is meant to print
+(its table headers, ratios and verdict lines, with numbers in them). The figures themselves are
+noise at these sizes; what is checked is that the benchmark runs end to end and still prints its
+comparison. Competitors of the ``bench`` extra that are not installed must be reported as
+skipped, not crash the run.
+
+Run one benchmark:  pytest tests/test_benchmarks_smoke.py -k bench_copy
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+NUM = r"[0-9][0-9,]*(?:\.[0-9]+)?"  # a printed figure: 12, 1,234, 0.56
+
+# script -> the smoke options. Every script of benchmarks/ not starting with "_" must be here
+# (test_every_benchmark_has_a_smoke_run).
+SMOKE: dict[str, list[str]] = {
+    "bench_aggregate.py": ["--events", "2000", "--speed-events", "2000"],
+    "bench_copy.py": ["--vocab", "1000", "--repeats", "1"],
+    "bench_diff.py": ["--events", "5000", "--repeats", "1"],
+    "bench_estimate.py": ["--smoke"],
+    "bench_estimate_hf.py": ["--layers", "1", "--gpus", "RTX-4090"],
+    "bench_fit_dist.py": ["--smoke", "--world-sizes", "2"],
+    "bench_gpu.py": ["--mb", "8", "--repeats", "1", "--batch", "1"],
+    "bench_gpu_truth.py": ["sdpa_flash"],
+    "bench_growth.py": ["--events", "5000", "--repeats", "1"],
+    "bench_ledger.py": ["--smoke"],
+    "bench_live.py": ["--smoke"],
+    "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
+    "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
+    "bench_replay.py": ["--reps", "1"],
+    "bench_search.py": ["--quick", "--layers", "1", "--gpus", "RTX-4090"],
+    "bench_sim.py": ["--quick", "--decomfl-reps", "1", "--train-steps", "2",
+                     "--ref-requests", "1000"],
+    "bench_snapshot.py": ["--events", "5000", "--repeats", "1", "--theirs-repeats", "1",
+                          "--segments", "10"],
+    "bench_storage.py": ["--repeats", "1", "--sizes", "100,200"],
+    "bench_tracker.py": ["--smoke"],
+    "bench_transfer.py": ["--mb", "2", "--repeats", "1", "--chunks", "1", "--views", "plain",
+                          "--offload-layers", "2", "--offload-width", "64",
+                          "--offload-batch", "8"],
+    "bench_viewer.py": ["--events", "5000", "--repeats", "1"],
+    "bench_whatif.py": ["--reps", "1", "--requests", "5000",
+                        "--files", "MAGMA27_a2__memory_snapshot.pickle"],
+    "bench_why_alive.py": ["--repeats", "1"],
+    "gpu_truth.py": ["--runs", "MAGMA27", "--steps", "1", "--batch", "1"],
+}
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def run(script: str, *args: str, expect_rc: int = 0, timeout: float = 600) -> str:
+    """stdout + stderr of ``python benchmarks/<script> <args>`` from the repository root, with
+    this checkout's ``src`` first on the path; fails with the output if the exit code differs."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    p = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == expect_rc, (
+        f"{script} {' '.join(args)} exited {p.returncode} (expected {expect_rc}):\n{out[-6000:]}")
+    return out
+
+
+BAD = (r"^Traceback", r" failed: ", r"\bERROR\b", r"DIFFERENT")
+
+
+def has(out: str, *patterns: str, bad: tuple[str, ...] = BAD) -> None:
+    """Every regex matches a line of ``out``; no line says that a method failed or that two
+    results which must agree differ."""
+    for pat in patterns:
+        assert re.search(pat, out, re.M), f"no line matches {pat!r} in:\n{out[-6000:]}"
+    for pat in bad:
+        assert not re.search(pat, out, re.M), f"a line matches {pat!r} in:\n{out[-6000:]}"
+
+
+def smoke(script: str, *extra: str) -> str:
+    return run(script, *SMOKE[script], *extra)
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")}
+    named = set(re.findall(r"python benchmarks/([a-z_]+\.py)", (ROOT / "BENCHMARKS.md").read_text()))
+    assert named <= scripts, f"BENCHMARKS.md names missing scripts: {sorted(named - scripts)}"
+    assert scripts == set(SMOKE), (
+        f"no smoke run: {sorted(scripts - set(SMOKE))}; not a script: {sorted(set(SMOKE) - scripts)}")
+
+
+def test_bench_aggregate() -> None:
+    out = smoke("bench_aggregate.py")
+    has(out, r"^variant +events +rows held +held MiB", rf"^full +{NUM} +{NUM} ",
+        rf"^aggregate +{NUM} +{NUM} ",
+        rf"^aggregate / full: held {NUM}, peak {NUM}, RSS {NUM}; CPU time per event {NUM}x",
+        r"target <= 64 MiB: met\); same peak as full: True")
+
+
+def test_bench_copy() -> None:
+    out = smoke("bench_copy.py")
+    has(out, r"^tool +time +RSS growth +/unique",
+        rf"^torchmem\.memory_aware_deepcopy +{NUM}s +{NUM} [KMG]?i?B +{NUM} .* True +True +yes",
+        rf"^copy\.deepcopy +{NUM}s ",
+        rf"deep copy time, torchmem / copy\.deepcopy +: {NUM}",
+        rf"deep copy peak RSS growth / unique bytes +: {NUM}",
+        rf"float16 move peak RSS growth, Module\.to / torchmem: {NUM}")
+    if not installed("torchlinops"):
+        has(out, r"^SKIP torchlinops\.memory_aware_deepcopy: torchlinops not installed")
+
+
+def test_bench_diff() -> None:
+    out = smoke("bench_diff.py")
+    has(out, rf"diff at the peak {NUM} s wall / {NUM} s CPU; .* = {NUM}x CPU",
+        r"category changes \{'optimizer_state'",
+        rf"torchmem diff --at end {NUM} ms wall .* torchmem / _memory_viz = {NUM}x CPU")
+
+
+def test_bench_estimate() -> None:
+    out = smoke("bench_estimate.py")
+    has(out, r"^method +seconds +peak RSS +requested +allocated +reserved +verdict",
+        rf"^torchmem +{NUM} +{NUM} GiB .* H200 (fits|OOM)", rf"^memtracker +{NUM} ",
+        rf"^formula +{NUM} ", rf"^torchmem reserved / memtracker figure: {NUM} ",
+        rf"^torchmem reserved / formula figure: {NUM} ", rf"^torchmem: {NUM} s, peak RSS")
+
+
+def test_bench_estimate_hf() -> None:
+    out = smoke("bench_estimate_hf.py")
+    has(out, rf"^RTX-4090 .*: longest context {NUM} tokens \(torchmem\) vs {NUM} \(arithmetic\); "
+             rf"ratio {NUM}; {NUM} probes",
+        rf"^  at {NUM} tokens: weights .* KV cache .* kernel \w+", rf"^total {NUM} s for RTX-4090")
+
+
+def test_bench_fit_dist() -> None:
+    out = smoke("bench_fit_dist.py")
+    has(out, r"^world size 2$", rf"^  torchmem +{NUM} .* (fits|OOM) on H100-80GB",
+        rf"^  fsdpmemtracker +{NUM} ", rf"^  formula +{NUM} ",
+        rf"peak requested torchmem - FSDPMemTracker: -?{NUM} B; time torchmem / FSDPMemTracker: "
+        rf"{NUM}",
+        rf"ZeRO-3 formula / torchmem model state: {NUM}")
+
+
+def test_bench_gpu() -> None:
+    if torch.cuda.is_available():
+        out = smoke("bench_gpu.py")
+        has(out, r"^GPU: ", r'"transfers"', r'"overlap"', r'"tracker"', r"ms_per_step")
+        assert '"error"' not in out, out
+    else:
+        out = run("bench_gpu.py", *SMOKE["bench_gpu.py"], expect_rc=2)
+        assert "bench_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)" in out, out
+
+
+def test_bench_gpu_truth() -> None:
+    out = smoke("bench_gpu_truth.py")
+    has(out, r"^real: NVIDIA .*; estimates: torch ",
+        r"^case +real alloc +estimate +err +real reserved",
+        rf"^sdpa_flash +{NUM} +{NUM} +[+-]{NUM}% +{NUM} +{NUM} +[+-]{NUM}% +{NUM}/{NUM} ",
+        r"^1 of 1 cases meet both goals")
+
+
+def test_bench_growth() -> None:
+    out = smoke("bench_growth.py")
+    has(out, rf"{NUM} events, {NUM} iterations: growth {NUM} s CPU .* growth / summarize = "
+             rf"{NUM}x; found \S+ \+{NUM} B/iteration")
+
+
+def test_bench_ledger() -> None:
+    out = smoke("bench_ledger.py")
+    has(out, rf"^  torchmem\.Ledger +{NUM} us/pair +{NUM} us/pair +x ?{NUM} vs Ledger",
+        rf"call-site tracking costs -?{NUM} us per pair",
+        r"totals exact: True", rf"Ledger/hand-rolled x{NUM}",
+        rf"^  Ledger\.capture +{NUM} ms +x ?{NUM} vs plain",
+        rf"^  {NUM} bytes per counted storage",
+        r"^  tensor then its view +allocated bytes +4000 +8000 +4000")
+
+
+def test_bench_live() -> None:
+    out = smoke("bench_live.py")
+    has(out, rf"^one panel drawn in {NUM} ms", rf"^mlp: untracked {NUM} ms, run {NUM} ms",
+        rf"^transformer: untracked {NUM} ms",
+        rf"--live / torchmem run \(default\) +{NUM}x", rf"meter / track\(model, opt, stacks=False\) +{NUM}x")
+
+
+def test_bench_merge() -> None:
+    out = smoke("bench_merge.py")
+    has(out, rf"^merge of 2 ranks x 5,000 events from the files: {NUM} s wall / {NUM} s CPU",
+        rf"^  with --jobs 2: {NUM} s wall", rf"merge / summaries = {NUM}x CPU")
+
+
+def test_bench_pytest_plugin() -> None:
+    out = smoke("bench_pytest_plugin.py")
+    has(out, r"^2 tests \(CPU forward/backward each\), sum of test times, best of 1:",
+        rf"^  plain +{NUM} ms +x ?{NUM} of plain", rf"^  torchmem-idle +{NUM} ms",
+        rf"^  torchmem-marked +{NUM} ms")
+    if not installed("pytest_memray"):
+        has(out, r"pytest-memray not installed")
+    else:
+        has(out, rf"torchmem-marked / memray-marked: x{NUM}")
+
+
+def test_bench_replay() -> None:
+    out = smoke("bench_replay.py")
+    has(out, r"^file +entries +start_state +sim\.replay +lifetimes",
+        *(rf"^{name} +{NUM} +{NUM}ms +{NUM}ms +{NUM}ms +{NUM}x  allocs ({NUM})/\1, .*final layout "
+          r"equal" for name in ("DeComFL__memory\\.pickle", "MAGMA27_a2__memory_snapshot\\.pickle",
+                                "notHanmin_a2__memory_snapshot_forward\\.pickle")))
+
+
+def test_bench_search() -> None:
+    # The answers are not compared here: with 1 or 2 layers the estimated peak is not monotone in
+    # seq_len above ~534k tokens on the RTX-4090 (540,000 does not fit, 600,000 and 833,024 do),
+    # so the bisection can stop at another boundary. The full run (32 layers) gives the same one.
+    out = smoke("bench_search.py")
+    has(out, r"^Llama 1 x 1024, bf16",
+        rf"^RTX-4090 +torchmem +{NUM} +{NUM} +{NUM} +\w+", rf"^RTX-4090 +torchmem/256 +{NUM}",
+        rf"^RTX-4090 +bisection +{NUM}",
+        rf"time ratio torchmem / bisection: {NUM} \(probes {NUM} vs {NUM}, "
+        r"(same answer|DIFFERENT ANSWERS)\)", r"rounded down to 256: True",
+        bad=tuple(b for b in BAD if b != "DIFFERENT"))
+
+
+def test_bench_sim() -> None:
+    out = smoke("bench_sim.py")
+    has(out, rf"^torchmem\.sim\.CachingAllocator: {NUM} requests in {NUM} s",
+        rf"with expandable_segments:True: {NUM} s", rf"ratio: torchmem\.sim is {NUM}x faster",
+        r"event lists asserted equal")
+
+
+def test_bench_snapshot() -> None:
+    out = smoke("bench_snapshot.py")
+    has(out, rf"^torchmem load\+stats\+peak \(min of 1\): {NUM} s wall",
+        rf"^speed-up: {NUM}x wall, {NUM}x CPU time", rf"^tracemalloc: .* ratio {NUM}x",
+        rf"^peak RSS delta: .*ratio {NUM}x")
+
+
+def test_bench_storage() -> None:
+    out = smoke("bench_storage.py")
+    has(out, rf"^torchmem\.same_storage +{NUM} us +-> True",
+        r"^ +N +tm\+gc +tm default +census", rf"^ +200 +{NUM} s +{NUM} s +{NUM} s ",
+        rf"torchmem all-live default: {NUM}x time")
+    if installed("torchlinops"):
+        has(out, rf"ratio torchlinops / torchmem: {NUM}x")
+    else:
+        has(out, r"^SKIP torchlinops: torchlinops not installed")
+    if not installed("pytorch_memlab"):
+        has(out, r"^SKIP pytorch_memlab: pytorch_memlab not installed")
+
+
+def test_bench_tracker() -> None:
+    out = smoke("bench_tracker.py")
+    row = rf" +{NUM} +{NUM} +{NUM} +{NUM} +{NUM}$"
+    has(out, r"^  variant +in-step ms +x untracked +x floor +end x +total x",
+        *(rf"^  {k}{row}" for k in ("untracked", "floor", "memtracker", "torchmem",
+                                      "torchmem-fast", "torchmem-lite")),
+        rf"torchmem vs MemTracker: {NUM}x faster \(total\)",
+        rf"^mlp: torchmem mode='fast' {NUM}x", rf"^transformer: torchmem mode='fast' {NUM}x",
+        rf"^tracker memory: {NUM} bytes per held event",
+        rf"^loading a 10,000-event trace \({NUM} MB\): {NUM} s")
+    if not installed("memray"):
+        has(out, r"^SKIP memray: not installed")
+
+
+def test_bench_tracker_stream() -> None:
+    out = smoke("bench_tracker.py", "--stream")
+    has(out, r"^  variant +CPU ms/step +wall ms/step",
+        rf"^  streamed +{NUM} +{NUM}$",
+        rf"^  streamed / in memory: CPU {NUM}x, wall {NUM}x")
+
+
+def test_bench_transfer() -> None:
+    out = smoke("bench_transfer.py")
+    has(out, r"^contiguous source, CPU -> CPU",
+        rf"^x\.to\('cpu', copy=True\) +{NUM}ms +1\.00x +{NUM} [KMG]?i?B",
+        rf"^chunked_transfer, 1\.00 MiB chunks +{NUM}ms +{NUM}x .* {NUM} [KMG]?i?B",
+        rf"^offload_forward\(\.\.\., overlap=True\) +{NUM}ms +{NUM}x")
+
+
+def test_bench_viewer() -> None:
+    out = smoke("bench_viewer.py")
+    has(out, r"^snapshot: 5,000 events",
+        rf"^  torchmem view \(safe load \+ payload\) +{NUM} s +size .* = {NUM}x the pickle",
+        rf"^  ratio: torchmem's HTML is {NUM}x smaller")
+    if "browser figures skipped" not in out:  # no playwright or no chromium: it says so
+        has(out, rf"time to interactive\): {NUM} s", r"JavaScript errors: 0")
+
+
+def test_bench_viewer_real_file() -> None:
+    out = run("bench_viewer.py", "--file", "tests/data/SketchKV2__my_snapshot.pickle",
+              "--repeats", "1")
+    has(out, rf"^snapshot: {NUM} events, {NUM} segments",
+        rf"^  torchmem view \(safe load \+ payload\) +{NUM} s")
+
+
+def test_bench_whatif() -> None:
+    out = smoke("bench_whatif.py")
+    has(out, r"^trace +entries +replay +whatif",
+        rf"^MAGMA27_a2__memory_snapshot\.pickle +{NUM} +{NUM}s +{NUM}s +{NUM}x .* yes +{NUM} -> "
+        rf"{NUM} +{NUM}s +{NUM}x best ",
+        rf"^generated, 5000 requests +{NUM} .* yes ")
+
+
+def test_bench_why_alive() -> None:
+    out = smoke("bench_why_alive.py")
+    has(out, rf"^why_alive, first path +{NUM} +{NUM}  .*GLOBAL",
+        rf"^gc\.get_referrers backward walk +{NUM} +1\.00",
+        r"^  why_alive: .*LOSSES .*saved tensor",
+        rf"^host_memory\(\) .*: {NUM} ms; psutil memory_info\(\) \(RSS\): {NUM} ms; ratio {NUM}x")
+
+
+def test_gpu_truth() -> None:
+    out = smoke("gpu_truth.py")
+    fig = rf" +{NUM} +{NUM} +{NUM} +{NUM} +{NUM}$"
+    has(out, r"^smoke run: ", r"^run +figure +real +torchmem +ratio +plain fake +ratio",
+        rf"^MAGMA27 +requested{fig}", rf"^MAGMA27 +allocated{fig}",
+        rf"^MAGMA27 +seconds +{NUM} +{NUM}$")
