@@ -125,3 +125,25 @@ def test_estimate_within_goals(name):
     assert abs(est.peak_allocated_bytes - real_alloc) <= 0.01 * real_alloc
     assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res
     assert est.fits
+
+
+def test_a_missing_reference_file_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_cases, "DATA", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"convnet\.json is missing: record it"):
+        gpu_cases.recorded("convnet")
+    (tmp_path / "convnet.json").write_text('{"batch_size": 6')
+    with pytest.raises(ValueError, match=r"convnet\.json is not valid JSON \(truncated\?\)"):
+        gpu_cases.recorded("convnet")
+
+
+def test_the_recorder_refuses_to_run_without_a_gpu():
+    import subprocess
+    import sys
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU: the recorder would record")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "record_gpu_reference.py"),
+                          "--out", "/nonexistent"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no CUDA GPU here" in out.stderr and "Traceback" not in out.stderr
