@@ -219,7 +219,7 @@ def assumed_lines(est: Any, top: int = 10) -> list[str]:
         >>> from types import SimpleNamespace
         >>> est = SimpleNamespace(assumed_values=[
         ...     {"where": "train.py:9", "op": "aten.mean.default", "value": 1.0, "count": 2}])
-        >>> print("\n".join(assumed_lines(est)))
+        >>> for line in assumed_lines(est): print(line)
         values assumed where the step read tensors (fake tensors have none; --strict-values refuses them):
             train.py:9  aten.mean.default -> 1.0  (2 reads)
     """
