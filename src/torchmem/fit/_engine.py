@@ -280,6 +280,27 @@ _IN_PLACE = {
 _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
 
 
+_CONV_BACKWARD = _aten.convolution_backward.default
+
+
+def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """``convolution_backward``'s arguments split into the input-gradient call and the
+    weight/bias-gradient call, when both halves are asked for (``None`` otherwise).
+
+    Example:
+        >>> a = (None,) * 10 + ([True, True, False],)
+        >>> [h[10] for h in _conv_backward_halves(a)]
+        [[True, False, False], [False, True, False]]
+    """
+    if len(args) != 11:
+        return None
+    mask = [bool(m) for m in args[10]]
+    if len(mask) != 3 or not mask[0] or not (mask[1] or mask[2]):
+        return None
+    head = tuple(args[:10])
+    return head + ([True, False, False],), head + ([False, mask[1], mask[2]],)
+
+
 class _SimMode(TorchDispatchMode):
     """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
     backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
@@ -297,6 +318,14 @@ class _SimMode(TorchDispatchMode):
             value = gen.answer(args[0])
             if value is not None:
                 return value
+        if func is _CONV_BACKWARD and self.state.emu is not None and not kwargs:
+            halves = _conv_backward_halves(args)
+            if halves is not None:
+                # CUDA (cudnn_convolution_backward) makes the input gradient, with its
+                # workspace, before the weight gradient: two calls keep that order
+                gi = self.__torch_dispatch__(func, types, halves[0])[0]
+                _, gw, gb = self.__torch_dispatch__(func, types, halves[1])
+                return (gi, gw, gb)
         zeros, self.zeros = self.zeros, None
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
