@@ -281,6 +281,47 @@ _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
 
 
 _CONV_BACKWARD = _aten.convolution_backward.default
+_ADD, _ADD_ = _aten.add.Tensor, _aten.add_.Tensor
+
+
+def _accumulates_in_place(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether this ``a + b`` is autograd summing two gradients of one input that a plain
+    run does in place (``a.add_(b)``), where the fake run takes the out-of-place path.
+
+    When a second gradient reaches an input that already has one, the engine's
+    ``InputBuffer::accumulate`` (torch/csrc/autograd/input_buffer.cpp) repurposes the first:
+    ``old_var.add_(var)`` when grad mode is off (no ``create_graph``), it holds the last
+    reference to ``old_var`` and its storage, ``old_var`` is non-overlapping and dense, and
+    neither is a tensor subclass; otherwise ``old_var + var``. Fake tensors are tensor
+    subclasses, so under them it is always ``old_var + var``: one gradient-sized block more,
+    allocated where the GPU allocates none. Taken here as the accumulation: an ``add`` with
+    the default ``alpha`` run by the autograd engine (a graph task is running, grad mode
+    off) on two tensors of one shape and dtype, the first a dense tensor that is its
+    storage's only view and shares no storage with the second. (The use counts themselves
+    are not visible under fake tensors; an add of that form inside a backward formula is
+    taken as an accumulation too.)
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.ones(4), torch.ones(4)
+        >>> _accumulates_in_place((a, b), None)          # not inside a backward pass
+        False
+    """
+    if kwargs or len(args) != 2 or torch._C._current_graph_task_id() == -1:
+        return False
+    if torch.is_grad_enabled():
+        return False
+    a, b = args
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != torch.strided:
+        return False
+    if b.layout != torch.strided or not a.is_contiguous() or a.storage_offset():
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa.nbytes() != a.numel() * a.element_size():
+        return False
+    return sa._cdata != sb._cdata
 
 
 def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
@@ -326,6 +367,9 @@ class _SimMode(TorchDispatchMode):
                 gi = self.__torch_dispatch__(func, types, halves[0])[0]
                 _, gw, gb = self.__torch_dispatch__(func, types, halves[1])
                 return (gi, gw, gb)
+        if func is _ADD and _accumulates_in_place(args, kwargs):
+            # autograd's InputBuffer would add the second gradient into the first in place
+            return self.__torch_dispatch__(_ADD_, types, args)
         zeros, self.zeros = self.zeros, None
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
