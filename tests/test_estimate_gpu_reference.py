@@ -148,3 +148,19 @@ def test_gradient_accumulation_in_place_expandable():
     e = estimate_case("alloc_expandable")
     s = assert_goals("alloc_expandable", e)
     assert e.peak_reserved_bytes == s["reserved_bytes.all.peak"]
+
+
+def test_driver_address_order_checkpoint():
+    # with activation checkpointing the step's blocks tie on size more often; the allocator
+    # takes the lowest address among equal sizes, and the CUDA driver places new segments
+    # below the earlier ones: with rising addresses the reserved peak was 9.3 % over
+    e = estimate_case("checkpoint_fp32")
+    s = assert_goals("checkpoint_fp32", e)
+    assert e.peak_reserved_bytes == s["reserved_bytes.all.peak"]
+    assert abs(e.peak_allocated_bytes - s["allocated_bytes.all.peak"]) < (1 << 20) // 4
+
+
+def test_driver_address_order_gpt_bf16():
+    e = estimate_case("gpt_bf16_b8")
+    s = assert_goals("gpt_bf16_b8", e)
+    assert e.peak_reserved_bytes == s["reserved_bytes.all.peak"]  # +0.77 % with rising ones

@@ -388,15 +388,46 @@ class _SimMode(TorchDispatchMode):
         return out
 
 
+class DriverAddressAllocator(CachingAllocator):
+    """The caching allocator with new segments placed the way the CUDA driver tends to place
+    them: each ``cudaMalloc`` below the ones before it (top down), not at rising addresses.
+
+    The address decides which block the allocator takes when free blocks tie on size: its
+    free pools are ordered by (stream, size, address) (``BlockComparatorSize``), and the best
+    fit is the first block not smaller than the request, so among equal sizes the lowest
+    address wins. Which block that is shapes the splits and the segments made later. On the
+    recorded H100 (driver 580) most new segments landed below all earlier ones (for the
+    training runs of ``tests/data/gpu``: 110 of 155 segments of a GPT step, 22 of 60 with
+    activation checkpointing, where a 2 MiB segment may land above); with that order the
+    reserved peaks of those runs are reproduced (a GPT with activation checkpointing: exact,
+    9.3 % over with rising addresses). The driver's placement is not documented; this is its
+    usual order, not a guarantee.
+
+    Example:
+        >>> sim = DriverAddressAllocator(1 << 30)
+        >>> a = sim.malloc(30 << 20)                  # a 30 MiB segment
+        >>> b = sim.malloc(30 << 20)                  # a second one, below the first
+        >>> b < a
+        True
+    """
+
+    _TOP = 1 << 47  # where the first segment ends (2 MiB-aligned; any high value would do)
+
+    def _segment_address(self, size: int) -> int:
+        top = getattr(self, "_top", self._TOP)
+        self._top = top - size
+        return self._top
+
+
 def _make_sim(capacity: int, alloc_conf: str | None) -> CachingAllocator:
     if alloc_conf is None:
-        return CachingAllocator(capacity)
+        return DriverAddressAllocator(capacity)
     if not isinstance(alloc_conf, str):
         raise InvalidInputError(
             f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
             f"'expandable_segments:True', got {type(alloc_conf).__name__}"
         )
-    return CachingAllocator(capacity, config=alloc_conf)
+    return DriverAddressAllocator(capacity, config=alloc_conf)
 
 
 def _source_of(fn: Any) -> tuple[str | None, int | None]:
