@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One pass of every CUDA path on a GPU machine (issue "Ground truth from a real GPU"):
 #   reference data (scripts/record_gpu_reference.py), the cuda-marked tests, every CLI command on
-#   a CUDA workload, and benchmarks/bench_gpu.py. Results go to $OUT (default ./gpu-check-out).
+#   a CUDA workload, and benchmarks/bench_gpu.py. Results: gpu-check.tar.gz.part* in $OUT (default /tmp/gpu-check-out).
 # Usage: bash scripts/gpu/check.sh [sections...]   sections: env record bench tests cli (default all)
 #   CASES=a,b (record only these cases), BENCH=overlap (bench_gpu sections), TESTS="tests/x.py ..."
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-FINAL="${OUT:-$PWD/gpu-check-out}"
+FINAL="${OUT:-/tmp/gpu-check-out}"
 OUT=/tmp/gpu-check   # everything is written here, then packed into $FINAL (few files come back)
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 pack() { tar -C /tmp -czf - gpu-check | split -b 15M - "$FINAL/gpu-check.tar.gz.part"; }
