@@ -7,8 +7,8 @@ time). :class:`DecodeExtrapolation` records what each iteration does to the simu
 ``malloc`` of a size, a ``free`` of an earlier block, a change of the requested bytes, an
 ``empty_cache``), and at the loop check before an iteration, when the last :data:`PATTERN`
 iterations are the same sequence with every size and byte count an arithmetic progression
-(and every free naming a block of the same place in the same or one of the last two
-iterations), it replays the remaining iterations through the simulator, sizes extended by
+(and every free naming a block of the same place in the same or the previous iteration;
+the first of them may free its predecessor's blocks in that one's own order), it replays the remaining iterations through the simulator, sizes extended by
 their constant step, and ends the loop: the model runs no more forward passes. The peaks
 (requested, allocated, reserved) and the out-of-memory verdict are those of the full run,
 which the same requests give the same simulator.
@@ -128,11 +128,16 @@ class DecodeExtrapolation:
                 return None
             kind = evs[0][0]
             if kind == "f":
-                backs = {(first + k - e[2], e[3]) for k, e in enumerate(evs)}
+                # the first iteration's frees of the iteration before it (outside the pattern,
+                # with its own order) are not compared; the later ones must agree
+                backs = {(first + k - e[2], e[3]) for k, e in enumerate(evs)
+                         if k or first - e[2] == 0}
                 if len(backs) != 1:
                     return None
                 back, idx = backs.pop()
-                if back >= PATTERN:  # a block of an iteration outside the pattern
+                if back >= PATTERN - 1 and back:  # a block made before the pattern
+                    return None
+                if evs[0][2] != first and (evs[0][2] != first - 1 or back != 1):
                     return None
                 out.append(("f", 0, 0, back, idx))
                 continue
