@@ -40,3 +40,21 @@ def test_extrapolated_decode_finds_the_same_out_of_memory_verdict():
         full = run_once(build, 1, gpu, steps=1)
         fast = run_once(build, 1, gpu, steps=1, extrapolate_decode=True)
         assert (fast.fits, fast.peak_reserved_bytes) == (full.fits, full.peak_reserved_bytes)
+
+
+def test_a_search_with_extrapolated_probes_is_a_true_boundary():
+    """The probes extrapolate; the answer is rerun in full and judged by full runs."""
+    import torchmem
+    from torchmem.fit import GPU
+
+    cfg = CONFIGS["llama"]
+    kw = dict(task="generate", max_new_tokens=12, dtype="float16", attn="eager", margin=0)
+    small = torchmem.estimate_hf(cfg, gpu="H100-80GB", seq_len=64, **kw)
+    card = GPU("test", small.peak_reserved_bytes + (4 << 20), (9, 0), "test",
+               context_override=0)
+    est = torchmem.estimate_hf(cfg, gpu=card, maximize="seq_len", search_range=(64, 4096), **kw)
+    best = est.max_value
+    assert best is not None and best > 64 and est.decode_replayed == 0
+    assert est.kv_cache is not None and est.kv_cache.tokens == best + 11
+    assert torchmem.estimate_hf(cfg, gpu=card, seq_len=best, **kw).fits
+    assert not torchmem.estimate_hf(cfg, gpu=card, seq_len=best + 1, **kw).fits
