@@ -46,6 +46,7 @@ from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, Torchm
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._cuda import CudaEmulation
+from torchmem.fit._decode import DecodeExtrapolation
 from torchmem.fit._dist import DistWatch, FakeWorld, check_world_size
 from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
@@ -128,6 +129,8 @@ class _State:
         self.emu = emu
         self.addr: dict[int, int] = {}
         self.live_req = 0
+        #: the decode-step record (:mod:`torchmem.fit._decode`), when extrapolating
+        self.feed: Any = None
         self.peak_req = 0
         self.peak_req_seq = -1
         self.ws_at_peak = 0
@@ -203,6 +206,8 @@ class _State:
                     return
                 self.addr[ev.storage] = addr
             self.live_req += n
+            if self.feed is not None:
+                self.feed.on_req(n)
             if self.live_req > self.peak_req:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
@@ -212,6 +217,8 @@ class _State:
                 self.host.discard(ev.storage)
             else:
                 self.live_req -= ev.nbytes
+                if self.feed is not None:
+                    self.feed.on_req(-ev.nbytes)
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
@@ -250,6 +257,8 @@ class _State:
                 if addr is not None:
                     self.sim.free(addr)
                     self.live_req -= t.untyped_storage().nbytes()
+                    if self.feed is not None:
+                        self.feed.on_req(-t.untyped_storage().nbytes())
                     self.host.add(sid)  # type: ignore[arg-type]
         if self.emu is not None and self.oom is None:
             # All of a kernel's scratch buffers are live together, freed in reverse order.
@@ -265,6 +274,83 @@ class _State:
                         self.sim.free(held.pop(j))
             for addr in reversed(list(held.values())):
                 self.sim.free(addr)
+
+
+class _DecodeFeed:
+    """Feeds the simulator's requests to a :class:`DecodeExtrapolation` (the record) and
+    replays its extrapolated iterations into the simulator (the sink)."""
+
+    def __init__(self, st: _State, tracker: Any) -> None:
+        self.st, self.tracker = st, tracker
+        self.rec = DecodeExtrapolation(st.sim)
+        self.handle: dict[int, int] = {}  # address -> record handle
+        self.addr_of: dict[int, int] = {}  # record handle -> address
+        sim = st.sim
+        malloc, free, empty = sim.malloc, sim.free, sim.empty_cache
+
+        def rec_malloc(size: int, *a: Any, **kw: Any) -> int:
+            addr = malloc(size, *a, **kw)
+            if self.rec.recording:
+                h = self.rec.on_malloc(size)
+                self.handle[addr], self.addr_of[h] = h, addr
+            return addr
+
+        def rec_free(addr: int, *a: Any, **kw: Any) -> None:
+            h = self.handle.pop(addr, None)
+            if h is not None:
+                del self.addr_of[h]
+                if self.rec.recording:
+                    self.rec.on_free(h)
+            free(addr, *a, **kw)
+
+        def rec_empty(*a: Any, **kw: Any) -> Any:
+            if self.rec.recording:
+                self.rec.on_empty()
+            return empty(*a, **kw)
+
+        sim.malloc, sim.free, sim.empty_cache = rec_malloc, rec_free, rec_empty  # type: ignore[method-assign,assignment]
+        st.feed = self.rec
+        self.sid_of_addr: dict[int, int] = {}
+
+    def check(self, gen: GenerationPatches) -> bool:
+        """At a loop check: replay the remaining iterations when they repeat; True if so."""
+        self.rec.mark()
+        if self.rec.replayed or gen.length is None or gen.max_length is None:
+            return False
+        remaining = gen.max_length - gen.length
+        if remaining < 1 or self.rec.pattern() is None:
+            return False
+        self.sid_of_addr = {a: sid for sid, a in self.st.addr.items()}
+        return self.rec.replay(remaining, self)
+
+    # -- the sink ---------------------------------------------------------------------------------
+
+    def malloc(self, size: int) -> int | None:
+        return self.st._malloc(size, None, "decode step (extrapolated)", "tensor storage")
+
+    def free(self, h: int, own: bool) -> None:
+        st = self.st
+        if own:
+            addr = self.addr_of.pop(h)
+            self.handle.pop(addr, None)
+            sid = self.sid_of_addr.get(addr)
+            if sid is not None and st.addr.get(sid) == addr:
+                del st.addr[sid]
+                st.host.add(sid)  # its real death later changes nothing
+        else:
+            addr = h
+        st.sim.free(addr)
+
+    def req(self, delta: int) -> None:
+        st = self.st
+        st.live_req += delta
+        if st.live_req > st.peak_req:
+            st.peak_req = st.live_req
+            st.peak_req_seq = len(self.tracker) - 1
+            st.ws_at_peak = st.ws_bytes
+
+    def empty(self) -> None:
+        self.st.sim.empty_cache()
 
 
 _aten = torch.ops.aten
@@ -505,6 +591,7 @@ def run_once(
     kv_cache_attr: Sequence[str] | None = None,
     world_size: int | None = None,
     strict_values: bool = False,
+    extrapolate_decode: bool = False,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -521,6 +608,12 @@ def run_once(
     Values read from tensors (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``) are answered
     by :mod:`torchmem.fit._values`' policy and listed in ``Estimate.assumed_values``;
     ``strict_values=True`` refuses them instead.
+
+    ``extrapolate_decode=True`` (one step, no snapshot) runs only the first iterations of
+    ``generate()``'s loop through the model and replays the rest into the simulator
+    (:mod:`torchmem.fit._decode`): the same peaks and verdict, in a fraction of the time;
+    the result's ``decode_replayed`` attribute counts the iterations replayed (0: none), and
+    when something after the replay cannot be reproduced the full run is made instead.
 
     Example:
         >>> import torch
@@ -556,6 +649,10 @@ def run_once(
     step: Any = None
     failure: InvalidInputError | None = None
     gen = GenerationPatches()
+    feed = None
+    if extrapolate_decode and steps == 1 and not keep_snapshot and world is None:
+        feed = _DecodeFeed(st, tracker)
+        gen.on_check = feed.check
     values = ValueReads(strict=strict_values)
     kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -618,7 +715,12 @@ def run_once(
         raise TorchmemError(
             f"internal error in the estimate's allocator feed: {tracker.listener_errors[0]!r}"
         )
+    if feed is not None and feed.rec.replayed and not feed.rec.valid:
+        return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
+                        params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
+                        strict_values=strict_values)
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
+    est.decode_replayed = feed.rec.replayed if feed is not None else 0  # type: ignore[attr-defined]
     est.params = kw
     est.assumed_values = [r.to_dict() for r in values.reads]
     if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)

@@ -107,6 +107,12 @@ class GenerationPatches:
         self._alls: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
         self._sums: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}  # sum -> numel summed
         self._saved: list[tuple[Any, str, Any]] = []
+        #: called at each loop check inside generate() while the loop goes on; True ends
+        #: the loop there (:mod:`torchmem.fit._decode` replayed the rest)
+        self.on_check: Callable[[GenerationPatches], bool] | None = None
+        #: the sequence length at the last stopping check, and the length that stops it
+        self.length: int | None = None
+        self.max_length: int | None = None
 
     # -- value reads ----------------------------------------------------------------------------
 
@@ -190,6 +196,7 @@ class GenerationPatches:
         def generate(model: Any, *args: Any, **kwargs: Any) -> Any:
             outer = patches.active
             patches.active, patches.done = True, False
+            patches.length = patches.max_length = None
             patches.calls += 1
             try:
                 return original(model, *args, **kwargs)
@@ -206,6 +213,9 @@ class GenerationPatches:
                                       **kwargs: Any) -> bool:
             if patches.active and patches.done:
                 return False
+            if patches.active and patches.on_check is not None and patches.on_check(patches):
+                patches.done = True
+                return False
             return bool(original(model, this_peer_finished, *args, **kwargs))
 
         return _has_unfinished_sequences
@@ -216,8 +226,10 @@ class GenerationPatches:
         def __call__(criteria: Any, input_ids: Any, scores: Any = None, **kwargs: Any) -> Any:
             out = original(criteria, input_ids, scores, **kwargs)
             length = getattr(criteria, "max_length", None)
-            if patches.active and length is not None and input_ids.shape[-1] >= length:
-                patches.done = True
+            if patches.active and length is not None:
+                patches.length, patches.max_length = int(input_ids.shape[-1]), int(length)
+                if input_ids.shape[-1] >= length:
+                    patches.done = True
             return out
 
         return __call__

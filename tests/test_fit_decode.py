@@ -1,0 +1,60 @@
+"""The extrapolated decode steps (:mod:`torchmem.fit._decode`) give the full run's peaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchmem.fit._engine import run_once
+
+pytest.importorskip("transformers")
+
+from torchmem.fit._hf import load_config, make_build  # noqa: E402
+
+CONFIGS = {
+    "llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256},
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+             "bos_token_id": 0, "eos_token_id": 0},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("seq_len", [5, 100])
+def test_extrapolated_decode_has_the_full_runs_peaks(arch, cache, seq_len):
+    build = make_build(load_config(CONFIGS[arch]), "generate", torch.float16, None, seq_len,
+                       12, cache)
+    full = run_once(build, 1, "T4", steps=1)
+    fast = run_once(build, 1, "T4", steps=1, extrapolate_decode=True)
+    assert fast.decode_replayed > 0 and full.decode_replayed == 0
+    key = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "fits")
+    assert [getattr(fast, k) for k in key] == [getattr(full, k) for k in key]
+
+
+def test_extrapolated_decode_finds_the_same_out_of_memory_verdict():
+    build = make_build(load_config(CONFIGS["llama"]), "generate", torch.float16, None, 64, 12,
+                       "dynamic")
+    for gpu in ("20 MiB", "24 MiB", "40 MiB"):
+        full = run_once(build, 1, gpu, steps=1)
+        fast = run_once(build, 1, gpu, steps=1, extrapolate_decode=True)
+        assert (fast.fits, fast.peak_reserved_bytes) == (full.fits, full.peak_reserved_bytes)
+
+
+def test_a_search_with_extrapolated_probes_is_a_true_boundary():
+    """The probes extrapolate; the answer is rerun in full and judged by full runs."""
+    import torchmem
+    from torchmem.fit import GPU
+
+    cfg = CONFIGS["llama"]
+    kw = dict(task="generate", max_new_tokens=12, dtype="float16", attn="eager", margin=0)
+    small = torchmem.estimate_hf(cfg, gpu="H100-80GB", seq_len=64, **kw)
+    card = GPU("test", small.peak_reserved_bytes + (4 << 20), (9, 0), "test",
+               context_override=0)
+    est = torchmem.estimate_hf(cfg, gpu=card, maximize="seq_len", search_range=(64, 4096), **kw)
+    best = est.max_value
+    assert best is not None and best > 64 and est.decode_replayed == 0
+    assert est.kv_cache is not None and est.kv_cache.tokens == best + 11
+    assert torchmem.estimate_hf(cfg, gpu=card, seq_len=best, **kw).fits
+    assert not torchmem.estimate_hf(cfg, gpu=card, seq_len=best + 1, **kw).fits
