@@ -38,8 +38,9 @@ def kv_arithmetic(tokens: int, batch: int, dtype_bytes: int) -> int:
     return 2 * LAYERS * KV_HEADS * (HIDDEN // HEADS) * tokens * batch * dtype_bytes
 
 
-def weight_bytes(dtype_bytes: int) -> int:
-    cfg = transformers.LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"})
+def weight_bytes(dtype_bytes: int, config: dict | None = None) -> int:
+    cfg = transformers.LlamaConfig(**{k: v for k, v in (config or CONFIG).items()
+                                      if k != "model_type"})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
     return sum(p.numel() for p in model.parameters()) * dtype_bytes
@@ -121,13 +122,26 @@ def test_static_cache_in_bfloat16_is_allocated_at_its_full_length():
 
 
 def test_train_task_holds_gradients_and_adamw_state():
-    est = torchmem.estimate_hf(CONFIG, task="train", gpu="L4", batch_size=2, seq_len=32,
+    # one KV head per query head: fp32 SDPA runs the memory-efficient kernel, so the peak is in
+    # backward with every gradient live (CONFIG's grouped KV heads take the math kernel on a GPU,
+    # whose S x S forward activations move the peak into the forward, before any gradient)
+    mha = {**CONFIG, "num_key_value_heads": HEADS}
+    est = torchmem.estimate_hf(mha, task="train", gpu="L4", batch_size=2, seq_len=32,
                                dtype="float32")
     cat = est.by_category
-    assert est.steps == 2
-    assert cat["gradient"] == weight_bytes(4)
+    assert est.steps == 2 and est.attention_kernel == "efficient"
+    assert cat["gradient"] == weight_bytes(4, mha)
     # two moments per parameter, plus one step count per parameter tensor
-    assert 2 * weight_bytes(4) <= cat["optimizer_state"] < 2 * weight_bytes(4) + 4096
+    assert 2 * weight_bytes(4, mha) <= cat["optimizer_state"] < 2 * weight_bytes(4, mha) + 4096
+
+
+def test_grouped_kv_heads_in_fp32_take_the_math_kernel():
+    """sdp_utils.cpp: the memory-efficient kernel admits no grouped query heads, and flash no
+    fp32, so a GQA model in fp32 runs SDPA's math path on the GPU (seen on the H100 in
+    tests/data/gpu/hf_trainer: B x H x S x S score blocks in sdpa_attention_forward)."""
+    est = torchmem.estimate_hf(CONFIG, task="forward", gpu="L4", batch_size=2, seq_len=32,
+                               dtype="float32")
+    assert est.attention_kernel == "math"
 
 
 def test_sdpa_kernel_follows_the_gpu():

@@ -370,9 +370,9 @@ def test_cli_set_parses_values(train, capsys):
                  "--set", "flag=true", "--set", "name=static", "--set", "batch_size=3",
                  "--steps", "1", "--json"]) == 0
     cap = capsys.readouterr()
-    out = cap.out[cap.out.index("{"):]
-    assert "KW [('flag', True), ('name', 'static'), ('scale', 0.5), ('seq_len', 32768)]" in cap.out
-    d = json.loads(out)
+    # with --json, stdout is the JSON alone: what the build prints goes to stderr
+    assert "KW [('flag', True), ('name', 'static'), ('scale', 0.5), ('seq_len', 32768)]" in cap.err
+    d = json.loads(cap.out)
     assert d["batch_size"] == 3
     assert d["params"] == {"seq_len": 32768, "scale": 0.5, "flag": True, "name": "static"}
 
