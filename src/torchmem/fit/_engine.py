@@ -439,8 +439,8 @@ class _SimMode(TorchDispatchMode):
                  values: ValueReads | None = None) -> None:
         super().__init__()
         self.state = state
-        self.gen = gen or GenerationPatches()
         self.values = values or ValueReads(strict=True)
+        self.gen = gen or GenerationPatches(self.values)
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -471,10 +471,7 @@ class _SimMode(TorchDispatchMode):
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
         out = func(*args, **(kwargs or {}))
-        if gen.installed:
-            gen.note_output(func, out, args)
-        if not values.strict:
-            values.note_output(func, out, args)
+        values.note_output(func, out, args)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
@@ -648,12 +645,12 @@ def run_once(
     tracker = track(stacks=True, listeners=[st.listener])
     step: Any = None
     failure: InvalidInputError | None = None
-    gen = GenerationPatches()
+    values = ValueReads(strict=strict_values)
+    gen = GenerationPatches(values)
     feed = None
     if extrapolate_decode and steps == 1 and not keep_snapshot and world is None:
         feed = _DecodeFeed(st, tracker)
         gen.on_check = feed.check
-    values = ValueReads(strict=strict_values)
     kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _world(world, fake_mode, build, st, tracker), tracker:

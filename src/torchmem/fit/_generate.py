@@ -24,6 +24,10 @@ the sequence length, a Python int). A read made by any other code is still the c
 user's build) and removed when the estimate ends. A streamer is not fed (fake tokens cannot be
 decoded).
 
+The values themselves follow :mod:`torchmem.fit._values`' policy (whose booleans are the
+rules above); these patches decide which reads are transformers' own, so they are answered even
+with ``strict_values=True``.
+
 Example:
     >>> import torch
     >>> from torch._subclasses import FakeTensorMode
@@ -31,7 +35,7 @@ Example:
     >>> with FakeTensorMode():
     ...     mask = torch.ones(2, 3, dtype=torch.long)
     ...     no_padding = (mask == 1).all()                # made by aten.all: read as True
-    ...     g.note_output(torch.ops.aten.all.default, no_padding)
+    ...     g.values.note_output(torch.ops.aten.all.default, no_padding, ())
     ...     g.active = True                               # as inside generate()
     ...     g.answer(no_padding), g.answer((mask == 0).any())
     (True, False)
@@ -41,19 +45,17 @@ from __future__ import annotations
 
 import os
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from torchmem.fit._values import ValueReads
+
 __all__ = ["GenerationPatches", "LOCAL_SCALAR"]
 
 #: The operator behind ``.item()``, ``bool(t)``, ``int(t)``: a value read on the host.
 LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
-_ALL = {torch.ops.aten.all.default, torch.ops.aten.all.dim, torch.ops.aten.all.dims}
-_SUM = torch.ops.aten.sum.default
-_EQ_SCALAR = torch.ops.aten.eq.Scalar
 _MODULE = "transformers.generation.utils"
 _STOPPING = "transformers.generation.stopping_criteria"
 _IMPORT_UTILS = "transformers.utils.import_utils"
@@ -95,17 +97,15 @@ class GenerationPatches:
         (False, False, 0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, values: ValueReads | None = None) -> None:
         self.active = False
         self.done = False
         #: whether the patches are in place (transformers is imported)
         self.installed = False
         #: generate() calls seen.
         self.calls = 0
-        #: id -> weak reference of the outputs of ``all()`` (by identity: a tensor's ``==`` is
-        #: elementwise, so no WeakSet)
-        self._alls: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
-        self._sums: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}  # sum -> numel summed
+        #: where the values come from: what made each tensor, and the policy
+        self.values = values if values is not None else ValueReads()
         self._saved: list[tuple[Any, str, Any]] = []
         #: called at each loop check inside generate() while the loop goes on; True ends
         #: the loop there (:mod:`torchmem.fit._decode` replayed the rest)
@@ -116,38 +116,6 @@ class GenerationPatches:
 
     # -- value reads ----------------------------------------------------------------------------
 
-    def note_output(self, func: Any, out: Any, args: Any = ()) -> None:
-        """Remember ``out`` when it is an all(): made by ``aten.all``, or by the idiom
-        ``t.sum() == t.numel()`` (transformers' ``fast_all`` up to 5.17: a full sum compared
-        with the element count of the tensor summed); its value read is ``True``.
-
-        Example:
-            >>> from torch._subclasses import FakeTensorMode
-            >>> g = GenerationPatches(); g.active = True
-            >>> with FakeTensorMode():
-            ...     mask = torch.ones(2, 3, dtype=torch.bool)
-            ...     total = mask.sum(); g.note_output(torch.ops.aten.sum.default, total, (mask,))
-            ...     same = total == mask.numel()
-            ...     g.note_output(torch.ops.aten.eq.Scalar, same, (total, 6))
-            ...     g.answer(same), g.answer(total == 5)
-            (True, False)
-        """
-        if not isinstance(out, torch.Tensor):
-            return
-        if func in _ALL:
-            self._remember(self._alls, out, True)
-        elif func is _SUM and args and isinstance(args[0], torch.Tensor):
-            self._remember(self._sums, out, args[0].numel())
-        elif func is _EQ_SCALAR and len(args) == 2 and isinstance(args[0], torch.Tensor):
-            ref = self._sums.get(id(args[0]))
-            if ref is not None and ref[0]() is args[0] and args[1] == ref[1]:
-                self._remember(self._alls, out, True)
-
-    @staticmethod
-    def _remember(table: dict[int, Any], t: torch.Tensor, value: Any) -> None:
-        key = id(t)
-        table[key] = (weakref.ref(t, lambda _: table.pop(key, None)), value)
-
     def answer(self, t: torch.Tensor) -> bool | None:
         """The value of a boolean read of ``t`` inside ``generate()`` or by transformers' own
         code; ``None`` when not answered (another reader, or not a one-element boolean)."""
@@ -155,8 +123,7 @@ class GenerationPatches:
             return None
         if not self.active and not _read_by_transformers():
             return None
-        ref = self._alls.get(id(t))
-        return ref is not None and ref[0]() is t
+        return bool(self.values.stand_in(t)[1])
 
     # -- the patches ----------------------------------------------------------------------------
 

@@ -146,7 +146,8 @@ class ValueReads:
         return "?", None
 
     def note_output(self, func: Any, out: Any, args: Any) -> None:
-        """Remember what made ``out`` when it may be read (one element) or counted (a sum).
+        """Remember what made ``out`` when it may be read (one element) or counted (a sum);
+        in strict mode too (transformers' own reads are still answered then).
 
         Example:
             >>> from torch._subclasses import FakeTensorMode
@@ -157,8 +158,6 @@ class ValueReads:
             ...     v.answer(s), v.answer(s == 6)
             (6, False)
         """
-        if self.strict:
-            return
         if isinstance(out, (tuple, list)):  # nll_loss_forward and friends: (output, ...)
             for o in out:
                 if isinstance(o, torch.Tensor) and o.numel() == 1:
