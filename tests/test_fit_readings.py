@@ -56,20 +56,26 @@ def _empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
 
+def _apply(e: dict[str, Any], req: int, res: int) -> tuple[int, int]:
+    """Requested and reserved bytes after trace entry ``e``."""
+    if e["action"] == "alloc":
+        req += e["size"]
+    elif e["action"] == "free_completed":
+        req -= e["size"]
+    elif e["action"] in ("segment_alloc", "segment_map"):
+        res += e["size"]
+    elif e["action"] in ("segment_free", "segment_unmap"):
+        res -= e["size"]
+    return req, res
+
+
 def _replay(trace: list[dict[str, Any]], stop: int) -> tuple[int, int, int]:
     """Requested bytes now, their peak and reserved bytes after ``trace[:stop]``, from the
     trace alone (the peak from ``start``, see :func:`_window_peak`)."""
     req = peak = res = 0
     for e in trace[:stop]:
-        if e["action"] == "alloc":
-            req += e["size"]
-            peak = max(peak, req)
-        elif e["action"] == "free_completed":
-            req -= e["size"]
-        elif e["action"] in ("segment_alloc", "segment_map"):
-            res += e["size"]
-        elif e["action"] in ("segment_free", "segment_unmap"):
-            res -= e["size"]
+        req, res = _apply(e, req, res)
+        peak = max(peak, req)
     return req, peak, res
 
 
@@ -79,14 +85,7 @@ def _window_peak(trace: list[dict[str, Any]], start: int, stop: int) -> tuple[in
     req, _, res = _replay(trace, start)
     peak_req, peak_res = req, res
     for e in trace[start:stop]:
-        if e["action"] == "alloc":
-            req += e["size"]
-        elif e["action"] == "free_completed":
-            req -= e["size"]
-        elif e["action"] in ("segment_alloc", "segment_map"):
-            res += e["size"]
-        elif e["action"] in ("segment_free", "segment_unmap"):
-            res -= e["size"]
+        req, res = _apply(e, req, res)
         peak_req, peak_res = max(peak_req, req), max(peak_res, res)
     return peak_req, peak_res
 
