@@ -20,9 +20,9 @@ a floating-point value (a loss, a gradient norm)       ``1.0``: finite, non-zero
                                                        divide by and compare
 =====================================================  ======================================
 
-``Tensor.tolist()`` reads each element so (one listed read per element). Every answered read is listed
-(:attr:`ValueReads.reads`: where in the user's code, the operator that made the tensor, the value
-assumed, how many times), so an estimate never hides a decision it made for the program: a read
+``Tensor.tolist()`` reads each element so (each element counts as one read of its entry). Every
+answered read is listed (:attr:`ValueReads.reads`: where in the user's code, the operator that
+made the tensor, the value assumed, how many times), so an estimate never hides a decision it made for the program: a read
 that decides control flow (an early stop on the loss) took the branch its stand-in takes, and the
 report names the line. ``strict=True`` refuses every read instead (the estimator's behaviour
 before), with the clear error of :mod:`torchmem.fit._engine`.
