@@ -32,13 +32,27 @@ def _dev() -> str:
 
 
 def _truth(build, batch: int, steps: int = 2) -> int:
+    """The real CPU run's peak, less what a GPU run keeps on the host: the step counters of
+    (non-capturable, non-fused) Adam/AdamW, CPU scalars on a GPU too (torch/optim/adam.py),
+    live from the first step on, so at the peak."""
     torch.manual_seed(0)
-    with torchmem.track() as tr:
-        step = build(batch)
-        for _ in range(steps):
-            step()
-        del step
-    return tr.peak()["cpu"]
+    optims = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    hook = register_optimizer_step_post_hook(
+        lambda opt, *_: optims.append(opt))
+    try:
+        with torchmem.track() as tr:
+            step = build(batch)
+            for _ in range(steps):
+                step()
+            del step
+    finally:
+        hook.remove()
+    host = {id(v): v.untyped_storage().nbytes() for opt in set(optims)
+            for st in opt.state.values() for k, v in st.items()
+            if k == "step" and isinstance(v, torch.Tensor) and v.device.type == "cpu"}
+    return tr.peak()["cpu"] - sum(host.values())
 
 
 def _params_bytes(module: nn.Module) -> int:
@@ -201,7 +215,7 @@ MODELS = {
 def test_estimate_peak_requested_equals_real_cpu_run(name):
     build = MODELS[name]
     truth = _truth(build, 8)
-    est = torchmem.estimate(build, gpu="A100-80GB", batch_size=8)
+    est = torchmem.estimate(build, gpu="A100-80GB", batch_size=8, default_device="cuda")
     assert est.fits and est.oom is None
     assert est.peak_requested_bytes == truth
     # allocated counts whole blocks (>= requested) plus the two cuBLAS workspaces
@@ -221,14 +235,14 @@ def test_modes_come_out_different_and_right():
     """Checkpointing lowers the peak, accumulation and set_to_none=False change it: the
     estimate follows each one exactly (the equality test above), and they are not the same
     number, so the test above really distinguishes them."""
-    figures = {n: torchmem.estimate(MODELS[n], gpu="T4", batch_size=16).peak_requested_bytes
+    figures = {n: torchmem.estimate(MODELS[n], gpu="T4", batch_size=16, default_device="cuda").peak_requested_bytes
                for n in ("transformer", "checkpointing", "zero_grad(set_to_none=False)")}
     assert figures["checkpointing"] < figures["transformer"]
     assert figures["zero_grad(set_to_none=False)"] > figures["transformer"]
 
 
 def test_by_category_at_the_peak_adds_up():
-    est = torchmem.estimate(mlp, gpu="T4", batch_size=8)
+    est = torchmem.estimate(mlp, gpu="T4", batch_size=8, default_device="cuda")
     cat = dict(est.by_category)
     # cuBLAS: main + autograd thread on sm75; cuBLASLt (the forward's addmm with a bias): its own
     # 1 MiB block (CUBLASLT_WORKSPACE_SIZE's default, as the H100 traces of tests/data/gpu show)
@@ -247,7 +261,7 @@ def test_optimizer_default_follows_cuda():
     global FOREACH
     try:
         FOREACH = None
-        est = torchmem.estimate(mlp, gpu="A100-80GB", batch_size=8).peak_requested_bytes
+        est = torchmem.estimate(mlp, gpu="A100-80GB", batch_size=8, default_device="cuda").peak_requested_bytes
         cpu_default = _truth(mlp, 8)
         FOREACH = True
         foreach = _truth(mlp, 8)
@@ -276,14 +290,14 @@ def test_autocast_follows_cuda_policy_by_hand():
     pytest.importorskip("torchmem.fit._cuda")
     b, seen = 16, []
     fp32 = torchmem.estimate(_autocast_build("cuda", False, seen), gpu="A100-80GB",
-                             batch_size=b).peak_requested_bytes
+                             batch_size=b, default_device="cuda").peak_requested_bytes
     assert fp32 == 4 * MiB + b * 4096 + b * 4096
     by_name = torchmem.estimate(_autocast_build("cuda", True, seen), gpu="A100-80GB",
-                                batch_size=b).peak_requested_bytes
+                                batch_size=b, default_device="cuda").peak_requested_bytes
     assert by_name == 4 * MiB + b * 4096 + 2 * MiB + b * 2048 + b * 2048
     # device-agnostic code asks for autocast on x.device.type, which is "cpu" on the fake GPU
     agnostic = torchmem.estimate(_autocast_build(None, True, seen), gpu="A100-80GB",
-                                 batch_size=b).peak_requested_bytes
+                                 batch_size=b, default_device="cuda").peak_requested_bytes
     assert agnostic == by_name
     assert seen[-1] == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
 
@@ -329,7 +343,7 @@ def llama(batch: int):
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 def test_third_party_models(build):
     truth = _truth(build, 4)
-    est = torchmem.estimate(build, gpu="L4", batch_size=4)
+    est = torchmem.estimate(build, gpu="L4", batch_size=4, default_device="cuda")
     assert est.peak_requested_bytes == truth
     assert est.by_category["parameter"] > 0 and est.by_category["optimizer_state"] > 0
 
@@ -370,7 +384,7 @@ def test_estimate_matches_the_real_gpu(name):
     real_alloc, real_res = json.loads(out.stdout.strip().splitlines()[-1])
     props = torch.cuda.get_device_properties(0)
     here = GPU(props.name, props.total_memory, (props.major, props.minor), "this machine")
-    est = torchmem.estimate(MODELS[name], gpu=here, batch_size=batch)
+    est = torchmem.estimate(MODELS[name], gpu=here, batch_size=batch, default_device="cuda")
     assert est.fits
     assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res
     assert abs(est.peak_allocated_bytes - real_alloc) <= 0.05 * real_alloc
@@ -426,9 +440,9 @@ def hand_cast_mlp(batch: int):
 def test_autocast_equals_a_real_run_with_the_casts_written_out():
     pytest.importorskip("torchmem.fit._cuda")
     truth = _truth(hand_cast_mlp, 32)
-    est = torchmem.estimate(autocast_mlp, gpu="A100-80GB", batch_size=32)
+    est = torchmem.estimate(autocast_mlp, gpu="A100-80GB", batch_size=32, default_device="cuda")
     assert est.peak_requested_bytes == truth
     # and autocast mattered: the same step without it peaks elsewhere
     off = torchmem.estimate(lambda b: autocast_mlp(b, enabled=False), gpu="A100-80GB",
-                            batch_size=32)
+                            batch_size=32, default_device="cuda")
     assert off.peak_requested_bytes != truth

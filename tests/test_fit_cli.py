@@ -22,7 +22,7 @@ TRAIN = textwrap.dedent("""
             net(x).sum().backward(); opt.step(); opt.zero_grad()
         return step
     def rows(batch):
-        x = torch.zeros(batch, 1 << 18)
+        x = torch.zeros(batch, 1 << 18, device="cuda")
         return lambda: x * 2
     def broken(batch):
         x = torch.randn(batch)

@@ -26,8 +26,8 @@ CONFIGS = {
 def test_extrapolated_decode_has_the_full_runs_peaks(arch, cache, seq_len):
     build = make_build(load_config(CONFIGS[arch]), "generate", torch.float16, None, seq_len,
                        12, cache)
-    full = run_once(build, 1, "T4", steps=1)
-    fast = run_once(build, 1, "T4", steps=1, extrapolate_decode=True)
+    full = run_once(build, 1, "T4", steps=1, default_device="cuda")
+    fast = run_once(build, 1, "T4", steps=1, extrapolate_decode=True, default_device="cuda")
     assert fast.decode_replayed > 0 and full.decode_replayed == 0
     key = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "fits")
     assert [getattr(fast, k) for k in key] == [getattr(full, k) for k in key]
@@ -37,8 +37,8 @@ def test_extrapolated_decode_finds_the_same_out_of_memory_verdict():
     build = make_build(load_config(CONFIGS["llama"]), "generate", torch.float16, None, 64, 12,
                        "dynamic")
     for gpu in ("20 MiB", "24 MiB", "40 MiB"):
-        full = run_once(build, 1, gpu, steps=1)
-        fast = run_once(build, 1, gpu, steps=1, extrapolate_decode=True)
+        full = run_once(build, 1, gpu, steps=1, default_device="cuda")
+        fast = run_once(build, 1, gpu, steps=1, extrapolate_decode=True, default_device="cuda")
         assert (fast.fits, fast.peak_reserved_bytes) == (full.fits, full.peak_reserved_bytes)
 
 

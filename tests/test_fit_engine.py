@@ -55,21 +55,21 @@ def test_workspaces_by_thread_and_generation():
     # inference: one GEMM thread -> one workspace; training adds autograd's thread. The
     # forward's addmm with a bias runs through cuBLASLt, whose own 1 MiB workspace comes on
     # top (forward thread only: the backward's GEMMs are plain mm)
-    inf = estimate(linear(False), gpu="RTX-4090", batch_size=16)
+    inf = estimate(linear(False), gpu="RTX-4090", batch_size=16, default_device="cuda")
     assert inf.workspace_bytes == WS_OLD + WS_LT
     # an 8.125 MiB request takes a 20 MiB large segment; the tensors and the 1 MiB cuBLASLt
     # workspace a 2 MiB small one
     assert inf.peak_reserved_bytes == 22 * MiB
-    tr = estimate(linear(True), gpu="RTX-4090", batch_size=16)
+    tr = estimate(linear(True), gpu="RTX-4090", batch_size=16, default_device="cuda")
     assert tr.workspace_bytes == 2 * WS_OLD + WS_LT
     assert tr.peak_reserved_bytes == 22 * MiB  # the second workspace fits the 20 MiB segment
-    h = estimate(linear(True), gpu="H100-80GB", batch_size=16)
+    h = estimate(linear(True), gpu="H100-80GB", batch_size=16, default_device="cuda")
     assert h.workspace_bytes == 2 * WS_HOPPER + WS_LT
     assert h.peak_reserved_bytes == (32 + 32 + 2) * MiB  # >= 10 MiB: exact-size segments
 
 
 def test_exact_small_figures():
-    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=3, steps=1)
+    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=3, steps=1, default_device="cuda")
     # x: 3 MiB (a 20 MiB segment, split); x*2: 3 MiB from the same segment's remainder
     assert (e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes) == (
         6 * MiB, 6 * MiB, 20 * MiB)
@@ -78,7 +78,7 @@ def test_exact_small_figures():
 
 
 def test_out_of_memory_site():
-    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=600)
+    e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=600, default_device="cuda")
     assert not e.fits
     o = e.oom
     assert o is not None and o.op == "aten::mul" and o.requested_bytes == 600 * MiB
@@ -92,7 +92,7 @@ def test_oom_module_and_phase():
         net = torch.nn.Sequential(torch.nn.Linear(1024, 1 << 16))
         x = torch.zeros(batch, 1024)
         return lambda: net(x).sum().backward()
-    e = estimate(build, gpu=exact_gpu(2 << 30), batch_size=4096)   # output: 1 GiB
+    e = estimate(build, gpu=exact_gpu(2 << 30), batch_size=4096, default_device="cuda")   # output: 1 GiB
     assert not e.fits and e.oom is not None
     assert e.oom.module == "Sequential.0" and e.oom.phase == "forward"
 
@@ -100,19 +100,19 @@ def test_oom_module_and_phase():
 def test_max_batch_size_search():
     # 2 * (batch MiB rounded up to 2 MiB) <= 1024 MiB  ->  512 (margin=0: the simulation alone;
     # the margin's own boundary is tested in test_fit_params.py)
-    e = estimate(rows, gpu=exact_gpu(1 << 30), max_batch_size=True, steps=1, margin=0)
+    e = estimate(rows, gpu=exact_gpu(1 << 30), max_batch_size=True, steps=1, margin=0, default_device="cuda")
     assert e.max_batch_size == 512 and e.batch_size == 512 and e.fits
     assert e.to_dict()["max_batch_size"] == 512
     fits = dict(e.probes)
     assert fits[512] and not fits[513] and not fits[1024]
     assert [b for b, _ in e.probes[:11]] == [1 << i for i in range(11)]
     # an independent run agrees at the boundary
-    assert not estimate(rows, gpu=exact_gpu(1 << 30), batch_size=513, steps=1, margin=0).fits
+    assert not estimate(rows, gpu=exact_gpu(1 << 30), batch_size=513, steps=1, margin=0, default_device="cuda").fits
 
 
 def test_max_batch_size_nothing_fits():
     seen = []
-    e = estimate(rows, gpu=exact_gpu(1 * MiB), max_batch_size=True, progress=seen.append)
+    e = estimate(rows, gpu=exact_gpu(1 * MiB), max_batch_size=True, progress=seen.append, default_device="cuda")
     assert e.max_batch_size == 0 and not e.fits and e.oom is not None
     assert seen and "batch 1: does not fit" in seen[0]
 
@@ -165,7 +165,7 @@ def test_environment_restored_after_failure():
     def build(batch):
         raise RuntimeError("boom")
     with pytest.raises(InvalidInputError):
-        estimate(build, gpu="T4")
+        estimate(build, gpu="T4", default_device="cuda")
     assert torch.nn.Module._apply is apply and not torch.cuda.is_available()
 
 
@@ -183,7 +183,7 @@ def test_build_that_raises_names_the_line():
     def build(batch):
         raise ValueError("no data folder")
     with pytest.raises(InvalidInputError) as ei:
-        estimate(build, gpu="T4", batch_size=2)
+        estimate(build, gpu="T4", batch_size=2, default_device="cuda")
     msg = str(ei.value)
     assert f"{HERE}:{_line_of(build, 'raise ValueError')}" in msg
     assert "build(2) raised ValueError" in msg and "no data folder" in msg
@@ -193,7 +193,7 @@ def test_build_returning_no_callable():
     def build(batch):
         return torch.nn.Linear(2, 2).weight
     with pytest.raises(InvalidInputError, match=r"returned FakeTensor, expected a zero-argument"):
-        estimate(build, gpu="T4")
+        estimate(build, gpu="T4", default_device="cuda")
 
 
 @pytest.mark.parametrize("snippet,hint", [
@@ -217,22 +217,22 @@ def test_real_memory_work_is_named(tmp_path, snippet, hint):
 
     build = load_object(f"{path}:build", call=False)
     with pytest.raises(InvalidInputError) as ei:
-        estimate(build, gpu="T4", strict_values=True)   # value reads refused, as before
+        estimate(build, gpu="T4", strict_values=True, default_device="cuda")   # value reads refused, as before
     msg = str(ei.value)
     assert f"{path}:7" in msg and snippet in msg and hint in msg and "step() raised" in msg
 
 
 def test_bad_arguments():
     with pytest.raises(InvalidInputError, match="build must be a function"):
-        estimate(3, gpu="T4")  # type: ignore[arg-type]
+        estimate(3, gpu="T4", default_device="cuda")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="steps must be an int >= 1"):
-        estimate(rows, gpu="T4", steps=0)
+        estimate(rows, gpu="T4", steps=0, default_device="cuda")
     with pytest.raises(InvalidInputError, match="batch_size must be an int >= 1"):
-        estimate(rows, gpu="T4", batch_size=0)
+        estimate(rows, gpu="T4", batch_size=0, default_device="cuda")
     with pytest.raises(InvalidInputError, match="not both"):
-        estimate(rows, gpu="T4", batch_size=2, max_batch_size=True)
+        estimate(rows, gpu="T4", batch_size=2, max_batch_size=True, default_device="cuda")
     with pytest.raises(InvalidInputError, match="unknown GPU 'H9000'; expected one of: A100-40GB"):
-        estimate(rows, gpu="H9000")
+        estimate(rows, gpu="H9000", default_device="cuda")
 
 
 def test_no_real_memory_is_allocated(tmp_path):
@@ -241,9 +241,10 @@ def test_no_real_memory_is_allocated(tmp_path):
     code = textwrap.dedent("""
         import resource, torch, torchmem
         def build(batch):
-            net = torch.nn.Sequential(*[torch.nn.Linear(16384, 16384) for _ in range(4)])
+            with torch.device("cuda"):
+                net = torch.nn.Sequential(*[torch.nn.Linear(16384, 16384) for _ in range(4)])
             opt = torch.optim.AdamW(net.parameters())
-            x = torch.randn(batch, 16384)
+            x = torch.randn(batch, 16384, device="cuda")
             def step():
                 net(x).sum().backward(); opt.step(); opt.zero_grad()
             return step
@@ -285,7 +286,7 @@ def test_backward_scatter_into_zeros_is_in_place(select):
             x.grad = None
         return step
 
-    e = estimate(build, gpu="H100-80GB", steps=1)
+    e = estimate(build, gpu="H100-80GB", steps=1, default_device="cuda")
     assert 2 * n <= e.peak_requested_bytes < 2 * n + MiB
 
 
@@ -295,7 +296,7 @@ def test_oom_in_backward_stops_cleanly():
     def build(batch):
         x = torch.zeros(300 * MiB // 4, requires_grad=True)
         return lambda: (x * x).sum().backward()
-    e = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1)
+    e = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1, default_device="cuda")
     assert not e.fits and e.oom is not None
     assert e.oom.phase == "backward" and e.oom.op == "aten::mul"
     assert e.oom.requested_bytes == 300 * MiB and e.oom.allocated_bytes == 600 * MiB + 1024
@@ -310,9 +311,9 @@ def test_second_step_sees_the_gradients():
     def build(batch):
         x = torch.zeros(300 * MiB // 4, requires_grad=True)
         return lambda: (x * 2).sum().backward()
-    one = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1)
+    one = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=1, default_device="cuda")
     assert one.fits and one.peak_requested_bytes == 600 * MiB + 8
-    two = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=2)
+    two = estimate(build, gpu=exact_gpu(700 * MiB), batch_size=1, steps=2, default_device="cuda")
     assert not two.fits and two.oom is not None and two.oom.phase == "other"
     assert two.oom.allocated_bytes == 600 * MiB   # x and x.grad; step 1's loss is gone
 
@@ -331,7 +332,7 @@ def test_dataloader_workers_load_in_the_main_process():
                     net(x).sum().backward()
             return step
         return inner
-    figures = {w: estimate(build(w), gpu="T4", batch_size=8) for w in (0, 2)}
+    figures = {w: estimate(build(w), gpu="T4", batch_size=8, default_device="cuda") for w in (0, 2)}
     assert figures[0].peak_requested_bytes == figures[2].peak_requested_bytes > 64 * 16 * 4
     from torch.utils.data import DataLoader as DL
 

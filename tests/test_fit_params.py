@@ -61,12 +61,12 @@ def test_params_reach_build_and_size_the_run():
         return tokens(batch, seq_len)
 
     e = estimate(build, gpu="H100-80GB", batch_size=2, params={"seq_len": 12, "mode": "eval"},
-                 steps=1)
+                 steps=1, default_device="cuda")
     assert seen == [(2, 12, "eval")]
     assert e.params == {"seq_len": 12, "mode": "eval"} and e.batch_size == 2
     assert e.peak_requested_bytes == 2 * 24 * MiB  # x and x * 2, 24 tokens of 1 MiB
     # params["batch_size"] is the batch size
-    assert estimate(build, params={"batch_size": 3, "seq_len": 10}, steps=1).batch_size == 3
+    assert estimate(build, params={"batch_size": 3, "seq_len": 10}, steps=1, default_device="cuda").batch_size == 3
     assert seen[-1] == (3, 10, "train")
 
 
@@ -74,27 +74,27 @@ def test_max_seq_len_is_a_true_boundary_with_the_margin():
     card = exact_gpu(1 << 30)
     expected = largest(card.usable_bytes, 0)
     assert expected == 506  # 1012 MiB + 10.12 MiB of margin <= 1024 MiB; 1016 + 10.16 is not
-    e = estimate(tokens, gpu=card, maximize="seq_len", steps=1)
+    e = estimate(tokens, gpu=card, maximize="seq_len", steps=1, default_device="cuda")
     assert e.max_value == expected and e.maximized == "seq_len" and e.fits
     assert e.params == {"seq_len": expected} and e.batch_size == 1
     assert e.peak_reserved_bytes == reserved(expected)
     assert e.margin_bytes == math.ceil(reserved(expected) / 100)
     # independent runs on both sides of the answer
-    at = estimate(tokens, gpu=card, params={"seq_len": expected}, steps=1)
-    above = estimate(tokens, gpu=card, params={"seq_len": expected + 1}, steps=1)
+    at = estimate(tokens, gpu=card, params={"seq_len": expected}, steps=1, default_device="cuda")
+    above = estimate(tokens, gpu=card, params={"seq_len": expected + 1}, steps=1, default_device="cuda")
     assert at.fits and at.headroom_after_margin_bytes >= 0
     assert not above.fits and above.fits_without_margin and above.oom is None
     assert above.headroom_after_margin_bytes < 0 <= above.headroom_bytes
     assert any("less than the error margin" in n for n in above.notes)
     # with no margin the boundary is the simulator's own: 2 * ceil2(s) <= 1024 MiB
-    assert estimate(tokens, gpu=card, maximize="seq_len", steps=1, margin=0).max_value == 512
+    assert estimate(tokens, gpu=card, maximize="seq_len", steps=1, margin=0, default_device="cuda").max_value == 512
 
 
 def test_the_memory_curve_pins_the_boundary_in_few_probes():
     """After doubling brackets the answer, the probes that ran to the end give the memory curve;
     its prediction is probed, then the value above it: two probes here instead of bisection's
     eight."""
-    e = estimate(tokens, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+    e = estimate(tokens, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1, default_device="cuda")
     assert e.probes == [(16, True), (32, True), (64, True), (128, True), (256, True),
                         (512, False), (506, True), (507, False)]
 
@@ -114,7 +114,7 @@ def test_a_curve_that_mispredicts_still_gives_the_true_boundary():
 
     expected = max(s for s in range(10, 2000) if fits(s))
     assert expected == 306
-    e = estimate(build, gpu=card, maximize="seq_len", steps=1)
+    e = estimate(build, gpu=card, maximize="seq_len", steps=1, default_device="cuda")
     assert e.max_value == expected
     fit = dict(e.probes)
     assert fit[expected] and not fit[expected + 1] and (506, False) in e.probes
@@ -126,25 +126,25 @@ def test_search_starts_at_the_builds_default_and_halves_when_it_does_not_fit():
 
     seen = []
     e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1,
-                 progress=seen.append)
+                 progress=seen.append, default_device="cuda")
     assert [v for v, _ in e.probes[:4]] == [4096, 2048, 1024, 512]
     assert [f for _, f in e.probes[:4]] == [False, False, False, False]
     assert e.max_value == 506 and "seq_len 4096: does not fit" in seen[0]
     # a batch of 2 halves the longest sequence (2 MiB per token)
-    two = estimate(build, gpu=exact_gpu(1 << 30), batch_size=2, maximize="seq_len", steps=1)
+    two = estimate(build, gpu=exact_gpu(1 << 30), batch_size=2, maximize="seq_len", steps=1, default_device="cuda")
     assert two.max_value == 253 and two.batch_size == 2
 
 
 def test_search_range_bounds_the_probes():
     card = exact_gpu(1 << 30)
-    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(100, 300), steps=1)
+    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(100, 300), steps=1, default_device="cuda")
     assert e.max_value == 300 and min(v for v, _ in e.probes) == 100
     assert max(v for v, _ in e.probes) == 300
     assert any("the whole search range fits" in n for n in e.notes)
-    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(300, 5000), steps=1)
+    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(300, 5000), steps=1, default_device="cuda")
     assert e.max_value == 506 and min(v for v, _ in e.probes) == 300
     with pytest.raises(InvalidInputError) as ex:
-        estimate(tokens, gpu=card, maximize="seq_len", search_range=(600, 900), steps=1)
+        estimate(tokens, gpu=card, maximize="seq_len", search_range=(600, 900), steps=1, default_device="cuda")
     msg = str(ex.value)
     assert "nothing fits on test for seq_len in 600..900: tried seq_len 600: does not fit" in msg
     assert "fix:" in msg
@@ -152,20 +152,20 @@ def test_search_range_bounds_the_probes():
 
 def test_a_step_searches_its_multiples_only():
     card = exact_gpu(1 << 30)
-    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(64, 4096, 64), steps=1)
+    e = estimate(tokens, gpu=card, maximize="seq_len", search_range=(64, 4096, 64), steps=1, default_device="cuda")
     # multiples of 64 only: 448 fits (506 would), 512 does not
     assert e.max_value == 448 and all(v % 64 == 0 for v, _ in e.probes)
     fit = dict(e.probes)
     assert fit[448] and not fit[512]
     assert "searched in steps of 64: seq_len 448 fits, 512 does not" in e.notes
     with pytest.raises(InvalidInputError, match="a multiple of step between them"):
-        estimate(tokens, gpu=card, maximize="seq_len", search_range=(65, 127, 64))
+        estimate(tokens, gpu=card, maximize="seq_len", search_range=(65, 127, 64), default_device="cuda")
 
 
 def test_max_batch_size_is_maximize_batch_size():
     card = exact_gpu(1 << 30)
-    a = estimate(tokens, gpu=card, max_batch_size=True, params={"seq_len": 2}, steps=1)
-    b = estimate(tokens, gpu=card, maximize="batch_size", params={"seq_len": 2}, steps=1)
+    a = estimate(tokens, gpu=card, max_batch_size=True, params={"seq_len": 2}, steps=1, default_device="cuda")
+    b = estimate(tokens, gpu=card, maximize="batch_size", params={"seq_len": 2}, steps=1, default_device="cuda")
     assert a.max_batch_size == b.max_batch_size == b.max_value == 253
     d = b.to_dict()
     assert d["max_batch_size"] == 253 and d["maximized"] == "batch_size"
@@ -178,7 +178,7 @@ def test_memory_that_does_not_grow_is_reported():
         return lambda: x * 2
 
     with pytest.warns(RuntimeWarning, match="memory does not grow with seq_len"):
-        e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+        e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1, default_device="cuda")
     # doubling from 1 to the search's cap, 2 ** 24, with the same peak (x and x * 2) each time
     assert [v for v, _ in e.probes] == [1 << i for i in range(25)]
     assert e.max_value == 1 << 24
@@ -198,7 +198,7 @@ def test_a_peak_that_does_not_move_at_first_does_not_stop_the_search():
         x = torch.zeros(seq_len, 1 << 18)
         return lambda: x * 2
 
-    e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+    e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1, default_device="cuda")
     assert e.max_value == 506 and not any("does not grow" in n for n in e.notes)
 
 
@@ -208,7 +208,7 @@ def test_memory_that_shrinks_is_reported():
         return lambda: x * 2
 
     with pytest.warns(RuntimeWarning, match="memory is not monotone in seq_len"):
-        e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+        e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1, default_device="cuda")
     assert any(f"seq_len 1 peaks at {120 * MiB:,} B requested (fits), seq_len 2 at "
                f"{80 * MiB:,} B (fits)" in n for n in e.notes)
     # 20 MiB per step of seq_len: 2 * 20 s MiB + 1 % <= 1024 MiB -> 25
@@ -217,16 +217,16 @@ def test_memory_that_shrinks_is_reported():
 
 def test_default_margin_on_a_catalog_gpu_includes_the_context_term():
     card = gpu("T4")
-    e = estimate(tokens, gpu=card, params={"seq_len": 20}, steps=1)
+    e = estimate(tokens, gpu=card, params={"seq_len": 20}, steps=1, default_device="cuda")
     assert e.margin_bytes == math.ceil(reserved(20) / 100) + 256 * MiB
     assert e.margin_rule.startswith("default: 1% of peak reserved + 256 MiB")
     d = e.to_dict()
     assert d["margin_bytes"] == e.margin_bytes and d["fits_without_margin"] is True
     assert d["headroom_after_margin_bytes"] == d["headroom_bytes"] - d["margin_bytes"]
     assert estimate(tokens, gpu=card, params={"seq_len": 20}, steps=1,
-                    margin="2%").margin_bytes == math.ceil(reserved(20) * 2 / 100)
+                    margin="2%", default_device="cuda").margin_bytes == math.ceil(reserved(20) * 2 / 100)
     assert estimate(tokens, gpu=card, params={"seq_len": 20}, steps=1,
-                    margin="64 MiB").margin_bytes == 64 * MiB
+                    margin="64 MiB", default_device="cuda").margin_bytes == 64 * MiB
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -250,7 +250,7 @@ def test_bad_input_says_what_and_how_to_fix(kwargs, needle):
         return tokens(batch, seq_len)
 
     with pytest.raises(InvalidInputError) as ex:
-        estimate(build, gpu="T4", steps=1, **kwargs)
+        estimate(build, gpu="T4", steps=1, **kwargs, default_device="cuda")
     assert needle in str(ex.value)
 
 
@@ -258,7 +258,7 @@ def test_builds_with_kwargs_take_any_parameter():
     def build(batch, **options):
         return tokens(batch, options.get("seq_len", 16))
 
-    e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1)
+    e = estimate(build, gpu=exact_gpu(1 << 30), maximize="seq_len", steps=1, default_device="cuda")
     assert e.max_value == 506
 
 
@@ -287,7 +287,7 @@ def attention(dtype: torch.dtype, head: int = 64, L: int = 1024, mask: bool = Fa
     ("T4", torch.bfloat16, {}, "math", "memory-efficient needs"),
 ])
 def test_attention_kernel_is_cudas_choice_and_reported(card, dtype, kw, kernel, why):
-    e = estimate(attention(dtype, **kw), gpu=card, batch_size=1, steps=1)
+    e = estimate(attention(dtype, **kw), gpu=card, batch_size=1, steps=1, default_device="cuda")
     assert e.attention_kernel == kernel and e.to_dict()["attention_kernel"] == kernel
     note = [n for n in e.notes if n.startswith("attention:")]
     assert len(note) == 1 and why in note[0] and "1 scaled_dot_product_attention call" in note[0]
@@ -295,7 +295,7 @@ def test_attention_kernel_is_cudas_choice_and_reported(card, dtype, kw, kernel, 
 
 def test_attention_kernel_follows_the_deprioritize_switch(monkeypatch):
     monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
-    e = estimate(attention(torch.bfloat16), gpu="H100-80GB", batch_size=1, steps=1)
+    e = estimate(attention(torch.bfloat16), gpu="H100-80GB", batch_size=1, steps=1, default_device="cuda")
     assert e.attention_kernel == "flash"
 
 
@@ -304,10 +304,10 @@ def test_fused_kernels_keep_no_score_matrix_and_math_does():
     qkv = 3 * b * h * L * d * 2  # bf16 / fp16 inputs
     out = b * h * L * d * 2
     scores = b * h * L * L  # elements of one S x S matrix
-    fused = estimate(attention(torch.bfloat16), gpu="H100-80GB", batch_size=b, steps=1)
+    fused = estimate(attention(torch.bfloat16), gpu="H100-80GB", batch_size=b, steps=1, default_device="cuda")
     # inputs + output: cuDNN's forward keeps no softmax stats without grad (MHA.cpp)
     assert fused.attention_kernel == "cudnn" and fused.peak_requested_bytes == qkv + out
-    math_run = estimate(attention(torch.bfloat16), gpu="T4", batch_size=b, steps=1)
+    math_run = estimate(attention(torch.bfloat16), gpu="T4", batch_size=b, steps=1, default_device="cuda")
     assert math_run.attention_kernel == "math"
     assert math_run.peak_requested_bytes >= qkv + scores * 2
 
@@ -317,14 +317,14 @@ def test_fused_kernels_keep_no_score_matrix_and_math_does():
 TRAIN = textwrap.dedent("""
     import torch
     def build(batch, seq_len=16, label="x", scale=1.0, flag=False):
-        x = torch.zeros(batch * seq_len, 1 << 18)
+        x = torch.zeros(batch * seq_len, 1 << 18, device="cuda")
         def step():
             assert isinstance(label, str) and isinstance(scale, float) and isinstance(flag, bool)
             return x * 2
         return step
     def seen(batch, **kw):
         print("KW", sorted(kw.items()))
-        x = torch.zeros(batch, 8)
+        x = torch.zeros(batch, 8, device="cuda")
         return lambda: x + 1
 """)
 
@@ -425,7 +425,7 @@ def test_cli_bad_input(train, capsys, args, needle):
 def test_no_stray_warnings_without_a_search():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        e = estimate(tokens, gpu=exact_gpu(1 << 30), params={"seq_len": 12}, steps=1)
+        e = estimate(tokens, gpu=exact_gpu(1 << 30), params={"seq_len": 12}, steps=1, default_device="cuda")
     assert e.maximized is None and "max_seq_len" not in e.to_dict()
 
 

@@ -55,8 +55,8 @@ def _mlp_build(read: str):
     ("out.argmax().item()", 1),
 ])
 def test_reads_are_answered_listed_and_do_not_change_the_peak(read, value):
-    base = torchmem.estimate(_mlp_build("None"), gpu="T4", batch_size=16, margin=0)
-    est = torchmem.estimate(_mlp_build(read), gpu="T4", batch_size=16, margin=0)
+    base = torchmem.estimate(_mlp_build("None"), gpu="T4", batch_size=16, margin=0, default_device="cuda")
+    est = torchmem.estimate(_mlp_build(read), gpu="T4", batch_size=16, margin=0, default_device="cuda")
     # a value read on the host allocates nothing on the device
     assert est.peak_allocated_bytes == base.peak_allocated_bytes
     assert est.peak_requested_bytes == base.peak_requested_bytes
@@ -81,7 +81,7 @@ def test_tolist_gets_stand_ins_of_the_right_shape():
             got.append(((x > 0).tolist(), x.sum().tolist()))
         step.got = got  # type: ignore[attr-defined]
         return step
-    est = torchmem.estimate(build, gpu="T4", batch_size=2, steps=1)
+    est = torchmem.estimate(build, gpu="T4", batch_size=2, steps=1, default_device="cuda")
     values = sorted((a["op"], a["value"], a["count"]) for a in est.assumed_values)
     # (x > 0).tolist() reads its 2 x 3 elements one by one; x.sum().tolist() one float
     assert values == [("aten.sum.default", 1.0, 1), ("aten.unbind.int", False, 6)]
@@ -89,7 +89,7 @@ def test_tolist_gets_stand_ins_of_the_right_shape():
 
 def test_strict_values_refuses_reads_and_names_the_line():
     with pytest.raises(InvalidInputError, match=r"reads a tensor's value") as ei:
-        torchmem.estimate(_mlp_build("loss.item()"), gpu="T4", batch_size=4, strict_values=True)
+        torchmem.estimate(_mlp_build("loss.item()"), gpu="T4", batch_size=4, strict_values=True, default_device="cuda")
     assert f":{_READ_LINE}" in str(ei.value)
 
 
@@ -105,7 +105,7 @@ def test_control_flow_on_a_read_follows_the_stand_in_and_is_listed():
                 return
             ran.append(torch.zeros(1024, device="cuda"))  # 4 KiB kept per step that goes on
         return step
-    est = torchmem.estimate(build, gpu="T4", batch_size=2, steps=3, margin=0)
+    est = torchmem.estimate(build, gpu="T4", batch_size=2, steps=3, margin=0, default_device="cuda")
     (a,) = est.assumed_values
     assert a["value"] == 1.0 and a["count"] == 3
     assert est.by_category.get("temporary", 0) + est.by_category.get("other", 0) >= 3 * 4096

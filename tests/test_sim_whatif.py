@@ -267,9 +267,9 @@ def test_an_estimate_is_replayed_on_its_gpu() -> None:
 
     def build(batch: int):  # type: ignore[no-untyped-def]
         net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-                                  torch.nn.Linear(1024, 256))
+                                  torch.nn.Linear(1024, 256)).cuda()
         opt = torch.optim.Adam(net.parameters())
-        x = torch.randn(batch, 256)
+        x = torch.randn(batch, 256, device="cuda")
 
         def step() -> None:
             net(x).sum().backward()
@@ -550,8 +550,8 @@ def test_estimate_suggest_flag(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     f.write_text(
         "import torch\n"
         "def build(batch):\n"
-        "    net = torch.nn.Linear(512, 2048)\n"
-        "    x = torch.randn(batch, 512)\n"
+        "    net = torch.nn.Linear(512, 2048, device='cuda')\n"
+        "    x = torch.randn(batch, 512, device='cuda')\n"
         "    return lambda: net(x).sum().backward()\n"
     )
     code = main(["estimate", f"{f}:build", "--gpu", "T4", "--batch-size", "8", "--suggest", "--json"])

@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
+    parser.add_argument("--default-device", choices=("cpu", "cuda"), default=None,
+                        help="where tensors created without a device go (default: the host, "
+                             "as in PyTorch; 'cuda' for a device-agnostic build)")
     parser.add_argument("--strict-values", action="store_true",
                         help="refuse values read from tensors (.item(), float(t), if t:) instead "
                              "of answering them with the documented stand-ins (listed as "
@@ -177,6 +180,9 @@ def render_text(est: Any, file: Any = None) -> None:
               f"kept free for a FITS verdict ({est.margin_rule or 'none'})")
     t.add_row("headroom after margin", _fmt(est.headroom_after_margin_bytes),
               "usable - peak reserved - margin (negative: short by that much)")
+    t.add_row("host peak", _fmt(getattr(est, "host_peak_bytes", 0)),
+              "tensors on the host (CPU RAM: built before .to('cuda'), batches, offload); "
+              "not GPU memory")
     con.print(t)
     c = Table(title="live at the peak, by category", show_header=True)
     c.add_column("category")
@@ -412,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
                                    keep_snapshot=keep, margin=margin,
                                    strict_values=getattr(args, "strict_values", False))
+    if getattr(args, "default_device", None) and not getattr(args, "hf_config", None):
+        options["default_device"] = args.default_device
     if getattr(args, "hf_config", None) and getattr(args, "world_size", None) is not None:
         raise InvalidInputError(
             "--world-size runs a build function's sharding (fully_shard, DDP) on a fake process "

@@ -13,9 +13,9 @@ Example:
     >>> import torch
     >>> from torchmem.fit import estimate
     >>> def build(batch):
-    ...     net = torch.nn.Linear(512, 512)
+    ...     net = torch.nn.Linear(512, 512).cuda()   # "cuda" is fine: it is simulated
     ...     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    ...     x = torch.randn(batch, 512)
+    ...     x = torch.randn(batch, 512, device="cuda")
     ...     def step():
     ...         net(x).sum().backward(); opt.step(); opt.zero_grad()
     ...     return step

@@ -13,8 +13,11 @@
   create); the build's own ``dist.init_process_group(...)`` is accepted and does nothing.
   On exit the group is destroyed and every patch is undone, so a second estimate starts clean.
 - **Device meshes** (``init_device_mesh``, which ``fully_shard`` calls) are built outside the
-  fake mode (a mesh is a small host-side table of ranks, and its values are read), and a
-  ``"cuda"`` mesh is a mesh of the fake GPU, the fake CPU device (:mod:`torchmem.fit._env`).
+  fake mode (a mesh is a small host-side table of ranks, and its values are read); a
+  ``"cuda"`` mesh stays one (``fully_shard``'s default mesh too: the accelerator is the fake
+  GPU), so FSDP places its shards, all-gather and reduce-scatter buffers on the GPU
+  (:mod:`torchmem.fit._placement`); DTensor's random-number tracker is off (fake tensors have
+  no random values).
 - **DTensor** (what ``fully_shard`` turns parameters into): the tracker and the simulator see
   the *local* operations a DTensor operator runs, never the global-size wrapper (their dispatch
   returns ``NotImplemented`` for DTensor arguments, as PyTorch's ``FSDPMemTracker`` does), and
@@ -338,7 +341,7 @@ class FakeWorld:
             self._patch_all()
             warned = stack.enter_context(warnings.catch_warnings())
             del warned
-            # a "cuda" mesh is a CPU mesh here; fake tensors have no random values anyway
+            # fake tensors have no random values: DTensor's RNG tracker is off
             warnings.filterwarnings("ignore", message="DTensor random operators may not have")
         except BaseException:
             stack.close()
@@ -384,8 +387,6 @@ class FakeWorld:
 
         @functools.wraps(original_mesh)
         def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
-            if device_type == "cuda":  # the fake GPU is the (fake) CPU device
-                device_type = "cpu"
             with _disable_current_modes():
                 return original_mesh(device_type, *args, **kwargs)
 
@@ -398,6 +399,12 @@ class FakeWorld:
             return None  # the fake group of the estimate is already the default group
 
         self._replace_everywhere(original_init, init_process_group, "init_process_group")
+
+        # DTensor's random ops on a "cuda" mesh run under an offset-based RNG tracker (a
+        # higher-order operator); fake tensors have no random values: plain random ops
+        import torch.distributed.tensor._dispatch as dtensor_dispatch
+
+        self._set(dtensor_dispatch, "is_rng_supported_mesh", lambda mesh: False)
 
         propagate = ShardingPropagator.__dict__["_propagate_tensor_meta_non_cached"]
 
@@ -462,9 +469,9 @@ def _local_ops_only(original: Callable[..., Any], dtensor: type) -> Callable[...
 def _show_resize(storage: torch.UntypedStorage) -> None:
     """Tell the tracker a storage changed size: an in-place ``set_`` on it (the tracker records
     a free of the old size and an allocation of the new one)."""
-    # a fake tensor's storage is a meta storage; the estimate's tensors are fake CPU tensors
-    device = "cpu" if storage.device.type == "meta" else storage.device
-    view = torch.empty(0, dtype=torch.uint8, device=device)
+    # a fake tensor's storage is a meta storage; FSDP resizes the GPU's (unsharded parameters):
+    # the fake GPU's view (the estimate's placement makes it a GPU tensor)
+    view = torch.empty(0, dtype=torch.uint8, device="cuda")
     view.set_(storage)  # type: ignore[call-overload]
     del view
 

@@ -19,8 +19,8 @@ module and stack are kept and the run stops there.
 Example:
     >>> import torch
     >>> def build(batch):
-    ...     net = torch.nn.Linear(256, 256)
-    ...     x = torch.randn(batch, 256)
+    ...     net = torch.nn.Linear(256, 256, device="cuda")
+    ...     x = torch.randn(batch, 256, device="cuda")
     ...     return lambda: net(x).sum().backward()
     >>> est = run_once(build, 8, "T4")
     >>> est.fits, est.peak_requested_bytes >= 2 * (256 * 256 + 256) * 4
@@ -52,6 +52,7 @@ from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
 from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
+from torchmem.fit._placement import Placement
 from torchmem.fit._readings import SimReadings
 from torchmem.fit._values import ValueReads
 from torchmem.model.events import Category, EventKind
@@ -139,14 +140,20 @@ class _State:
         self.peak_res = 0
         self.ws_bytes = 0
         self.ws_keys: set[object] = set()
-        #: storages the fake run made on the device that CUDA keeps in host memory
-        self.host: set[int] = set()
+        #: where each storage is: the GPU or the host (:mod:`torchmem.fit._placement`)
+        self.pl = Placement()
+        #: host memory: live and peak bytes (pinned or pageable)
+        self.host_live = 0
+        self.host_peak = 0
+        #: storages already given back to the simulator (an extrapolated decode step's)
+        self.gone: set[int] = set()
         self.oom: OOMSite | None = None
         self.phase = "other"
         self.snapshot: Any = None
         #: live storages: key (UntypedStorage._cdata) -> tracker storage id, and back
         self.sid_of: dict[int, int] = {}
         self.key_of: dict[int, int] = {}
+        self.pl.key_to_sid = self.sid_of.get
         self.end_seq = -1
         #: a per-rank estimate's categories and collectives (:mod:`torchmem.fit._dist`)
         self.dist: Any = None
@@ -185,6 +192,11 @@ class _State:
         self._peaks()
         return addr
 
+    def _host(self, n: int) -> None:
+        self.host_live += n
+        if self.host_live > self.host_peak:
+            self.host_peak = self.host_live
+
     def listener(self, ev: Any, storage: Any) -> None:
         if self.oom is not None:  # the run stops at the first out-of-memory point
             return
@@ -198,8 +210,13 @@ class _State:
                 key = storage._cdata
                 self.sid_of[key] = ev.storage
                 self.key_of[ev.storage] = key
-                if self.dist is not None:
-                    self.dist.on_alloc(key, ev.storage, ev.op)
+            if not self.pl.current:  # a host storage: host memory, not the GPU's
+                self.pl.host.add(ev.storage)
+                self.pl.host_ever.add(ev.storage)
+                self._host(n)
+                return
+            if storage is not None and self.dist is not None:
+                self.dist.on_alloc(key, ev.storage, ev.op)
             if n:
                 addr = self._malloc(n, ev, ev.op, "tensor storage")
                 if addr is None:
@@ -213,8 +230,11 @@ class _State:
                 self.peak_req_seq = ev.seq
                 self.ws_at_peak = self.ws_bytes
         elif kind == _FREE:
-            if ev.storage in self.host:  # already given back (host_outputs)
-                self.host.discard(ev.storage)
+            if ev.storage in self.gone:
+                self.gone.discard(ev.storage)
+            elif ev.storage in self.pl.host:  # host memory (or moved there by host_outputs)
+                self.pl.host.discard(ev.storage)
+                self._host(-ev.nbytes)
             else:
                 self.live_req -= ev.nbytes
                 if self.feed is not None:
@@ -229,6 +249,8 @@ class _State:
                 self.sim.free(addr)
 
     def after_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if not self.pl.current:  # an operator on host tensors: no GPU workspace
+            return
         if self.ws_size and func.overloadpacket in _GEMMS:
             key: object = (
                 "autograd" if torch._C._current_autograd_node() is not None
@@ -259,7 +281,9 @@ class _State:
                     self.live_req -= t.untyped_storage().nbytes()
                     if self.feed is not None:
                         self.feed.on_req(-t.untyped_storage().nbytes())
-                    self.host.add(sid)  # type: ignore[arg-type]
+                    self.pl.host.add(sid)  # type: ignore[arg-type]
+                    self.pl.host_ever.add(sid)  # type: ignore[arg-type]
+                    self._host(t.untyped_storage().nbytes())
         if self.emu is not None and self.oom is None:
             # All of a kernel's scratch buffers are live together, freed in reverse order.
             # (an entry may name earlier ones the kernel frees right after allocating it)
@@ -336,7 +360,7 @@ class _DecodeFeed:
             sid = self.sid_of_addr.get(addr)
             if sid is not None and st.addr.get(sid) == addr:
                 del st.addr[sid]
-                st.host.add(sid)  # its real death later changes nothing
+                st.gone.add(sid)  # its real death later changes nothing
         else:
             addr = h
         st.sim.free(addr)
@@ -444,6 +468,17 @@ class _SimMode(TorchDispatchMode):
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        pl = self.state.pl
+        pl.depth += 1
+        saved = pl.current
+        pl.current = pl.for_op(args, kwargs)
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            pl.current = saved
+            pl.depth -= 1
+
+    def _dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         gen = self.gen
         values = self.values
         if func is LOCAL_SCALAR:
@@ -589,6 +624,7 @@ def run_once(
     world_size: int | None = None,
     strict_values: bool = False,
     extrapolate_decode: bool = False,
+    default_device: str | None = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -606,6 +642,12 @@ def run_once(
     by :mod:`torchmem.fit._values`' policy and listed in ``Estimate.assumed_values``;
     ``strict_values=True`` refuses them instead.
 
+    Tensors stay where PyTorch puts them (:mod:`torchmem.fit._placement`): what ``build`` and
+    ``step`` create on ``"cuda"`` or move there is GPU memory, what stays on the host is
+    ``Estimate.host_peak_bytes``. ``default_device="cuda"`` runs both under
+    ``torch.device("cuda")``, so tensors created without a device go to the GPU (as after
+    ``torch.set_default_device("cuda")``). A step that puts nothing on the GPU is an error.
+
     ``extrapolate_decode=True`` (one step, no snapshot) runs only the first iterations of
     ``generate()``'s loop through the model and replays the rest into the simulator
     (:mod:`torchmem.fit._decode`): the same peaks and verdict, in a fraction of the time;
@@ -615,7 +657,7 @@ def run_once(
     Example:
         >>> import torch
         >>> def build(batch):
-        ...     x = torch.zeros(batch, 1024)            # 4 KiB per row
+        ...     x = torch.zeros(batch, 1024, device="cuda")   # 4 KiB per row
         ...     return lambda: x + 1
         >>> e = run_once(build, 4, "T4", steps=1)
         >>> e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes
@@ -630,6 +672,7 @@ def run_once(
     card = _gpu(gpu)
     attrs = check_attrs(kv_cache_attr)
     world = check_world_size(world_size)
+    on_device = check_default_device(default_device)
     kw = dict(params or {})
     call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
@@ -657,14 +700,15 @@ def run_once(
         with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
             total_bytes=card.total_bytes,
-            context_bytes=card.context_bytes,
+            context_bytes=card.context_bytes, placement=st.pl,
         ):
             emu_ctx = emu if emu is not None else _Null()
             with emu_ctx, _SimMode(st, gen, values), kv:
                 try:
                     gen.install()
                     try:
-                        step = build(batch_size, **kw)
+                        with on_device():
+                            step = build(batch_size, **kw)
                     except _Abort:
                         raise
                     except Exception as e:
@@ -687,7 +731,8 @@ def run_once(
                         if failure is not None or st.oom is not None:
                             break
                         try:
-                            step()
+                            with on_device():
+                                step()
                         except _Abort:
                             raise
                         except Exception as e:
@@ -715,7 +760,18 @@ def run_once(
     if feed is not None and feed.rec.replayed and not feed.rec.valid:
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
-                        strict_values=strict_values)
+                        strict_values=strict_values, default_device=default_device)
+    if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
+        file, line = _source_of(build)
+        at = f" ({file}:{line})" if file else ""
+        raise InvalidInputError(
+            f"{call}{at} and its step put nothing on the GPU: all "
+            f"{st.host_peak:,} bytes of its tensors stayed on the host (tensors created without "
+            "a device are CPU tensors, as in PyTorch); expected a step that runs on the GPU; "
+            "fix: create tensors with device='cuda' and move the model with .to('cuda'), or "
+            "pass default_device='cuda' (CLI: --default-device cuda) to put tensors created "
+            "without a device on the GPU"
+        )
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
     est.decode_replayed = feed.rec.replayed if feed is not None else 0  # type: ignore[attr-defined]
     est.params = kw
@@ -726,6 +782,28 @@ def run_once(
     if world is not None:
         _dist_result(est, world, st, tracker)
     return est
+
+
+def check_default_device(device: Any) -> Callable[[], Any]:
+    """Validate ``default_device`` (``None``, ``"cpu"`` or ``"cuda"``): a context factory
+    that puts tensors created without a device there.
+
+    Example:
+        >>> with check_default_device("cuda")():
+        ...     pass
+        >>> check_default_device("gpu")
+        Traceback (most recent call last):
+        ...
+        torchmem.errors.InvalidInputError: default_device must be None, 'cpu' or 'cuda', got 'gpu'; fix: pass 'cuda' to create tensors without a device on the GPU
+    """
+    if device is None or device == "cpu" or device == torch.device("cpu"):
+        return contextlib.nullcontext
+    if device in ("cuda", "cuda:0") or device == torch.device("cuda"):
+        return lambda: torch.device("cuda")
+    raise InvalidInputError(
+        f"default_device must be None, 'cpu' or 'cuda', got {device!r}; fix: pass 'cuda' to "
+        "create tensors without a device on the GPU"
+    )
 
 
 @contextlib.contextmanager
@@ -787,6 +865,7 @@ def _result(
         compute_capability=card.compute_capability,
         snapshot=st.snapshot,
         kv_cache=_kv_cache(kv, by_cat["kv_cache"], st, tracker),
+        host_peak_bytes=st.host_peak,
     )
 
 
@@ -796,10 +875,11 @@ def _live_at(
     """The storages live after event ``last_seq``: id -> (bytes, report key, module)."""
     over: dict[int, str] = st.dist.cat if st.dist is not None else {}
     live: dict[int, tuple[int, str, str]] = {}
+    host = st.pl.host_ever
     for ev in tracker.events():
         if ev.seq > last_seq:
             break
-        if ev.device == "meta":
+        if ev.device == "meta" or ev.storage in host:
             continue
         if ev.kind == _ALLOC:
             sid = ev.storage

@@ -115,7 +115,10 @@ class Estimate:
     of memory (``None`` when it fits). ``snapshot`` is the simulated run as a
     :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``). ``kv_cache``
     (:class:`KVCache`, ``None`` when the run had none) describes the KV cache; ``to_dict``
-    gives it as the ``kv_cache_*`` keys.
+    gives it as the ``kv_cache_*`` keys. ``host_peak_bytes`` is the peak of host memory the
+    run's tensors held (a model built on the host before ``.to("cuda")``, batches, pinned
+    staging buffers, state offloaded to the CPU): not GPU memory, and in none of the figures
+    above.
 
     ``fits`` keeps the estimator's error margin free: it is true only when the run did not run
     out of memory *and* ``headroom_bytes >= margin_bytes``; ``fits_without_margin`` is the
@@ -174,6 +177,7 @@ class Estimate:
     model_state: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     assumed_values: list[dict[str, Any]] = field(default_factory=list)
+    host_peak_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
@@ -260,9 +264,9 @@ class Estimate:
 
         Example:
             >>> d = Estimate("x", 4, True, 100, 30, 1, 2, 3).to_dict()
-            >>> list(d)[:8]  # doctest: +NORMALIZE_WHITESPACE
+            >>> list(d)[:9]  # doctest: +NORMALIZE_WHITESPACE
             ['fits', 'peak_requested_bytes', 'peak_allocated_bytes', 'peak_reserved_bytes',
-             'capacity_bytes', 'overhead_bytes', 'by_category', 'oom']
+             'capacity_bytes', 'overhead_bytes', 'by_category', 'oom', 'host_peak_bytes']
         """
         d: dict[str, Any] = {
             "fits": self.fits,
@@ -273,6 +277,7 @@ class Estimate:
             "overhead_bytes": self.overhead_bytes,
             "by_category": dict(self.by_category),
             "oom": None if self.oom is None else self.oom.to_dict(),
+            "host_peak_bytes": self.host_peak_bytes,
         }
         if self.searched:
             name = self.maximized or "batch_size"

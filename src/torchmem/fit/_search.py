@@ -14,7 +14,7 @@ free (:mod:`torchmem.fit._margin`), the rule of every answer.
 Example:
     >>> import torch
     >>> def build(batch):
-    ...     x = torch.zeros(batch, 1 << 18)           # 1 MiB per row
+    ...     x = torch.zeros(batch, 1 << 18, device="cuda")   # 1 MiB per row
     ...     return lambda: x * 2
     >>> e = estimate(build, gpu="2 GiB", max_batch_size=True, steps=1, margin=0)
     >>> e.max_batch_size, e.fits, e.batch_size == e.max_batch_size
@@ -152,6 +152,7 @@ def estimate(
     kv_cache_attr: Sequence[str] | None = None,
     world_size: int | None = None,
     strict_values: bool = False,
+    default_device: str | None = None,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -163,6 +164,13 @@ def estimate(
     caching allocator with the GPU's usable memory (``alloc_conf``: a
     ``PYTORCH_CUDA_ALLOC_CONF`` string). ``gpu`` is a catalog name
     (:data:`torchmem.fit.GPUS`) or a size (``"23.5 GiB"``).
+
+    Tensors stay where PyTorch puts them: what is created on ``"cuda"`` (``device="cuda"``,
+    ``.cuda()``, ``.to("cuda")``, ``module.to("cuda")``, ``torch.set_default_device("cuda")``)
+    is simulated GPU memory; what stays on the host is not, and is reported apart as
+    ``Estimate.host_peak_bytes``; ``x.device``, ``x.is_cuda`` and ``torch.autocast`` see the
+    GPU. ``default_device="cuda"`` puts tensors created without a device on the GPU (for a
+    device-agnostic ``build``). A step that puts nothing on the GPU is an error that says so.
 
     ``batch_size=None`` means 1. ``params`` are keyword arguments for ``build`` (``seq_len``,
     ``max_new_tokens``, ...; ``"batch_size"`` in it sets the batch size); a name ``build``
@@ -277,7 +285,7 @@ def estimate(
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
-                     extrapolate_decode=fast)
+                     extrapolate_decode=fast, default_device=default_device)
         return _apply_margin(e, margin, card)
 
     if maximize is None:
