@@ -27,6 +27,14 @@ build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there
 in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
 model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
+``torchmem estimate [options] train.py ARGS`` (or ``-m package.module ARGS``) estimates an
+unmodified script instead (:func:`torchmem.fit.estimate_script`): torchmem's options before the
+script, the script's own after it; it is stopped after ``--steps`` optimizer steps (default 2),
+at its end or at ``--time-limit`` seconds (default 300), and the report says which; ``--max
+batch-size`` searches the script's ``--batch-size``; saves of the fake run are skipped and listed
+(``"script"`` in the JSON). ``--batch-size``/``--set``/``--world-size``/``--hf-config`` are
+build-function options and refused for a script, with the fix.
+
 Example:
     >>> from torchmem.cli import main
     >>> main(["estimate", "--list-gpus"])  # doctest: +ELLIPSIS

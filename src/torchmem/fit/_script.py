@@ -379,14 +379,22 @@ _SAVES: list[tuple[str, str, str, str, Callable[..., tuple[Any, Any]]]] = [
 ]
 
 
-def _rebind(replace: dict[int, Any]) -> list[tuple[Any, str, Any]]:
-    """In every loaded module, a global whose ``id`` is a key of ``replace`` becomes its value;
+#: module name -> (id of the module, its globals that held a save function when it was read):
+#: each module is read once per process (imports after that are read when they appear)
+_HOLDERS: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+
+def _globals(mod: Any) -> dict[str, Any]:
+    d = getattr(mod, "__dict__", None)
+    return d if isinstance(d, dict) else {}
+
+
+def _rebind(replace: dict[int, Any], modules: list[Any]) -> list[tuple[Any, str, Any]]:
+    """In ``modules``, a global whose ``id`` is a key of ``replace`` becomes its value;
     ``(module, name, old value)`` of each."""
     done = []
-    for mod in list(sys.modules.values()):
-        d = getattr(mod, "__dict__", None)
-        if not isinstance(d, dict):
-            continue
+    for mod in modules:
+        d = _globals(mod)
         for k, v in list(d.items()):
             new = replace.get(id(v)) if callable(v) else None
             if new is not None and new is not v:
@@ -404,6 +412,7 @@ class _Writes:
         self.skipped = skipped
         self.saved: list[tuple[Any, str, Any]] = []
         self.stand_ins: dict[int, Any] = {}  # id(stand-in) -> original
+        self.before: dict[str, int] = {}  # the modules loaded when the run started
 
     def _stand_in(self, label: str, original: Any, read: Callable[..., tuple[Any, Any]]) -> Any:
         active = self
@@ -437,15 +446,30 @@ class _Writes:
             self.saved.append((owner, attr, original))
             setattr(owner, attr, stand_in)
         # modules that imported a save function by name (``from safetensors.torch import
-        # save_file as safe_save_file``) hold the original: they get the stand-in too
-        self.saved.extend(_rebind(by_original))
+        # save_file as safe_save_file``) hold the original: they get the stand-in too (each
+        # module's globals are read once per process: reading them all takes 0.1-0.3 s)
+        self.before = {name: id(mod) for name, mod in list(sys.modules.items())}
+        for name, mod in list(sys.modules.items()):
+            seen = _HOLDERS.get(name)
+            if seen is None or seen[0] != id(mod):
+                held = tuple(k for k, v in list(_globals(mod).items())
+                             if callable(v) and id(v) in by_original)
+                _HOLDERS[name] = seen = (id(mod), held)
+            for k in seen[1]:
+                v = _globals(mod).get(k)
+                stand_in = by_original.get(id(v))
+                if stand_in is not None and stand_in is not v:
+                    self.saved.append((mod, k, v))
+                    setattr(mod, k, stand_in)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for owner, attr, original in reversed(self.saved):
             setattr(owner, attr, original)
         # modules imported during the run may hold a stand-in under any name
-        _rebind(self.stand_ins)
+        new = [mod for name, mod in list(sys.modules.items())
+               if self.before.get(name) != id(mod)]
+        _rebind(self.stand_ins, new)
         self.stand_ins.clear()
 
 
