@@ -43,6 +43,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
     "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
     "bench_replay.py": ["--reps", "1"],
+    "bench_script.py": ["--smoke"],
     "bench_search.py": ["--quick", "--layers", "1", "--gpus", "RTX-4090"],
     "bench_sim.py": ["--quick", "--decomfl-reps", "1", "--train-steps", "2",
                      "--ref-requests", "1000"],
@@ -217,6 +218,14 @@ def test_bench_replay() -> None:
         *(rf"^{name} +{NUM} +{NUM}ms +{NUM}ms +{NUM}ms +{NUM}x  allocs ({NUM})/\1, .*final layout "
           r"equal" for name in ("DeComFL__memory\\.pickle", "MAGMA27_a2__memory_snapshot\\.pickle",
                                 "notHanmin_a2__memory_snapshot_forward\\.pickle")))
+
+
+def test_bench_script() -> None:
+    out = smoke("bench_script.py")
+    workloads = ("mlp", "trainer") if installed("transformers") else ("mlp",)
+    has(out, r"^workload +build function +script +ratio +peaks equal",
+        *(rf"^{w} +{NUM}s +{NUM}s +{NUM}x  yes$" for w in workloads),
+        rf"^goal \(script <= 1\.5x the build function\): (met|NOT met) \(worst ratio {NUM}x\)")
 
 
 def test_bench_search() -> None:

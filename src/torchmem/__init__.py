@@ -67,7 +67,7 @@ if TYPE_CHECKING:  # the same names, statically, so that type checkers see real 
         MissingFileError,
         TorchmemError,
     )
-    from torchmem.fit import Estimate, estimate, estimate_hf
+    from torchmem.fit import Estimate, estimate, estimate_hf, estimate_script
     from torchmem.io import load_snapshot, load_trace, write_snapshot
     from torchmem.ledger import Ledger
     from torchmem.model import MemoryReport, Snapshot, Trace
@@ -120,6 +120,7 @@ _EXPORTS: dict[str, str] = {
     # will it fit?
     "estimate": "torchmem.fit",
     "estimate_hf": "torchmem.fit",
+    "estimate_script": "torchmem.fit",
     "Estimate": "torchmem.fit",
     # the ledger and devices
     "Ledger": "torchmem.ledger",

@@ -27,6 +27,14 @@ build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there
 in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
 model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
+``torchmem estimate [options] train.py ARGS`` (or ``-m package.module ARGS``) estimates an
+unmodified script instead (:func:`torchmem.fit.estimate_script`): torchmem's options before the
+script, the script's own after it; it is stopped after ``--steps`` optimizer steps (default 2),
+at its end or at ``--time-limit`` seconds (default 300), and the report says which; ``--max
+batch-size`` searches the script's ``--batch-size``; saves of the fake run are skipped and listed
+(``"script"`` in the JSON). ``--batch-size``/``--set``/``--world-size``/``--hf-config`` are
+build-function options and refused for a script, with the fix.
+
 Example:
     >>> from torchmem.cli import main
     >>> main(["estimate", "--list-gpus"])  # doctest: +ELLIPSIS
@@ -47,23 +55,40 @@ from typing import Any
 from torchmem.errors import InvalidInputError
 
 __all__ = ["add_arguments", "assumed_lines", "run", "render_text", "parse_value", "parse_sets",
-           "parse_range"]
+           "parse_range", "script_lines"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``torchmem estimate``.
+def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> None:
+    """Options of ``torchmem estimate`` (``positionals=False``: the options alone, to read
+    the ones given after ``FILE:build``).
 
     Example:
         >>> import argparse; p = argparse.ArgumentParser(); add_arguments(p)
-        >>> ns = p.parse_args(["train.py:build", "--gpu", "T4", "--batch-size", "8"])
-        >>> ns.gpu, ns.batch_size, ns.steps
-        ('T4', 8, None)
+        >>> ns = p.parse_args(["--gpu", "T4", "--batch-size", "8", "train.py:build"])
+        >>> ns.gpu, ns.batch_size, ns.steps, ns.spec
+        ('T4', 8, None, 'train.py:build')
+        >>> ns = p.parse_args(["--gpu", "T4", "train.py", "--batch-size", "8"])
+        >>> ns.spec, ns.script_args, ns.batch_size
+        ('train.py', ['--batch-size', '8'], None)
     """
-    parser.add_argument(
-        "spec", nargs="?",
-        help="the build function: path/to/file.py:build or package.module:build; "
-             "build(batch_size) returns a zero-argument step()",
-    )
+    if positionals:
+        parser.add_argument(
+            "spec", nargs="?",
+            help="the build function: path/to/file.py:build or package.module:build; "
+                 "build(batch_size) returns a zero-argument step(); or a script, run as "
+                 "'python SCRIPT ARGS' (torchmem's options before it, the script's after it)",
+        )
+        parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                            help="a script's own arguments (after the script); after "
+                                 "FILE:build, torchmem's options as before")
+        parser.add_argument(
+            "-m", dest="module", nargs=argparse.REMAINDER, default=None, metavar="MODULE ARGS",
+            help="estimate a module run like 'python -m MODULE ARGS' (the rest of the line "
+                 "goes to it; put torchmem's options before -m)",
+        )
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="scripts: stop the script after SECONDS (default 300) when it has "
+                             "not made --steps optimizer steps by then; the report says so")
     parser.add_argument("--gpu", default="H100-80GB",
                         help="a GPU from the catalog (see --list-gpus) or a size such as "
                              "'23.5 GiB' (default H100-80GB)")
@@ -92,7 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reserved + 256 MiB for the CUDA context's uncertainty")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps to run (default 2: the second sees optimizer "
-                             "state and cached blocks; --hf-config forward/generate: 1 call)")
+                             "state and cached blocks; --hf-config forward/generate: 1 call; "
+                             "a script is stopped after N optimizer steps)")
     parser.add_argument("--world-size", type=_world_size, default=None, metavar="N",
                         help="estimate one rank (rank 0) of an N-rank job: build runs with a "
                              "fake process group of N ranks, so it may call fully_shard (FSDP2) "
@@ -210,12 +236,43 @@ def render_text(est: Any, file: Any = None) -> None:
 
     for line in kv_lines(est):
         con.print(line)
+    for line in script_lines(est):
+        con.print(line)
     if est.attention_kernel:
         con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
     for line in assumed_lines(est):
         con.print(line)
     for note in est.notes:
         con.print(f"note: {note}")
+
+
+def script_lines(est: Any, top: int = 10) -> list[str]:
+    """The report's lines for a script's run: which steps ran, why it stopped, the writes
+    skipped (nothing for a build function).
+
+    Example:
+        >>> from torchmem.fit._script import ScriptRun, SkippedWrite
+        >>> run = ScriptRun("train.py", [], steps_run=2, stopped="steps",
+        ...                 reason="stopped after 2 optimizer steps (steps=2)",
+        ...                 skipped_writes=[SkippedWrite("train.py:9", "torch.save(dict)", "c.pt")])
+        >>> from types import SimpleNamespace
+        >>> for line in script_lines(SimpleNamespace(script=run)): print(line)
+        script: train.py: stopped after 2 optimizer steps (steps=2)
+        skipped writes (the fake run's saves; files written otherwise are not intercepted):
+            train.py:9  torch.save(dict) -> c.pt
+    """
+    run = getattr(est, "script", None)
+    if run is None:
+        return []
+    lines = [run.line()]
+    if run.skipped_writes:
+        lines.append("skipped writes (the fake run's saves; files written otherwise are not "
+                     "intercepted):")
+        for w in run.skipped_writes[:top]:
+            lines.append(f"    {w.where}  {w.what} -> {w.path}")
+        if len(run.skipped_writes) > top:
+            lines.append(f"    ... and {len(run.skipped_writes) - top} more (--json lists all)")
+    return lines
 
 
 def assumed_lines(est: Any, top: int = 10) -> list[str]:
@@ -369,12 +426,28 @@ def run(args: argparse.Namespace) -> int:
                   f"{g.usable_bytes / 2**30:7.2f} GiB usable  sm_{g.compute_capability[0]}"
                   f"{g.compute_capability[1]}  {g.marketed}; source: {g.source}")
         return 0
-    if not args.spec and not getattr(args, "hf_config", None):
+    script = _script_of(args)
+    rest = getattr(args, "script_args", None) or []
+    if script is None and rest:  # FILE:build --gpu T4 ...: torchmem's options, as before
+        try:
+            after = argparse.ArgumentParser(prog="torchmem estimate")
+            add_arguments(after, positionals=False)
+            after.parse_args(rest, namespace=args)
+        except SystemExit as e:
+            return int(e.code or 0)
+    if not args.spec and not getattr(args, "hf_config", None) and script is None:
         raise InvalidInputError(
-            "expected a build function, e.g. 'torchmem estimate train.py:build --gpu H100-80GB'; "
-            "build(batch_size) returns a zero-argument step()"
+            "expected a build function or a script, e.g. 'torchmem estimate train.py:build "
+            "--gpu H100-80GB' (build(batch_size) returns a zero-argument step()) or "
+            "'torchmem estimate --gpu H100-80GB train.py --batch-size 16' (the script's own "
+            "arguments after it)"
         )
     card = gpu(args.gpu)  # unknown names fail before the user's file runs
+    if script is not None:
+        _check_script_options(args)
+    elif getattr(args, "time_limit", None) is not None:
+        raise InvalidInputError("--time-limit stops a script; a build function runs --steps "
+                                "steps; fix: drop --time-limit")
     if args.steps is not None and args.steps < 1:
         raise InvalidInputError(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -452,11 +525,69 @@ def run(args: argparse.Namespace) -> int:
     return 0 if est.fits else 3
 
 
+def _script_of(args: argparse.Namespace) -> tuple[str, list[str], bool] | None:
+    """``(script or module, its arguments, module?)`` when a script is estimated; ``None`` for
+    a build function (``FILE:build``, ``package.module:build``) or ``--hf-config``.
+
+    Example:
+        >>> ns = argparse.Namespace(spec="train.py", script_args=["--lr", "1"], module=None)
+        >>> _script_of(ns), _script_of(argparse.Namespace(spec="t.py:build", module=None))
+        (('train.py', ['--lr', '1'], False), None)
+    """
+    module = getattr(args, "module", None)
+    if module is not None:
+        from torchmem._scripts import module_command
+
+        return (*module_command(module, args.spec, "estimate"), True)
+    spec = args.spec
+    if not spec:
+        return None
+    where, colon, attr = spec.rpartition(":")
+    if colon and where and attr.isidentifier():
+        return None  # FILE:build
+    return spec, list(getattr(args, "script_args", None) or []), False
+
+
+def _check_script_options(args: argparse.Namespace) -> None:
+    """Options that belong to build functions are refused for a script, saying where the
+    script's own arguments go."""
+    name = args.module[0] if getattr(args, "module", None) else args.spec
+    if args.batch_size is not None:
+        raise InvalidInputError(
+            f"--batch-size before the script is build(batch_size)'s; a script takes its own "
+            f"arguments after its name: 'torchmem estimate {name} --batch-size "
+            f"{args.batch_size}'"
+        )
+    if getattr(args, "set_params", None):
+        raise InvalidInputError(
+            "--set passes keywords to build(); a script takes its own arguments after its name "
+            f"('torchmem estimate {name} --seq-len 4096'); fix: move them there"
+        )
+    for option, value in (("--world-size", "world_size"), ("--hf-config", "hf_config"),
+                          ("--kv-cache-attr", "kv_cache_attr")):
+        if getattr(args, value, None):
+            raise InvalidInputError(
+                f"{option} is not available for scripts (yet); fix: drop it, or write a "
+                "build(batch_size) function and estimate FILE:build"
+            )
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise InvalidInputError(f"--time-limit must be a number of seconds > 0, got "
+                                f"{args.time_limit:g}")
+
+
 def _estimate(args: argparse.Namespace, card: Any, params: dict[str, Any], maximize: str | None,
               say: Any, options: dict[str, Any]) -> Any:
     """Run the estimate the arguments ask for (a config with --hf-config, else FILE:build)."""
-    from torchmem.fit import estimate
+    from torchmem.fit import estimate, estimate_script
 
+    script = _script_of(args)
+    if script is not None:
+        name, argv, as_module = script
+        if args.time_limit is not None:
+            options["time_limit"] = args.time_limit
+        return estimate_script(name, argv, card, module=as_module,
+                               steps=2 if args.steps is None else args.steps, progress=say,
+                               maximize=maximize, **options)
     if getattr(args, "hf_config", None):
         from torchmem.cli._estimate_hf import estimate_from_args
 

@@ -43,7 +43,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from torchmem.errors import InvalidInputError, MissingFileError
+from torchmem._scripts import module_command, script_file
+from torchmem.errors import InvalidInputError
 
 __all__ = ["add_arguments", "run"]
 
@@ -214,22 +215,7 @@ def _run_script(
 
 def _script_source(script: str) -> str:
     """The file ``python script`` would run: the script, or a folder's ``__main__.py``."""
-    if os.path.isdir(script):
-        main_py = os.path.join(script, "__main__.py")
-        if not os.path.isfile(main_py):
-            raise InvalidInputError(
-                f"{script!r} is a directory with no __main__.py; expected a Python file "
-                "('torchmem run train.py'), a folder with a __main__.py, or a module to run "
-                "with -m ('torchmem run -m package.module')"
-            )
-        return main_py
-    if not os.path.isfile(script):
-        raise MissingFileError(
-            f"script {script!r} not found; expected a path to a Python file",
-            path=script,
-            kind="script",
-        )
-    return script
+    return script_file(script, "run")
 
 
 def _module_code(name: str) -> Any:
@@ -313,15 +299,7 @@ def run(args: argparse.Namespace) -> int:
 
     module_argv = getattr(args, "module", None)
     if module_argv is not None:
-        if not module_argv:
-            raise InvalidInputError("expected a module name after -m, e.g. 'torchmem run -m "
-                                    "mypkg.train --epochs 1'")
-        if args.script:
-            raise InvalidInputError(
-                f"got both a script ({args.script!r}) and -m {module_argv[0]}; pass one of them "
-                "(torchmem's options go before -m, the module's after it)"
-            )
-        args.script, args.args = module_argv[0], module_argv[1:]
+        args.script, args.args = module_command(module_argv, args.script, "run")
     as_module = module_argv is not None
     if args.example and args.script:
         raise InvalidInputError(

@@ -4,6 +4,9 @@
   through a simulation of PyTorch's CUDA caching allocator; returns an :class:`Estimate` whose
   ``fits`` keeps the documented error margin free (:mod:`torchmem.fit._margin`);
   ``maximize="seq_len"`` (or any integer parameter) finds the largest value that fits.
+- :func:`estimate_script`: the same for an unmodified script (``python train.py args``, or a
+  module like ``python -m``), stopped after a few optimizer steps; returns a
+  :class:`ScriptEstimate` (which steps ran, why it stopped, the writes skipped).
 - :func:`estimate_hf`: the same for a transformers model from its config alone (``forward``,
   ``generate`` with its KV cache, ``train``); no weights are read.
 - :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
@@ -29,7 +32,8 @@ from __future__ import annotations
 from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._hf import estimate_hf
+from torchmem.fit._script import ScriptEstimate, estimate_script
 from torchmem.fit._search import estimate
 
-__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "estimate",
-           "estimate_hf", "gpu"]
+__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "ScriptEstimate",
+           "estimate", "estimate_hf", "estimate_script", "gpu"]

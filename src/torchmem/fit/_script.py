@@ -1,0 +1,823 @@
+"""Estimate an unmodified script: ``python train.py args`` run under the estimate's fake GPU.
+
+:func:`estimate_script` runs a script (or a module, like ``python -m``) as Python would:
+``sys.argv`` is the script and its arguments, ``__name__ == "__main__"``, the script's folder (for
+a module: the current folder) is first on ``sys.path``; all three are restored afterwards. It runs
+exactly as a build function's step does in :func:`~torchmem.fit._engine.run_once` (the script's
+whole run is the step): fake tensors, fake CUDA, the simulated caching allocator, value reads
+answered and listed.
+
+When the run stops:
+
+- after ``steps`` optimizer steps (``torch.optim.Optimizer.step`` calls of any optimizer,
+  counted by a global step post hook): the hook raises a ``BaseException`` that is not an
+  ``Exception`` (so the script's own ``except Exception`` does not swallow it) and the run ends
+  there, as a normal end;
+- at its end, or at ``sys.exit(0)``, when it steps fewer times (a script with no optimizer);
+- at ``time_limit`` seconds (the figures are then the peak until that point, and the report
+  says so);
+- at the simulated out-of-memory point (the estimate does not fit).
+
+The result is a :class:`ScriptEstimate`: an :class:`~torchmem.fit.Estimate` whose ``script``
+(:class:`ScriptRun`) says which steps ran, why the run stopped and which writes were skipped.
+
+Nothing the fake run writes lands on disk by surprise: while the script runs, ``torch.save``
+(``torch.serialization.save``) and safetensors' ``save_file`` / ``save_model`` (also where a
+library imported them under another name, such as transformers' ``safe_save_file``) are skipped
+and listed (``ScriptRun.skipped_writes``: where, what, the path). Not intercepted: files the
+script writes itself (``open(...).write``, ``json.dump``, ``numpy.save``, ``pickle.dump``, logs,
+TensorBoard event files), folders it creates (``os.makedirs``; transformers' ``output_dir``), and
+configuration files written by ``save_pretrained`` (its weights go through safetensors and are
+skipped). A script that writes those on its own should be pointed at a scratch folder.
+
+Bad input raises :class:`~torchmem.errors.InvalidInputError` (a missing script:
+:class:`~torchmem.errors.MissingFileError`) with one line saying what was expected and how to fix
+it: a script that does not compile (``file:line``), a module that cannot be imported, arguments
+the script's argparse rejects (its usage message in the error), a script that exits early with
+nothing simulated, or a non-zero ``sys.exit``. A script that crashes under the estimate raises
+:class:`ScriptError`: where (``file:line`` of the script) and why, and what had been simulated up
+to then (``ScriptError.estimate``: the peaks so far).
+
+Example:
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp(); path = os.path.join(folder, "train.py")
+    >>> _ = open(path, "w").write('''
+    ... import argparse, os, torch
+    ... p = argparse.ArgumentParser(); p.add_argument("--batch-size", type=int, default=8)
+    ... a = p.parse_args()
+    ... net = torch.nn.Linear(64, 64).cuda()
+    ... opt = torch.optim.AdamW(net.parameters())
+    ... for i in range(1000):
+    ...     loss = net(torch.randn(a.batch_size, 64, device="cuda")).square().mean()
+    ...     loss.backward(); opt.step(); opt.zero_grad()
+    ...     torch.save(net.state_dict(), os.path.join(os.path.dirname(__file__), "ckpt.pt"))
+    ... ''')
+    >>> e = estimate_script(path, ["--batch-size", "32"], gpu="T4", steps=2)
+    >>> e.fits, e.script.steps_run, e.script.stopped
+    (True, 2, 'steps')
+    >>> [w.what for w in e.script.skipped_writes], os.listdir(folder)
+    (['torch.save(OrderedDict of 2 tensors, 16.25 KiB)'], ['train.py'])
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from torchmem._scripts import script_file
+from torchmem.errors import InvalidInputError
+from torchmem.fit._catalog import GPU
+from torchmem.fit._catalog import gpu as _gpu
+from torchmem.fit._engine import _Abort, _hint, _user_frame, run_once
+from torchmem.fit._estimate import Estimate
+from torchmem.fit._margin import check_margin, margin_for
+from torchmem.fit._search import _apply_margin, _check_range, _search
+from torchmem.fit._values import _where
+from torchmem.units import format_bytes
+
+__all__ = ["ScriptError", "ScriptEstimate", "ScriptRun", "SkippedWrite", "estimate_script"]
+
+#: Seconds a script may run under the estimate before it is stopped (``time_limit``).
+DEFAULT_TIME_LIMIT = 300.0
+
+#: ``ScriptRun.stopped`` -> what it means.
+STOP_REASONS = {
+    "steps": "stopped after the requested optimizer steps",
+    "end": "ran to its end",
+    "exit": "exited with status 0 (sys.exit)",
+    "time_limit": "stopped at the time limit",
+    "out_of_memory": "stopped at the simulated out-of-memory point",
+}
+
+
+class ScriptError(InvalidInputError):
+    """The script crashed under the estimate: the message says where (``file:line``) and why;
+    ``estimate`` holds what had been simulated up to then (the peaks so far).
+
+    Example:
+        >>> issubclass(ScriptError, InvalidInputError), ScriptError("boom").estimate
+        (True, None)
+    """
+
+    def __init__(self, message: str, estimate: Estimate | None = None) -> None:
+        super().__init__(message)
+        self.estimate = estimate
+
+
+class _StopScript(_Abort):
+    """Ends the script's run (enough optimizer steps, the time limit): a ``BaseException``, not
+    an ``Exception``; the engine takes its ``_Abort`` base as a normal end of the run."""
+
+
+@dataclass
+class SkippedWrite:
+    """A write the fake run did not make: ``where`` (``file:line`` of the caller), ``what``
+    (the call and what it would have written) and ``path`` (the file, or ``<BytesIO>`` for a
+    file object).
+
+    Example:
+        >>> SkippedWrite("train.py:9", "torch.save(dict of 2 tensors, 1.00 KiB)", "ckpt.pt").to_dict()
+        {'where': 'train.py:9', 'what': 'torch.save(dict of 2 tensors, 1.00 KiB)', 'path': 'ckpt.pt'}
+    """
+
+    where: str
+    what: str
+    path: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form (the entries of ``script.skipped_writes``).
+
+        Example:
+            >>> sorted(SkippedWrite("a.py:1", "torch.save(list)", "x.pt").to_dict())
+            ['path', 'what', 'where']
+        """
+        return {"where": self.where, "what": self.what, "path": self.path}
+
+
+@dataclass
+class ScriptRun:
+    """How the script ran under the estimate.
+
+    ``target`` is the script's path (or the module's name, ``module=True``), ``args`` its
+    arguments; ``steps_requested`` the optimizer steps after which it is stopped;
+    ``steps_run`` the optimizer steps it made; ``stopped`` why it stopped (a key of
+    :data:`STOP_REASONS`: ``"steps"``, ``"end"``, ``"exit"``, ``"time_limit"``,
+    ``"out_of_memory"``) and ``reason`` the same in words, with where; ``time_limit_s`` the
+    limit and ``elapsed_s`` the run's time; ``skipped_writes`` the writes not made.
+
+    Example:
+        >>> r = ScriptRun("train.py", ["--lr", "1"], steps_requested=2, steps_run=2,
+        ...               stopped="steps", reason="stopped after 2 optimizer steps (steps=2)")
+        >>> r.to_dict()["stopped"], r.line()
+        ('steps', 'script: train.py --lr 1: stopped after 2 optimizer steps (steps=2)')
+    """
+
+    target: str
+    args: list[str]
+    module: bool = False
+    steps_requested: int = 2
+    steps_run: int = 0
+    stopped: str = "end"
+    reason: str = ""
+    time_limit_s: float = DEFAULT_TIME_LIMIT
+    elapsed_s: float = 0.0
+    skipped_writes: list[SkippedWrite] = field(default_factory=list)
+
+    def command(self) -> str:
+        """The script and its arguments as typed (``-m name`` for a module).
+
+        Example:
+            >>> ScriptRun("pkg.train", ["--x", "1"], module=True).command()
+            '-m pkg.train --x 1'
+        """
+        head = f"-m {self.target}" if self.module else self.target
+        return " ".join([head, *self.args])
+
+    def line(self) -> str:
+        """The report's line: the command and why the run stopped.
+
+        Example:
+            >>> ScriptRun("t.py", [], stopped="end", reason="ran to its end (0 optimizer steps)").line()
+            'script: t.py: ran to its end (0 optimizer steps)'
+        """
+        return f"script: {self.command()}: {self.reason or STOP_REASONS.get(self.stopped, '')}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the ``script`` key of :meth:`ScriptEstimate.to_dict`).
+
+        Example:
+            >>> list(ScriptRun("t.py", []).to_dict())[:4]
+            ['target', 'module', 'args', 'steps_requested']
+        """
+        return {
+            "target": self.target,
+            "module": self.module,
+            "args": list(self.args),
+            "steps_requested": self.steps_requested,
+            "steps_run": self.steps_run,
+            "stopped": self.stopped,
+            "reason": self.reason,
+            "time_limit_s": self.time_limit_s,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "skipped_writes": [w.to_dict() for w in self.skipped_writes],
+        }
+
+
+@dataclass
+class ScriptEstimate(Estimate):
+    """An :class:`~torchmem.fit.Estimate` of a script's run, with ``script``
+    (:class:`ScriptRun`): the steps that ran, why the run stopped, the writes skipped;
+    :meth:`to_dict` adds it as the ``script`` key.
+
+    Example:
+        >>> e = ScriptEstimate("T4", None, True, 100, 30, 1, 2, 3, script=ScriptRun("t.py", []))
+        >>> e.to_dict()["script"]["target"], e.verdict_line().startswith("T4: FITS")
+        ('t.py', True)
+    """
+
+    script: ScriptRun | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """:meth:`Estimate.to_dict` plus ``script``.
+
+        Example:
+            >>> ScriptEstimate("x", None, True, 10, 1, 0, 0, 0).to_dict()["script"] is None
+            True
+        """
+        d = super().to_dict()
+        d["script"] = self.script.to_dict() if self.script is not None else None
+        return d
+
+
+# -- the script, found and compiled before anything runs --------------------------------------
+
+
+@dataclass
+class _Target:
+    """What runs: a file (``path``, the file Python runs) or a module (``name``)."""
+
+    name: str
+    module: bool
+    path: str  # the file that runs (a module's file, a folder's __main__.py)
+    source: str
+
+
+def _find(script: str, module: bool) -> _Target:
+    """The script's file, compiled (a ``SyntaxError`` is bad input naming ``file:line``)."""
+    path = _module_file(script) if module else script_file(script, "estimate")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        compile(raw, path, "exec")
+    except SyntaxError as e:  # IndentationError, TabError too
+        raise InvalidInputError(
+            f"{e.filename or path}:{e.lineno}: {type(e).__name__}: {e.msg}; the script does not "
+            "compile, so nothing ran; expected a script that 'python' runs: fix that line"
+        ) from None
+    return _Target(script, module, path, raw.decode("utf-8", "replace"))
+
+
+def _module_file(name: str) -> str:
+    """The file ``python -m name`` runs (a package: its ``__main__``)."""
+    sys.path.insert(0, os.getcwd())
+    why = ""
+    try:
+        try:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations is not None:
+                spec = importlib.util.find_spec(name + ".__main__")
+        except SyntaxError as e:
+            raise InvalidInputError(
+                f"{e.filename}:{e.lineno}: {type(e).__name__}: {e.msg}; a package of module "
+                f"{name!r} does not compile; fix that line"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - a parent package failed to import: say so
+            spec, why = None, f" (importing its package failed: {type(e).__name__}: {e})"
+    finally:
+        if sys.path and sys.path[0] == os.getcwd():
+            del sys.path[0]
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if spec is None or not origin or not os.path.isfile(origin):
+        raise InvalidInputError(
+            f"no module named {name!r}{why}; expected a module importable from here, as "
+            f"'python -m {name}' would find it (check the name, the current folder and the "
+            "environment)"
+        )
+    return str(origin)
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+def _describe(obj: Any) -> str:
+    """What a save would have written: ``dict of 4 tensors, 1.00 MiB``."""
+    count, size, seen = 0, 0, 0
+    stack = [obj]
+    while stack and seen < 100_000:
+        x = stack.pop()
+        seen += 1
+        if isinstance(x, torch.Tensor):
+            count += 1
+            size += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.state_dict().values())
+    kind = type(obj).__name__
+    if not count:
+        return kind
+    return f"{kind} of {count} tensor{'s' * (count != 1)}, {format_bytes(size)}"
+
+
+def _path_of(f: Any) -> str:
+    if isinstance(f, (str, bytes, os.PathLike)):
+        return os.fsdecode(f)
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) else f"<{type(f).__name__}>"
+
+
+def _save_call(obj_at: int, path_at: int, path_key: str) -> Callable[..., tuple[Any, Any]]:
+    """For a save function: ``(what it saves, where)`` from its arguments."""
+    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        obj = args[obj_at] if len(args) > obj_at else next(
+            (kwargs[k] for k in ("obj", "tensors", "model") if k in kwargs), None)
+        return obj, args[path_at] if len(args) > path_at else kwargs.get(path_key)
+    return read
+
+
+def _checkpoint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Trainer._save_checkpoint(self, model, trial)``: the model, the checkpoint folder."""
+    trainer = args[0]
+    step = getattr(getattr(trainer, "state", None), "global_step", "?")
+    return (args[1] if len(args) > 1 else kwargs.get("model"),
+            os.path.join(str(trainer.args.output_dir), f"checkpoint-{step}"))
+
+
+def _save_model(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Trainer.save_model(self, output_dir=None)``: the model, the folder."""
+    trainer = args[0]
+    out = args[1] if len(args) > 1 else kwargs.get("output_dir")
+    return getattr(trainer, "model", None), out or trainer.args.output_dir
+
+
+def _save_pretrained(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``PreTrainedModel.save_pretrained(self, save_directory)``: the model, the folder."""
+    return args[0], args[1] if len(args) > 1 else kwargs.get("save_directory")
+
+
+#: (module, owner in it or "", attribute, label, reader): the writes skipped while a script runs
+#: (transformers' own: its checkpoint code inspects the fake tensors' data pointers before it
+#: gets to safetensors)
+_SAVES: list[tuple[str, str, str, str, Callable[..., tuple[Any, Any]]]] = [
+    ("torch", "", "save", "torch.save", _save_call(0, 1, "f")),
+    ("torch.serialization", "", "save", "torch.save", _save_call(0, 1, "f")),
+    ("safetensors.torch", "", "save_file", "safetensors.torch.save_file",
+     _save_call(0, 1, "filename")),
+    ("safetensors.torch", "", "save_model", "safetensors.torch.save_model",
+     _save_call(0, 1, "filename")),
+    ("transformers.trainer", "Trainer", "_save_checkpoint", "Trainer._save_checkpoint",
+     _checkpoint),
+    ("transformers.trainer", "Trainer", "save_model", "Trainer.save_model", _save_model),
+    ("transformers.modeling_utils", "PreTrainedModel", "save_pretrained",
+     "PreTrainedModel.save_pretrained", _save_pretrained),
+]
+
+
+#: module name -> (id of the module, its globals that held a save function when it was read):
+#: each module is read once per process (imports after that are read when they appear)
+_HOLDERS: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+
+def _globals(mod: Any) -> dict[str, Any]:
+    d = getattr(mod, "__dict__", None)
+    return d if isinstance(d, dict) else {}
+
+
+def _rebind(replace: dict[int, Any], modules: list[Any]) -> list[tuple[Any, str, Any]]:
+    """In ``modules``, a global whose ``id`` is a key of ``replace`` becomes its value;
+    ``(module, name, old value)`` of each."""
+    done = []
+    for mod in modules:
+        d = _globals(mod)
+        for k, v in list(d.items()):
+            new = replace.get(id(v)) if callable(v) else None
+            if new is not None and new is not v:
+                done.append((mod, k, v))
+                d[k] = new
+    return done
+
+
+class _Writes:
+    """While active, the save functions of :data:`_SAVES` record what they would write
+    instead of writing it; on exit every place that holds a stand-in (a module that imported
+    it by name) gets the original back."""
+
+    def __init__(self, skipped: list[SkippedWrite]) -> None:
+        self.skipped = skipped
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.stand_ins: dict[int, Any] = {}  # id(stand-in) -> original
+        self.before: dict[str, int] = {}  # the modules loaded when the run started
+
+    def _stand_in(self, label: str, original: Any, read: Callable[..., tuple[Any, Any]]) -> Any:
+        active = self
+
+        def skipped_save(*args: Any, **kwargs: Any) -> Any:
+            if active.stand_ins.get(id(skipped_save)) is not original:
+                return original(*args, **kwargs)  # held after the estimate: write for real
+            obj, dest = read(args, kwargs)
+            active.skipped.append(SkippedWrite(_where(), f"{label}({_describe(obj)})",
+                                               _path_of(dest)))
+            return None
+
+        skipped_save.__wrapped__ = original  # type: ignore[attr-defined]
+        self.stand_ins[id(skipped_save)] = original
+        return skipped_save
+
+    def __enter__(self) -> _Writes:
+        if "safetensors.torch" not in sys.modules and importlib.util.find_spec("safetensors"):
+            import safetensors.torch  # noqa: F401 - patched before the script imports it
+        by_original: dict[int, Any] = {}
+        for module, owner_name, attr, label, read in _SAVES:
+            owner = sys.modules.get(module)
+            if owner is not None and owner_name:
+                owner = getattr(owner, owner_name, None)
+            original = getattr(owner, attr, None) if owner is not None else None
+            if original is None:
+                continue
+            stand_in = by_original.get(id(original))
+            if stand_in is None:
+                stand_in = by_original[id(original)] = self._stand_in(label, original, read)
+            self.saved.append((owner, attr, original))
+            setattr(owner, attr, stand_in)
+        # modules that imported a save function by name (``from safetensors.torch import
+        # save_file as safe_save_file``) hold the original: they get the stand-in too (each
+        # module's globals are read once per process: reading them all takes 0.1-0.3 s)
+        self.before = {name: id(mod) for name, mod in list(sys.modules.items())}
+        for name, mod in list(sys.modules.items()):
+            seen = _HOLDERS.get(name)
+            if seen is None or seen[0] != id(mod):
+                held = tuple(k for k, v in list(_globals(mod).items())
+                             if callable(v) and id(v) in by_original)
+                _HOLDERS[name] = seen = (id(mod), held)
+            for k in seen[1]:
+                v = _globals(mod).get(k)
+                stand_in = by_original.get(id(v))
+                if stand_in is not None and stand_in is not v:
+                    self.saved.append((mod, k, v))
+                    setattr(mod, k, stand_in)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in reversed(self.saved):
+            setattr(owner, attr, original)
+        # modules imported during the run may hold a stand-in under any name
+        new = [mod for name, mod in list(sys.modules.items())
+               if self.before.get(name) != id(mod)]
+        _rebind(self.stand_ins, new)
+        self.stand_ins.clear()
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[None]:
+    """Raise ``stop()`` in this thread after ``seconds`` (a timer signal on the main thread,
+    an asynchronous exception on another)."""
+    if seconds <= 0 or seconds == float("inf"):
+        yield
+        return
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise stop()
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        return
+    ident = threading.get_ident()
+    done = threading.Event()
+
+    def fire() -> None:
+        if not done.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                       ctypes.py_object(_StopScript))
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        timer.cancel()
+
+
+class _ArgparseRejected(SystemExit):
+    """The script's argparse rejected its arguments (usage and message kept)."""
+
+    def __init__(self, usage: str, message: str) -> None:
+        super().__init__(2)
+        self.usage, self.message = usage, message
+
+
+@contextlib.contextmanager
+def _argparse_errors() -> Iterator[None]:
+    """``ArgumentParser.error`` raises :class:`_ArgparseRejected` (usage and message kept for
+    torchmem's one-line error) instead of printing them and exiting 2."""
+    original = argparse.ArgumentParser.error
+
+    def error(self: argparse.ArgumentParser, message: str) -> Any:
+        raise _ArgparseRejected(self.format_usage().strip(), message)
+
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+class _Run:
+    """One run of the script under :func:`run_once`: ``build`` returns ``step``, which runs
+    the script once, counting optimizer steps and skipping writes."""
+
+    def __init__(self, target: _Target, args: list[str], steps: int, time_limit: float) -> None:
+        self.target = target
+        self.record = ScriptRun(target.name, list(args), module=target.module,
+                                steps_requested=steps, time_limit_s=time_limit)
+        self.exit: BaseException | None = None  # a SystemExit, or the script's exception
+
+    def build(self, batch_size: int, **params: Any) -> Callable[[], None]:
+        if "transformers" in self.target.source and importlib.util.find_spec("transformers"):
+            # the engine patches transformers' own value reads once it is imported, before the
+            # step (as for a build function that imports it)
+            import transformers.generation.stopping_criteria  # noqa: F401
+            import transformers.generation.utils  # noqa: F401
+            import transformers.modeling_utils  # noqa: F401 - its saves are skipped
+            if "Trainer" in self.target.source:
+                import transformers.trainer  # noqa: F401
+        return self.step
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        rec = self.record
+        rec.steps_run += 1
+        if rec.steps_run >= rec.steps_requested:
+            rec.stopped = "steps"
+            raise _StopScript()
+
+    def _timeout(self) -> BaseException:
+        self.record.stopped = "time_limit"
+        return _StopScript()
+
+    def step(self) -> None:
+        t = self.target
+        rec = self.record
+        old_argv, old_path0 = sys.argv[:], list(sys.path)
+        sys.argv = [t.path if t.module else t.name, *rec.args]
+        sys.path.insert(0, os.getcwd() if t.module else os.path.dirname(os.path.abspath(t.path)))
+        hook = register_optimizer_step_post_hook(self._on_step)
+        start = time.perf_counter()
+        try:
+            with _Writes(rec.skipped_writes), _argparse_errors(), \
+                    _time_limit(rec.time_limit_s, self._timeout):
+                if t.module:
+                    runpy.run_module(t.name, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(t.path, run_name="__main__")
+            rec.stopped = "end"
+        except _StopScript:
+            pass  # stopped (steps or time limit): a normal end
+        except _Abort:
+            rec.stopped = "out_of_memory"
+            raise
+        except SystemExit as e:
+            self.exit = e
+            rec.stopped = "exit"
+        except Exception as e:  # noqa: BLE001 - the script crashed: reported with the peaks
+            self.exit = e
+            rec.stopped = "crash"
+        finally:
+            hook.remove()
+            rec.elapsed_s = time.perf_counter() - start
+            sys.argv = old_argv
+            sys.path[:] = old_path0
+
+    # -- after the run -----------------------------------------------------------------------------
+
+    def _at(self, exc: BaseException) -> str:
+        fr = _user_frame(exc, {os.path.abspath(self.target.path), self.target.path})
+        if fr is None:
+            return ""
+        return f" at {fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
+
+    def finish(self, e: Estimate) -> ScriptEstimate:
+        """The estimate with the script's run; bad ends raise (see the module docstring)."""
+        rec = self.record
+        n = rec.steps_run
+        steps = f"{n} optimizer step{'s' * (n != 1)}"
+        name = rec.command()
+        peak = (f"simulated up to then: peak allocated {format_bytes(e.peak_allocated_bytes)}, "
+                f"peak reserved {format_bytes(e.peak_reserved_bytes)} on {e.gpu} after {steps}")
+        exc = self.exit
+        if isinstance(exc, _ArgparseRejected):
+            raise InvalidInputError(
+                f"{self.target.name} rejected its arguments {rec.args!r}: {exc.message} "
+                f"({exc.usage}); expected arguments the script accepts: fix them after the "
+                "script's name (torchmem's own options go before it)"
+            )
+        if isinstance(exc, SystemExit) and exc.code not in (None, 0):
+            raise InvalidInputError(
+                f"{name} exited with status {exc.code!r}{self._at(exc)} ({peak}); expected a "
+                "script that runs to its end or to its optimizer steps; fix what makes it exit "
+                "(run it with python to see its own message)"
+            )
+        if exc is not None and not isinstance(exc, SystemExit):
+            err = ScriptError(
+                f"{name} raised {type(exc).__name__}{self._at(exc)}: {str(exc).strip()[:300]} "
+                f"({peak}).{_hint(exc)} (torchmem runs it under fake tensors; set "
+                "TORCHMEM_DEBUG=1 for the full traceback)", estimate=e)
+            err.__cause__ = exc
+            raise err
+        if n == 0 and e.peak_requested_bytes == 0 and e.oom is None and rec.stopped != "time_limit":
+            how = (f"exited with status 0{self._at(exc)}" if exc is not None
+                   else "ran to its end")
+            fix = (f"; it defines build(): to estimate that, run 'torchmem estimate "
+                   f"{self.target.name}:build'" if "def build(" in self.target.source else "")
+            raise InvalidInputError(
+                f"{name} {how} before it made any tensor or optimizer step, so there is "
+                "nothing to estimate; expected a script that trains or runs a model (check its "
+                f"arguments: does it stop early, e.g. on --help or a dry run?){fix}"
+            )
+        if rec.stopped == "steps":
+            rec.reason = f"stopped after {steps} (steps={rec.steps_requested})"
+        elif rec.stopped == "time_limit":
+            rec.reason = (f"stopped at the time limit ({rec.time_limit_s:g} s) after {steps}; "
+                          "the figures are the peaks until then (raise the limit to see more)")
+        elif rec.stopped == "out_of_memory":
+            rec.reason = f"stopped at the simulated out-of-memory point after {steps}"
+        elif rec.stopped == "exit":
+            rec.reason = f"exited with status 0{self._at(exc) if exc else ''} after {steps}"
+        else:
+            rec.reason = f"ran to its end after {steps}"
+        values = {f.name: getattr(e, f.name) for f in fields(Estimate)}
+        values.update(batch_size=None, steps=n)
+        out = ScriptEstimate(**values, script=rec)
+        if rec.stopped == "time_limit":
+            out.notes.append(f"the script was stopped at the time limit ({rec.time_limit_s:g} s)")
+        return out
+
+
+# -- the API -------------------------------------------------------------------------------------
+
+
+def _option(name: str, args: Sequence[str], source: str = "") -> str:
+    """The command-line option ``--max NAME`` searches: ``--NAME`` as given, or with ``-`` and
+    ``_`` swapped when the script's arguments (or else its source) use that spelling.
+
+    Example:
+        >>> _option("batch_size", ["--batch-size", "8"]), _option("seq-len", [], "'--seq_len'")
+        ('--batch-size', '--seq_len')
+    """
+    bare = name.lstrip("-")
+    if not bare or not bare.replace("-", "_").isidentifier():
+        raise InvalidInputError(
+            f"maximize={name!r}: expected the name of one of the script's integer options, "
+            "e.g. 'batch-size' to search --batch-size"
+        )
+    flags = (f"--{bare}", f"--{bare.replace('_', '-')}", f"--{bare.replace('-', '_')}")
+    for flag in flags:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            return flag
+    for flag in flags:
+        if f"'{flag}'" in source or f'"{flag}"' in source:
+            return flag
+    return f"--{bare}"
+
+
+def _current(flag: str, args: Sequence[str]) -> int | None:
+    """The int value ``flag`` has in ``args`` (the last one), ``None`` when absent."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.partition("=")[2]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise InvalidInputError(
+            f"{flag} {value!r} in the script's arguments: --max searches an integer option, "
+            f"and {value!r} is not an int; fix: give an int or drop it"
+        ) from None
+
+
+def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
+    """``args`` with ``flag value`` replaced (every occurrence) or appended.
+
+    Example:
+        >>> with_option(["--lr", "1", "--batch-size", "8"], "--batch-size", 64)
+        ['--lr', '1', '--batch-size', '64']
+        >>> with_option(["--batch-size=8"], "--batch-size", 64), with_option([], "--bs", 2)
+        (['--batch-size=64'], ['--bs', '2'])
+    """
+    out, found, i = [], False, 0
+    args = list(args)
+    while i < len(args):
+        a = args[i]
+        if a == flag and i + 1 < len(args):
+            out += [flag, str(value)]
+            found = True
+            i += 2
+            continue
+        if a.startswith(flag + "="):
+            out.append(f"{flag}={value}")
+            found = True
+        else:
+            out.append(a)
+        i += 1
+    return out if found else [*out, flag, str(value)]
+
+
+def estimate_script(
+    script: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    gpu: str | int | GPU = "H100-80GB",
+    *,
+    module: bool = False,
+    steps: int = 2,
+    time_limit: float = DEFAULT_TIME_LIMIT,
+    maximize: str | None = None,
+    search_range: tuple[int, ...] | None = None,
+    alloc_conf: str | None = None,
+    margin: int | str | None = None,
+    strict_values: bool = False,
+    keep_snapshot: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ScriptEstimate:
+    """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
+    ``python -m script args`` with ``module=True``) under the estimate (see the module
+    docstring) and stop it after ``steps`` optimizer steps, at its end or at ``time_limit``
+    seconds.
+
+    The run is the one of :func:`torchmem.estimate` for a build function whose step is the
+    whole script: the same fake CUDA, simulated allocator, error ``margin`` (``fits`` keeps it
+    free), ``alloc_conf``, ``strict_values`` and ``keep_snapshot``. ``maximize="batch-size"``
+    searches the script's integer option ``--batch-size`` (replaced in ``args``, or appended, per
+    probe) for the largest value that fits, with the search of :func:`torchmem.estimate`
+    (``search_range=(lo, hi[, step])``, ``progress(message)`` told each probe); the answer is
+    ``max_value`` (and ``max_batch_size`` for ``batch-size``), its option in ``params``.
+
+    Returns a :class:`ScriptEstimate`; ``.script`` (:class:`ScriptRun`) says how many optimizer
+    steps ran, why the run stopped and which writes (``torch.save``, safetensors) were skipped.
+    Bad input raises :class:`~torchmem.errors.InvalidInputError`; a crash of the script raises
+    :class:`ScriptError` with the peaks simulated until then.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "fit.py")
+        >>> _ = open(path, "w").write('''
+        ... import sys, torch
+        ... net = torch.nn.Linear(256, 256, device="cuda")
+        ... opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ... for _ in range(10):
+        ...     net(torch.randn(int(sys.argv[2]), 256, device="cuda")).sum().backward()
+        ...     opt.step()
+        ... ''')
+        >>> e = estimate_script(path, ["--batch", "16"], gpu="T4")
+        >>> e.script.steps_run, e.peak_requested_bytes > 2 * 256 * 256 * 4
+        (2, True)
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise InvalidInputError(f"steps must be an int >= 1, got {steps!r}")
+    if not isinstance(time_limit, (int, float)) or isinstance(time_limit, bool) or not time_limit > 0:
+        raise InvalidInputError(f"time_limit must be a number of seconds > 0, got {time_limit!r}")
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise InvalidInputError(
+            f"args must be a list of strings (the script's command line), got {args!r}")
+    card = _gpu(gpu)
+    spec = check_margin(margin)
+    target = _find(os.fspath(script), module)
+    lo, hi, step = _check_range(search_range, maximize)
+
+    def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
+        r = _Run(target, argv, steps, float(time_limit))
+        e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
+                     strict_values=strict_values)
+        out = r.finish(_apply_margin(e, spec, card))
+        out.params = dict(shown or {})
+        return out
+
+    if maximize is None:
+        return run(list(args), keep_snapshot)
+    flag = _option(maximize, args, target.source)
+    ident = flag.lstrip("-").replace("-", "_")
+    current = _current(flag, args)
+    start = lo if lo is not None else current or 1
+
+    def probe(v: int, snap: bool = False) -> ScriptEstimate:
+        return run(with_option(args, flag, v), snap, {flag.lstrip("-"): v})
+
+    def fits_at(reserved: float) -> bool:
+        r = max(0, int(reserved))
+        return r + margin_for(spec, card, r) <= card.usable_bytes
+
+    best = _search(ident, probe, start, lo, hi, card, progress, keep_snapshot,
+                   lambda v: probe(v, keep_snapshot), fits_at, step)
+    assert isinstance(best, ScriptEstimate)
+    return best
