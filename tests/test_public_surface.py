@@ -101,7 +101,7 @@ NAMESPACES: dict[str, list[str]] = {
         "TiedLM", "build_example", "example_input", "list_examples", "train_step",
     ],
     "torchmem.fit": [
-        "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite", "estimate",
+        "Adam8bitStandIn", "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite", "estimate",
         "estimate_hf", "gpu",
     ],
     "torchmem.integrations": [],

@@ -6,6 +6,8 @@
   ``maximize="seq_len"`` (or any integer parameter) finds the largest value that fits.
 - :func:`estimate_hf`: the same for a transformers model from its config alone (``forward``,
   ``generate`` with its KV cache, ``train``); no weights are read.
+- :class:`Adam8bitStandIn`: what bitsandbytes' 8-bit Adam allocates, for builds that use it
+  (bitsandbytes' CUDA kernels cannot run in an estimate).
 - :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
   capability, the source of each figure), or a GPU from a byte size.
 
@@ -26,10 +28,11 @@ Example:
 
 from __future__ import annotations
 
+from torchmem.fit._bnb import Adam8bitStandIn
 from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._hf import estimate_hf
 from torchmem.fit._search import estimate
 
-__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "estimate",
+__all__ = ["Adam8bitStandIn", "CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "estimate",
            "estimate_hf", "gpu"]
