@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -1616,9 +1617,9 @@ class CudaEmulation:
         # accelerate (and the Trainer's fp16 through it) sees the GPU: :mod:`torchmem.fit._accelerate`
         from torchmem.fit._accelerate import accelerate_on_gpu  # noqa: PLC0415
 
-        ctx = accelerate_on_gpu()
-        ctx.__enter__()
-        self._undo.append(lambda: ctx.__exit__(None, None, None))
+        stack = contextlib.ExitStack()
+        stack.enter_context(accelerate_on_gpu())
+        self._undo.append(stack.close)
 
     # -- optimizers -----------------------------------------------------------------------------
 
