@@ -41,6 +41,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_ledger.py": ["--smoke"],
     "bench_live.py": ["--smoke"],
     "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
+    "bench_public_truth.py": ["adam8bit", "--max-steps", "1"],
     "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
     "bench_replay.py": ["--reps", "1"],
     "bench_script.py": ["--smoke"],
@@ -199,6 +200,16 @@ def test_bench_merge() -> None:
     out = smoke("bench_merge.py")
     has(out, rf"^merge of 2 ranks x 5,000 events from the files: {NUM} s wall / {NUM} s CPU",
         rf"^  with --jobs 2: {NUM} s wall", rf"merge / summaries = {NUM}x CPU")
+
+
+def test_bench_public_truth() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = smoke("bench_public_truth.py")
+    has(out, r"^published: Tesla V100-SXM2 16 GB, 2022 .*; estimates: torch ",
+        r"^variant +estimated MiB +published MiB +diff",
+        rf"^adam8bit +{NUM} +13085 +[+-]{NUM}% +{NUM}$",
+        rf"^[01] of 1 within 5% \(largest difference {NUM}%\); order the same as published")
 
 
 def test_bench_pytest_plugin() -> None:

@@ -102,8 +102,8 @@ NAMESPACES: dict[str, list[str]] = {
         "TiedLM", "build_example", "example_input", "list_examples", "train_step",
     ],
     "torchmem.fit": [
-        "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite", "ScriptEstimate",
-        "estimate", "estimate_hf", "estimate_script", "gpu",
+        "Adam8bitStandIn", "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite",
+        "ScriptEstimate", "estimate", "estimate_hf", "estimate_script", "gpu",
     ],
     "torchmem.integrations": [],
     "torchmem.io": [

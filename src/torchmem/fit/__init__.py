@@ -9,6 +9,8 @@
   :class:`ScriptEstimate` (which steps ran, why it stopped, the writes skipped).
 - :func:`estimate_hf`: the same for a transformers model from its config alone (``forward``,
   ``generate`` with its KV cache, ``train``); no weights are read.
+- :class:`Adam8bitStandIn`: what bitsandbytes' 8-bit Adam allocates, for builds that use it
+  (bitsandbytes' CUDA kernels cannot run in an estimate).
 - :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
   capability, the source of each figure), or a GPU from a byte size.
 
@@ -29,11 +31,12 @@ Example:
 
 from __future__ import annotations
 
+from torchmem.fit._bnb import Adam8bitStandIn
 from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._hf import estimate_hf
 from torchmem.fit._script import ScriptEstimate, estimate_script
 from torchmem.fit._search import estimate
 
-__all__ = ["CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite", "ScriptEstimate",
-           "estimate", "estimate_hf", "estimate_script", "gpu"]
+__all__ = ["Adam8bitStandIn", "CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite",
+           "ScriptEstimate", "estimate", "estimate_hf", "estimate_script", "gpu"]

@@ -149,8 +149,9 @@ GPUS: dict[str, GPU] = {
            "A10G 24 GB; cudaMemGetInfo total 22.19 GiB as commonly reported on AWS g5"),
         _g("T4", 14.75, (7, 5), 40, "Tesla T4 16 GB",
            _OOM.format("14.75") + "github.com/hpcaitech/Open-Sora/issues/697"),
-        _g("V100-16GB", 15.78, (7, 0), 80, "V100 16 GB",
-           _OOM.format("15.78") + "public reports of V100-SXM2-16GB"),
+        _g("V100-16GB", 15.78, (7, 0), 80, "Tesla V100 SXM2 16 GB HBM2",
+           _OOM.format("15.78") + "public reports of V100-SXM2-16GB; nvidia-smi's 16160MiB "
+           "total in transformers' docs (model_memory_anatomy.md) is the same 15.78 GiB"),
         _g("V100-32GB", 31.74, (7, 0), 80, "V100 32 GB",
            _OOM.format("31.74") + "public reports of V100-SXM2-32GB"),
         _g("RTX-3090", 23.69, (8, 6), 82, "GeForce RTX 3090 24 GB",

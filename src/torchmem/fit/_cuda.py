@@ -16,6 +16,8 @@ differently from what the CPU/fake path would, :class:`CudaEmulation` makes the 
   dropout, compute capability)
   and calls the CUDA op, whose fake (meta) kernel allocates what the CUDA kernel does: output
   plus logsumexp, no S x S matrix.
+- **accelerate** (and transformers' ``Trainer``, which runs on it) sees the CUDA device, so its
+  ``fp16`` mixed precision autocasts with a gradient scaler (:mod:`torchmem.fit._accelerate`).
 - **optimizers** default to the ``foreach`` implementation as on CUDA (``_foreach_*`` ops
   allocate whole intermediate lists; the CPU default is the per-parameter loop).
 - :meth:`CudaEmulation.transients` gives the scratch buffers a CUDA kernel allocates after its
@@ -44,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -158,6 +161,14 @@ MODELLED: list[tuple[str, str, str]] = [
         "a multiple of 8 are padded for flash; boolean masks are converted to additive masks, "
         "padded to a multiple of 16 for the memory-efficient kernel); math fallback otherwise. "
         "cuDNN's own workspace (sized by its heuristics at run time) is not modelled",
+    ),
+    (
+        "accelerate's mixed precision (Accelerator(mixed_precision=\"fp16\"), the Trainer's fp16)",
+        "on a CUDA device accelerate autocasts the forward in float16 and scales the loss "
+        "with a GradScaler; on a CPU device it ignores fp16 and trains in float32",
+        "accelerate's default device is CUDA and its per-process state the estimate's own "
+        "(torchmem.fit._accelerate), so it autocasts (CUDA's policy, above) with a gradient "
+        "scaler as on the GPU",
     ),
     (
         "optimizers (Adam, AdamW, SGD, ...)",
@@ -1370,6 +1381,7 @@ class CudaEmulation:
             self._install_autocast()
             self._install_amp_checks()
             self._install_optimizers()
+            self._install_accelerate()
         except BaseException:
             self._restore()
             raise
@@ -1600,6 +1612,14 @@ class CudaEmulation:
 
         torch.cuda.is_bf16_supported = is_bf16_supported
         self._undo.append(lambda: setattr(torch.cuda, "is_bf16_supported", original_bf16))
+
+    def _install_accelerate(self) -> None:
+        # accelerate (and the Trainer's fp16 through it) sees the GPU: :mod:`torchmem.fit._accelerate`
+        from torchmem.fit._accelerate import accelerate_on_gpu  # noqa: PLC0415
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(accelerate_on_gpu())
+        self._undo.append(stack.close)
 
     # -- optimizers -----------------------------------------------------------------------------
 
