@@ -293,7 +293,7 @@ def test_a_crash_says_where_and_what_was_simulated(tmp_path, capsys):
 
 
 def test_does_not_fit_exits_3_with_the_oom_point(train, capsys):
-    code = main(["estimate", "--gpu", "64 MiB", "--json", train, "--batch-size", "100000"])
+    code = main(["estimate", "--gpu", "1 GiB", "--json", train, "--batch-size", "1000000"])
     d = json.loads(capsys.readouterr().out)
     assert code == 3 and d["fits"] is False and d["oom"] is not None
     assert d["script"]["stopped"] == "out_of_memory"

@@ -337,3 +337,16 @@ def test_dataloader_workers_load_in_the_main_process():
     from torch.utils.data import DataLoader as DL
 
     assert DL._get_iterator.__name__ == "_get_iterator"   # restored
+
+
+def test_a_gpu_size_not_above_its_cuda_context_is_bad_input(capsys):
+    from torchmem.cli import main
+    from torchmem.fit import CONTEXT_BYTES
+
+    hopper = CONTEXT_BYTES[9]
+    with pytest.raises(InvalidInputError, match=r"no larger than its CUDA context \(530\.00 MiB"):
+        torchmem.fit.gpu(hopper)
+    assert torchmem.fit.gpu(hopper + 2 * MiB).usable_bytes == 2 * MiB
+    assert main(["estimate", "x.py:build", "--gpu", "100 MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "a GPU of 100.00 MiB is no larger than its CUDA context" in err and "Traceback" not in err

@@ -128,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
+    parser.add_argument("--routing", choices=("balanced", "worst"), default=None,
+                        help="tokens per expert for mixture-of-experts routing masks "
+                             "(one_hot + where): each expert its share (balanced, the "
+                             "default) or every token (worst)")
     parser.add_argument("--default-device", choices=("cpu", "cuda"), default=None,
                         help="where tensors created without a device go (default: the host, "
                              "as in PyTorch; 'cuda' for a device-agnostic build)")
@@ -491,8 +495,11 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(search_range=search_range, alloc_conf=args.alloc_conf,
                                    keep_snapshot=keep, margin=margin,
                                    strict_values=getattr(args, "strict_values", False))
-    if getattr(args, "default_device", None) and not getattr(args, "hf_config", None):
-        options["default_device"] = args.default_device
+    if not getattr(args, "hf_config", None):
+        if getattr(args, "default_device", None):
+            options["default_device"] = args.default_device
+        if getattr(args, "routing", None):
+            options["routing"] = args.routing
     if getattr(args, "hf_config", None) and getattr(args, "world_size", None) is not None:
         raise InvalidInputError(
             "--world-size runs a build function's sharding (fully_shard, DDP) on a fake process "

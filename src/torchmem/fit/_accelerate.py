@@ -5,8 +5,9 @@ accelerate decides its device once per process (``PartialState``: ``torch.device
 autocast with a gradient scaler: only when ``device.type != "cpu"`` (``Accelerator.__init__``,
 ``native_amp``); on a CPU device fp16 is silently ignored. transformers' ``Trainer`` runs its
 ``fp16=True`` through accelerate. Under an estimate the fake tensors live on the (fake) CPU
-device and ``torch.device("cuda")`` is rewritten to it (:mod:`torchmem.fit._env`), so accelerate
-would pick "cpu" and train an fp16 run in fp32, as no GPU would.
+device (:mod:`torchmem.fit._env`); an accelerate state made before the estimate (or by code
+that asks under PyTorch's own device rules) would keep "cpu" and train an fp16 run in fp32, as
+no GPU would.
 
 :func:`accelerate_on_gpu` makes accelerate's default device the CUDA device (a ``torch.device``
 made outside the rewrite; what accelerate moves to it still lands on the fake device) and gives

@@ -178,11 +178,26 @@ _ALIASES = {
 _INDEX = {_norm(n): n for n in GPUS} | {k: v for k, v in _ALIASES.items()}
 
 
+def _sized(size: int, given: object) -> GPU:
+    """A GPU of ``size`` total bytes with a Hopper context; an error when the context leaves
+    nothing to PyTorch's allocator."""
+    card = GPU(format_bytes(size), size, (9, 0), "size given by the user")
+    if card.usable_bytes <= 0:
+        raise InvalidInputError(
+            f"a GPU of {card.name} is no larger than its CUDA context "
+            f"({format_bytes(card.context_bytes)}, outside PyTorch's allocator), got {given!r}; "
+            "expected the card's total memory, e.g. '24 GiB' or '80GB'; fix: give the total "
+            "(not the free) memory, or a catalog name (torchmem estimate --list-gpus)"
+        )
+    return card
+
+
 def gpu(name: str | int | GPU) -> GPU:
     """A catalog GPU by name (case, spaces and dashes ignored), or a byte size as a GPU.
 
     A size (``"23.5 GiB"``, ``"24GB"``, an int) gives a GPU of that total memory with a Hopper
-    context (``compute_capability`` (9, 0)). An unknown name raises
+    context (``compute_capability`` (9, 0)); a size no larger than that context (nothing left
+    for PyTorch's allocator) is an error. An unknown name raises
     :class:`~torchmem.errors.InvalidInputError` listing the catalog.
 
     Example:
@@ -190,6 +205,9 @@ def gpu(name: str | int | GPU) -> GPU:
         ('RTX-4090', 'A100-80GB')
         >>> gpu("23.5 GiB").total_bytes == int(23.5 * 2**30)
         True
+        >>> gpu("400 MiB")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: a GPU of 400.00 MiB is no larger than its CUDA context (530.00 MiB, ...
         >>> gpu("B9000")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         torchmem.errors.InvalidInputError: unknown GPU 'B9000'; expected one of: A100-40GB, ...
@@ -206,9 +224,9 @@ def gpu(name: str | int | GPU) -> GPU:
             except InvalidInputError:
                 size = -1
             if size > 0:
-                return GPU(format_bytes(size), size, (9, 0), "size given by the user")
+                return _sized(size, name)
     elif isinstance(name, int) and not isinstance(name, bool) and name > 0:
-        return GPU(format_bytes(name), name, (9, 0), "size given by the user")
+        return _sized(name, name)
     raise InvalidInputError(
         f"unknown GPU {name!r}; expected one of: {', '.join(GPUS)}, or a memory size such as "
         "'23.5 GiB'; fix: pick a name from the list (see torchmem.fit.GPUS) or give the size"

@@ -54,6 +54,8 @@ from torchmem.fit._generate import LOCAL_SCALAR, GenerationPatches
 from torchmem.fit._kv import KVWatch, check_attrs, kv_live_bytes
 from torchmem.fit._placement import Placement
 from torchmem.fit._readings import SimReadings
+from torchmem.fit._shapes import HANDLED as SHAPE_OPS
+from torchmem.fit._shapes import DataDependentShapes, check_routing
 from torchmem.fit._values import ValueReads
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
@@ -460,11 +462,12 @@ class _SimMode(TorchDispatchMode):
     value reads are answered (:mod:`torchmem.fit._generate`)."""
 
     def __init__(self, state: _State, gen: GenerationPatches | None = None,
-                 values: ValueReads | None = None) -> None:
+                 values: ValueReads | None = None, routing: str = "balanced") -> None:
         super().__init__()
         self.state = state
         self.values = values or ValueReads(strict=True)
         self.gen = gen or GenerationPatches(self.values)
+        self.shapes = DataDependentShapes(self.values, routing)
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -505,8 +508,13 @@ class _SimMode(TorchDispatchMode):
         zeros, self.zeros = self.zeros, None
         if zeros is not None and args and func in _IN_PLACE and args[0] is zeros():
             func = _IN_PLACE[func]
-        out = func(*args, **(kwargs or {}))
+        out: Any = NotImplemented
+        if func in SHAPE_OPS and not values.strict:  # data-dependent: a size by rule
+            out = self.shapes.run(func, args, kwargs)
+        if out is NotImplemented:
+            out = func(*args, **(kwargs or {}))
         values.note_output(func, out, args)
+        self.shapes.note_output(func, args, out)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
@@ -625,6 +633,7 @@ def run_once(
     strict_values: bool = False,
     extrapolate_decode: bool = False,
     default_device: str | None = None,
+    routing: str = "balanced",
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -640,7 +649,10 @@ def run_once(
 
     Values read from tensors (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``) are answered
     by :mod:`torchmem.fit._values`' policy and listed in ``Estimate.assumed_values``;
-    ``strict_values=True`` refuses them instead.
+    ``strict_values=True`` refuses them instead. Outputs whose shape depends on values
+    (``nonzero``, ``x[mask]``, ``masked_select``, ``unique``, mixture-of-experts routing) get a
+    size by rule (:mod:`torchmem.fit._shapes`; ``routing="balanced"`` or ``"worst"`` for masks
+    made by ``one_hot``), listed there too.
 
     Tensors stay where PyTorch puts them (:mod:`torchmem.fit._placement`): what ``build`` and
     ``step`` create on ``"cuda"`` or move there is GPU memory, what stays on the host is
@@ -673,6 +685,7 @@ def run_once(
     attrs = check_attrs(kv_cache_attr)
     world = check_world_size(world_size)
     on_device = check_default_device(default_device)
+    routing = check_routing(routing)
     kw = dict(params or {})
     call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
@@ -703,7 +716,7 @@ def run_once(
             context_bytes=card.context_bytes, placement=st.pl,
         ):
             emu_ctx = emu if emu is not None else _Null()
-            with emu_ctx, _SimMode(st, gen, values), kv:
+            with emu_ctx, _SimMode(st, gen, values, routing), kv:
                 try:
                     gen.install()
                     try:
@@ -760,7 +773,8 @@ def run_once(
     if feed is not None and feed.rec.replayed and not feed.rec.valid:
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
-                        strict_values=strict_values, default_device=default_device)
+                        strict_values=strict_values, default_device=default_device,
+                        routing=routing)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""

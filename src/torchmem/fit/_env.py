@@ -51,7 +51,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as _devmod
 
-from torchmem.fit._placement import Placement, _tensors
+from torchmem.fit._placement import _REAL, Placement, _tensors
 from torchmem.fit._readings import SimReadings
 
 __all__ = ["fake_cuda"]
@@ -338,7 +338,7 @@ class _CudaToCpu(TorchFunctionMode):
             if _is_cuda(dev) or isinstance(dev, int):
                 kwargs = dict(kwargs, device=_CPU)
         if target is None:
-            tensors = _tensors(args, kwargs)
+            tensors = [t for t in _tensors(args, kwargs) if type(t) not in _REAL]
             gpu = (True if not pl.host else pl.gpu_of(tensors)) if tensors else None
             if gpu is None or gpu == pl.context:
                 return func(*args, **kwargs)

@@ -37,6 +37,7 @@ import torch
 __all__ = ["Placement"]
 
 _CUDA0 = torch.device("cuda", 0)
+_REAL = (torch.Tensor, torch.nn.Parameter)
 
 
 class Placement:
@@ -105,7 +106,9 @@ class Placement:
             dev = kwargs.get("device")
             if dev is not None and getattr(dev, "type", dev) == "cuda":
                 return True  # asked for below the function mode (inside another operator)
-        tensors = _tensors(args, kwargs)
+        # a plain (real) tensor is a constant lifted into the run (torch.tensor(numpy_array)):
+        # it does not place the output; fake tensors and subclasses (DTensor) do
+        tensors = [t for t in _tensors(args, kwargs) if type(t) not in _REAL]
         if not tensors:
             return self.context
         if not self.host:  # nothing on the host: every known input is on the GPU

@@ -749,6 +749,8 @@ def estimate_script(
     strict_values: bool = False,
     keep_snapshot: bool = False,
     progress: Callable[[str], None] | None = None,
+    default_device: str | None = None,
+    routing: str = "balanced",
 ) -> ScriptEstimate:
     """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
     ``python -m script args`` with ``module=True``) under the estimate (see the module
@@ -757,7 +759,8 @@ def estimate_script(
 
     The run is the one of :func:`torchmem.estimate` for a build function whose step is the
     whole script: the same fake CUDA, simulated allocator, error ``margin`` (``fits`` keeps it
-    free), ``alloc_conf``, ``strict_values`` and ``keep_snapshot``. ``maximize="batch-size"``
+    free), ``alloc_conf``, ``strict_values``, ``keep_snapshot``, ``default_device`` and
+    ``routing``. ``maximize="batch-size"``
     searches the script's integer option ``--batch-size`` (replaced in ``args``, or appended, per
     probe) for the largest value that fits, with the search of :func:`torchmem.estimate`
     (``search_range=(lo, hi[, step])``, ``progress(message)`` told each probe); the answer is
@@ -798,7 +801,8 @@ def estimate_script(
     def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
         e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
-                     strict_values=strict_values)
+                     strict_values=strict_values, default_device=default_device,
+                     routing=routing)
         out = r.finish(_apply_margin(e, spec, card))
         out.params = dict(shown or {})
         return out

@@ -153,6 +153,7 @@ def estimate(
     world_size: int | None = None,
     strict_values: bool = False,
     default_device: str | None = None,
+    routing: str = "balanced",
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -216,7 +217,11 @@ def estimate(
     policy (finite losses and norms, masks all ones, nothing non-finite: see
     :mod:`torchmem.fit._values`) and listed in ``Estimate.assumed_values`` (where, the operator
     that made the tensor, the value assumed, how often); ``strict_values=True`` refuses them
-    with an error naming the line instead.
+    with an error naming the line instead. Outputs whose shape depends on values
+    (``nonzero``, ``torch.where(mask)``, ``x[mask]``, ``masked_select``, ``unique``) get a
+    documented size (every element selected or distinct; a mixture-of-experts routing mask made
+    by ``one_hot`` gives each expert its share, ``routing="balanced"``, or every token,
+    ``routing="worst"``), listed in ``assumed_values`` too (:mod:`torchmem.fit._shapes`).
 
     ``world_size=N`` estimates one rank (rank 0) of an ``N``-rank job without the ranks:
     torchmem creates PyTorch's fake process group of ``N`` ranks for ``build`` and ``step``,
@@ -285,7 +290,8 @@ def estimate(
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
-                     extrapolate_decode=fast, default_device=default_device)
+                     extrapolate_decode=fast, default_device=default_device,
+                     routing=routing)
         return _apply_margin(e, margin, card)
 
     if maximize is None:
