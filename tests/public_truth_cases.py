@@ -49,7 +49,7 @@ the scores; 4.16 added an all-zero extended mask, a short-lived score-sized temp
 
 Example:
     >>> sorted(VARIANTS)[:2]
-    ['accelerate_8bit', 'adafactor']
+    ['accelerate_8bit', 'accum']
     >>> BERT_LARGE_UNCASED["hidden_size"], BERT_LARGE_UNCASED["num_hidden_layers"]
     (1024, 24)
 """

@@ -189,6 +189,33 @@ def _cpu_fake_new(original: Callable[..., Any]) -> Callable[..., Any]:
     return __new__
 
 
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _fake_deepcopy(t: torch.Tensor, memo: dict[int, Any] | None) -> torch.Tensor:
+    """``copy.deepcopy`` of a fake tensor (torchmetrics' states, a model copied for EMA):
+    PyTorch's own copies the storage through the meta device, which it then refuses; a copy
+    on the same side (GPU or host) with the same ``requires_grad``, as a real deepcopy."""
+    if memo is not None and id(t) in memo:
+        return memo[id(t)]  # type: ignore[no-any-return]
+    if not t.is_leaf:
+        raise RuntimeError(
+            "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+            "protocol at the moment"
+        )
+    with torch.no_grad():
+        out = t.clone()
+    out.requires_grad_(t.requires_grad)
+    if isinstance(t, torch.nn.Parameter) or getattr(t, "_is_param", False):
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    if memo is not None:
+        memo[id(t)] = out
+    return out
+
+
 def _rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.cuda.get_rng_state()``: the generator's seed and offset, a 16-byte host tensor
     (checkpointing saves it to replay dropout in the recomputed forward)."""
@@ -292,6 +319,8 @@ class _CudaToCpu(TorchFunctionMode):
         return self._placed(pl, func, args, kwargs)
 
     def _placed(self, pl: Placement, func: Any, args: Any, kwargs: Any) -> Any:
+        if func is torch.Tensor.__deepcopy__ and _is_fake(args[0]):
+            return _fake_deepcopy(args[0], args[1] if len(args) > 1 else kwargs.get("memo"))
         if func is torch.Tensor.backward or func is torch.autograd.backward:
             out = self._backward(func, args, kwargs)
             if out is not NotImplemented:

@@ -1,0 +1,66 @@
+"""An unmodified Lightning ``Trainer.fit()`` under the estimate (issue 24): it runs (the metric
+states torchmetrics deep-copies, the loss it logs), and the GPU it needs is the same step
+written as a plain loop, computed the ordinary way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchmem
+
+L = pytest.importorskip("lightning")
+
+
+class _Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                       torch.nn.Linear(2048, 512))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.net(x).square().mean()
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def _lightning(batch):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
+                                       batch_size=batch)
+    model = _Model()                                    # on the host: Lightning moves it
+    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    return lambda: trainer.fit(model, data)
+
+
+def _plain(batch):
+    model = _Model().cuda()
+    opt = model.configure_optimizers()
+    x = torch.randn(batch, 512, device="cuda")
+
+    def step():
+        for _ in range(2):
+            loss = model.net(x).square().mean()
+            loss.item()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return step
+
+
+def test_lightning_fit_needs_what_the_plain_loop_needs():
+    fit = torchmem.estimate(_lightning, gpu="T4", batch_size=16, steps=1, margin=0)
+    loop = torchmem.estimate(_plain, gpu="T4", batch_size=16, steps=1, margin=0)
+    assert fit.fits and fit.assumed_values  # the logged loss was answered and listed
+    # Lightning adds its logged metric's few scalars (32 B here) and their 512 B blocks
+    assert 0 <= fit.peak_requested_bytes - loop.peak_requested_bytes <= 64
+    assert 0 <= fit.peak_allocated_bytes - loop.peak_allocated_bytes <= 8 * 512
+    assert fit.peak_reserved_bytes == loop.peak_reserved_bytes
+    params = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
+    assert fit.by_category["parameter"] == loop.by_category["parameter"] == params
+    assert fit.host_peak_bytes >= params          # the model was built on the host
