@@ -67,7 +67,7 @@ t0 = time.perf_counter()
 out = {}
 if method == "torchmem":
     import torchmem
-    e = torchmem.estimate(build, gpu="H200", batch_size=1)
+    e = torchmem.estimate(build, gpu="H200", batch_size=1, default_device="cuda")
     out = {"peak_requested": e.peak_requested_bytes, "peak_allocated": e.peak_allocated_bytes,
            "peak_reserved": e.peak_reserved_bytes, "fits_h200": e.fits,
            "fits_h200_sim": e.fits_without_margin, "margin": e.margin_bytes,
