@@ -27,7 +27,7 @@ A ``one_hot`` mask is recognised by how PyTorch computes it on fake tensors
 Example:
     >>> import torch
     >>> from torch._subclasses import FakeTensorMode
-    >>> from torchmem.fit._values import ValueReads, _has_value
+    >>> from torchmem.fit._values import ValueReads
     >>> shapes = DataDependentShapes(ValueReads())
     >>> with FakeTensorMode():
     ...     m = torch.empty(4, 6, dtype=torch.bool)
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from torchmem.errors import InvalidInputError
+from torchmem.fit._placement import _tensors
 from torchmem.fit._values import ValueReads, _has_value
 
 __all__ = ["DataDependentShapes", "ROUTINGS"]
@@ -77,10 +78,7 @@ _FOLLOW = {getattr(getattr(_aten, n), o) for n, o in (
 def _values_known(args: Any) -> bool:
     """True when the tensors an operator reads have values (real tensors, or fake ones that
     carry their constant): nothing to assume."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            tensors.extend(b for b in a if isinstance(b, torch.Tensor))
+    tensors = _tensors(args, None)
     return bool(tensors) and all(_has_value(t) for t in tensors)
 
 
