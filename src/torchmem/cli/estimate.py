@@ -27,6 +27,12 @@ build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there
 in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
 model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
+``--what-if`` (or ``--what-if lever,lever``) also tries the memory levers on the step, each applied
+by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit._whatif`): a table
+sorted by peak reserved, the levers the step cannot take with the reason, and the cheapest
+combination that fits (``what_if``/``what_if_best`` in the JSON); with ``--max`` the largest
+value each of the three best levers allows. The exit code stays the step's own verdict.
+
 ``torchmem estimate [options] train.py ARGS`` (or ``-m package.module ARGS``) estimates an
 unmodified script instead (:func:`torchmem.fit.estimate_script`): torchmem's options before the
 script, the script's own after it; it is stopped after ``--steps`` optimizer steps (default 2),
@@ -146,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
     parser.add_argument("--suggest", action="store_true",
                         help="also replay the estimated run under the documented allocator "
                              "settings and print the best PYTORCH_CUDA_ALLOC_CONF (torchmem whatif)")
+    parser.add_argument("--what-if", nargs="?", const="all", default=None, metavar="LEVERS",
+                        help="also try the memory levers on the step, each applied by torchmem "
+                             "to your model and optimizer (activation checkpointing, gradient "
+                             "accumulation, bf16, the optimizer's implementations, 8-bit Adam, "
+                             "Adafactor, FSDP over 2/4/8 GPUs, CPU offload, allocator "
+                             "settings): a table sorted by peak reserved and the cheapest "
+                             "combination that fits; optionally a comma-separated list of "
+                             "levers (e.g. --what-if activation_checkpointing,adafactor)")
     from torchmem.cli._estimate_hf import add_arguments as add_hf_arguments
 
     add_hf_arguments(parser)
@@ -477,7 +491,8 @@ def run(args: argparse.Namespace) -> int:
             f"--set {maximize}=... and --max {maximize}: a parameter is either set or searched; "
             "fix: drop one"
         )
-    if maximize == "batch_size" and args.batch_size is not None:
+    if maximize == "batch_size" and args.batch_size is not None and not getattr(
+            args, "what_if", None):
         raise InvalidInputError(
             "--batch-size and --max batch_size: the batch size is either set or searched; "
             "fix: drop one"
@@ -506,6 +521,20 @@ def run(args: argparse.Namespace) -> int:
             "group; --hf-config builds an unsharded model; fix: drop --world-size, or write a "
             "build(batch_size) that shards the model and pass it as FILE:build"
         )
+    what_if = getattr(args, "what_if", None)
+    if what_if is not None:
+        if script is not None or getattr(args, "hf_config", None):
+            raise InvalidInputError(
+                "--what-if applies the levers to a build function's model and optimizer "
+                "(FILE:build); scripts and --hf-config are not supported by it yet; fix: write "
+                "a build(batch_size) that makes the model, the optimizer and the batch and "
+                "returns step(), and estimate FILE:build --what-if"
+            )
+        from torchmem.fit._whatif import check_levers
+
+        names = None if what_if == "all" else [n.strip() for n in what_if.split(",") if n.strip()]
+        check_levers(names)
+        options["what_if"] = True if names is None else names
     # with --json, stdout is the JSON document: what the user's code prints goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
@@ -525,6 +554,10 @@ def run(args: argparse.Namespace) -> int:
                          indent=2))
     else:
         render_text(est)
+        if est.what_if:
+            from torchmem.fit._whatif import what_if_lines
+
+            print("\n".join(what_if_lines(est.what_if, est.what_if_best, est)))
         if whatif is not None:
             sys.stdout.write(render_whatif(whatif))
     if maximize is not None:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from torchmem.capture import track
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
@@ -159,6 +160,8 @@ class _State:
         self.end_seq = -1
         #: a per-rank estimate's categories and collectives (:mod:`torchmem.fit._dist`)
         self.dist: Any = None
+        #: the memory levers applied (:mod:`torchmem.fit._levers`), counting FLOPs when asked
+        self.levers: Any = None
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
         # cuBLASLt workspace per (thread, stream): CudaEmulation.lt_workspace_bytes
@@ -392,6 +395,8 @@ _IN_PLACE = {
     _aten.masked_scatter.default: _aten.masked_scatter_.default,
 }
 _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
+#: floating-point operations per operator (torch.utils.flop_counter's formulas), for levers' costs
+_FLOPS: dict[Any, Any] = dict(flop_registry)
 
 
 _CONV_BACKWARD = _aten.convolution_backward.default
@@ -518,6 +523,10 @@ class _SimMode(TorchDispatchMode):
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)
         st = self.state
+        if st.levers is not None and st.levers.count_flops:
+            count = _FLOPS.get(func.overloadpacket)
+            if count is not None:
+                st.levers.flops += int(count(*args, **(kwargs or {}), out_val=out))
         if st.dist is not None:
             st.dist.after_op(func, args, kwargs, out)
         if st.oom is None:
@@ -634,6 +643,7 @@ def run_once(
     extrapolate_decode: bool = False,
     default_device: str | None = None,
     routing: str = "balanced",
+    levers: Any = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -659,6 +669,10 @@ def run_once(
     ``Estimate.host_peak_bytes``. ``default_device="cuda"`` runs both under
     ``torch.device("cuda")``, so tensors created without a device go to the GPU (as after
     ``torch.set_default_device("cuda")``). A step that puts nothing on the GPU is an error.
+
+    ``levers`` (a :class:`torchmem.fit._levers.LeverRun`) applies memory levers to the model
+    and optimizer ``build`` makes, and runs each step as its micro-steps (``torchmem
+    estimate --what-if``, :mod:`torchmem.fit._whatif`).
 
     ``extrapolate_decode=True`` (one step, no snapshot) runs only the first iterations of
     ``generate()``'s loop through the model and replays the rest into the simulator
@@ -709,6 +723,8 @@ def run_once(
         gen.on_check = feed.check
     kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    st.levers = levers
+    lever_ctx = levers if levers is not None else _Null()
     with _world(world, fake_mode, build, st, tracker), tracker:
         with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
@@ -716,12 +732,13 @@ def run_once(
             context_bytes=card.context_bytes, placement=st.pl,
         ):
             emu_ctx = emu if emu is not None else _Null()
-            with emu_ctx, _SimMode(st, gen, values, routing), kv:
+            with emu_ctx, _SimMode(st, gen, values, routing), kv, lever_ctx:
                 try:
                     gen.install()
                     try:
                         with on_device():
-                            step = build(batch_size, **kw)
+                            step = build(batch_size if levers is None
+                                         else levers.batch(batch_size), **kw)
                     except _Abort:
                         raise
                     except Exception as e:
@@ -745,7 +762,10 @@ def run_once(
                             break
                         try:
                             with on_device():
-                                step()
+                                if levers is None:
+                                    step()
+                                else:
+                                    levers.run_step(step)
                         except _Abort:
                             raise
                         except Exception as e:
@@ -774,7 +794,7 @@ def run_once(
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
                         strict_values=strict_values, default_device=default_device,
-                        routing=routing)
+                        routing=routing, levers=levers)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""

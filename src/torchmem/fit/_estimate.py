@@ -118,7 +118,8 @@ class Estimate:
     gives it as the ``kv_cache_*`` keys. ``host_peak_bytes`` is the peak of host memory the
     run's tensors held (a model built on the host before ``.to("cuda")``, batches, pinned
     staging buffers, state offloaded to the CPU): not GPU memory, and in none of the figures
-    above.
+    above. ``what_if`` (:class:`~torchmem.fit._whatif.WhatIfRow` s, sorted by peak reserved) and
+    ``what_if_best`` are the memory levers tried (``estimate(..., what_if=True)``).
 
     ``fits`` keeps the estimator's error margin free: it is true only when the run did not run
     out of memory *and* ``headroom_bytes >= margin_bytes``; ``fits_without_margin`` is the
@@ -178,6 +179,8 @@ class Estimate:
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     assumed_values: list[dict[str, Any]] = field(default_factory=list)
     host_peak_bytes: int = 0
+    what_if: list[Any] = field(default_factory=list)
+    what_if_best: Any = None
 
     @property
     def usable_bytes(self) -> int:
@@ -315,6 +318,9 @@ class Estimate:
             d.update(world_size=self.world_size, model_state=dict(self.model_state),
                      collectives={k: dict(v) for k, v in self.collectives.items()})
         d["assumed_values"] = [dict(a) for a in self.assumed_values]
+        if self.what_if:
+            d["what_if"] = [r.to_dict() for r in self.what_if]
+            d["what_if_best"] = None if self.what_if_best is None else self.what_if_best.to_dict()
         if self.notes:
             d["notes"] = list(self.notes)
         return d

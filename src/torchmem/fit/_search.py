@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -154,6 +155,7 @@ def estimate(
     strict_values: bool = False,
     default_device: str | None = None,
     routing: str = "balanced",
+    what_if: bool | Sequence[str] = False,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -234,6 +236,16 @@ def estimate(
     buffer (:mod:`torchmem.fit._dist` says how; a process group already initialised in this
     process is an error). The group is destroyed afterwards.
 
+    ``what_if=True`` (or a list of lever names) also tries the memory levers on the step
+    (:mod:`torchmem.fit._whatif`: activation checkpointing, gradient accumulation, bf16,
+    the optimizer's implementations, 8-bit Adam, Adafactor, FSDP over 2/4/8 GPUs, CPU
+    offload, the allocator settings of ``--suggest``), each applied by torchmem to the model and
+    optimizer ``build`` makes, and sets ``Estimate.what_if`` (one row per lever, sorted by
+    peak reserved; levers the step cannot take say why) and ``Estimate.what_if_best`` (the
+    cheapest combination that fits, found greedily; ``None`` when none does). With
+    ``maximize``, the levers are tried at the batch (and parameters) given, and the largest
+    value each of the three best levers allows is searched too (``cost["max_value"]``).
+
     Bad input raises :class:`~torchmem.errors.InvalidInputError`: a build that raises or
     returns no callable, or code that needs tensor values fake tensors do not have (``.item()``,
     ``.numpy()``, data-dependent shapes); the message names the file and line.
@@ -293,6 +305,21 @@ def estimate(
                      extrapolate_decode=fast, default_device=default_device,
                      routing=routing)
         return _apply_margin(e, margin, card)
+
+    if what_if is not False:
+        from torchmem.fit._whatif import check_levers
+
+        if maximize is not None and maximize != "batch_size" and maximize in kw:
+            raise InvalidInputError(
+                f"{maximize!r} is both set (params) and maximized; fix: drop it from params"
+            )
+
+        chosen = check_levers(None if what_if is True else what_if)
+        return _what_if(build, card, batch_size or 1, kw, chosen, maximize, margin, progress,
+                        dict(steps=steps, alloc_conf=alloc_conf, kv_cache_attr=kv_cache_attr,
+                             world_size=world_size, strict_values=strict_values,
+                             default_device=default_device, routing=routing),
+                        keep_snapshot, search_range)
 
     if maximize is None:
         return run(batch_size or 1, {}, keep_snapshot)
@@ -567,3 +594,107 @@ def _monotonic_notes(name: str, order: list[int], cache: dict[int, Estimate]) ->
             )
             break
     return out
+
+
+def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: list[Any],
+             maximize: str | None, margin: MarginSpec, progress: Callable[[str], None] | None,
+             opts: dict[str, Any], keep_snapshot: bool,
+             search_range: tuple[int, ...] | None) -> Estimate:
+    """``estimate(..., what_if=...)``: the step as written, then each lever (see
+    :mod:`torchmem.fit._whatif`)."""
+    from torchmem.fit._whatif import _lever_run, what_if
+
+    # Each run is made on the card with unbounded memory first (the peaks the step needs, not
+    # those at an out-of-memory point); a run whose peak reserved passes the card's usable
+    # memory is made again on the card itself, which decides (the allocator frees its cache
+    # and retries before it runs out): the same run where it never reached the limit.
+    big = dataclasses.replace(card, total_bytes=card.total_bytes + (1 << 50),
+                              context_override=card.context_bytes)
+
+    def run(chosen: Sequence[Any], world_size: int | None = None, alloc_conf: str | None = None,
+            snap: bool = False, b: int | None = None,
+            extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
+        o = dict(opts)
+        if world_size is not None:
+            o["world_size"] = world_size
+        if alloc_conf is not None:
+            o["alloc_conf"] = alloc_conf
+
+        def once(on: GPU) -> tuple[Estimate, Any]:
+            lr = _lever_run(chosen)
+            with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+                e = run_once(build, batch if b is None else b, on, keep_snapshot=snap,
+                             params={**kw, **(extra or {})}, levers=lr, **o)
+            return e, lr
+
+        e, lr = once(big)
+        if e.peak_reserved_bytes > card.usable_bytes:
+            real, real_lr = once(card)
+            if real.oom is None:
+                return _apply_margin(real, margin, card), real_lr
+            e.oom = real.oom
+        e.gpu, e.capacity_bytes = card.name, card.total_bytes
+        e.fits = e.oom is None
+        return _apply_margin(e, margin, card), lr
+
+    say = progress or (lambda m: None)
+    say("what-if: the step as written ...")
+    want_snap = keep_snapshot or any(lv.name == "allocator" for lv in levers)
+    base, base_lr = run([], snap=want_snap)
+
+    def suggest(e: Estimate) -> str | None:
+        from torchmem.sim import suggest as _suggest
+
+        if e.snapshot is None:
+            return None
+        dev = _suggest(e).devices[0]
+        return None if dev.best is None else dev.best.alloc_conf
+
+    rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest)
+    if maximize is not None:
+        _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base)
+    base.what_if = rows
+    base.what_if_best = best
+    if not keep_snapshot:
+        base.snapshot = None
+    return base
+
+
+def _lever_max(run: Callable[..., tuple[Estimate, Any]], rows: Sequence[Any], maximize: str,
+               batch: int, card: GPU, margin: MarginSpec, say: Callable[[str], None],
+               search_range: tuple[int, ...] | None, base: Estimate) -> None:
+    """The largest value of ``maximize`` the step as written allows (``base``'s search
+    figures) and each of the three levers with the lowest peak reserved (their row's
+    ``cost["max_value"]``)."""
+    from torchmem.fit._whatif import _BY_NAME
+
+    top = [r for r in rows if r.skipped is None and r.lever in _BY_NAME
+           and "accumulate" not in _BY_NAME[r.lever].settings and r.lever != "allocator"][:3]
+    lo, hi, step = _check_range(search_range, maximize)
+
+    def fits_at(reserved: float) -> bool:
+        n = max(0, int(reserved))
+        return n + margin_for(margin, card, n) <= card.usable_bytes
+
+    for r in [None, *top]:
+        levers = [] if r is None else [_BY_NAME[r.lever]]
+        ws = None if r is None else levers[0].world_size
+
+        def probe(v: int, levers: list[Any] = levers, ws: int | None = ws) -> Estimate:
+            if maximize == "batch_size":
+                return run(levers, world_size=ws, b=v)[0]
+            return run(levers, world_size=ws, extra={maximize: v})[0]
+
+        say(f"what-if {'as written' if r is None else r.lever}: largest {maximize} ...")
+        start = lo if lo is not None else (batch if maximize == "batch_size" else 1)
+        e = _search(maximize, probe, start, lo, hi, card, None, False, probe, fits_at, step)
+        found = e.max_value if maximize != "batch_size" else e.max_batch_size
+        if r is None:
+            base.searched, base.maximized, base.probes = True, maximize, e.probes
+            base.max_value = found
+            if maximize == "batch_size":
+                base.maximized, base.max_batch_size = None, found
+        else:
+            r.cost["max_value"] = found
+            r.cost["maximized"] = maximize

@@ -1,0 +1,395 @@
+"""The memory levers, applied by torchmem to the user's own model and optimizer at run time.
+
+An estimate made with levers (:func:`torchmem.fit._engine.run_once`'s ``levers``) runs the
+user's ``build`` and ``step`` unchanged; :class:`LeverRun` finds the model and the optimizer as
+they are made and changes them the way a user would by hand:
+
+- **the model** is found when it is first called: a module called outside any other module's
+  call is a *root* (the model; a loss module too). Before its first call, ``checkpoint`` wraps
+  each *repeated block* (the children of a ``ModuleList``/``Sequential`` of two or more modules
+  of one class, outermost first) so that its forward runs under
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, as
+  ``x = checkpoint(block, x, use_reentrant=False)`` written in the parent's forward would;
+  ``autocast`` runs every call of a root under ``torch.autocast("cuda", dtype)``, as
+  ``with torch.autocast("cuda", dtype): out = model(x)`` would; ``bf16_weights`` converts the
+  roots holding the optimizer's parameters with ``.to(torch.bfloat16)`` when the optimizer is
+  made (before it, as ``model.to(torch.bfloat16)`` written before the optimizer would; roots
+  first called without an optimizer are converted at that call) and casts the floating-point
+  tensor arguments of their calls to bfloat16 (``model(x.to(torch.bfloat16))``).
+- **the optimizer** is found when it is made (every ``torch.optim.Optimizer``): ``optimizer``
+  passes ``fused=True`` / ``foreach=True`` / ``foreach=False, fused=False`` to the
+  optimizer's own constructor (when it takes them); ``replace_optimizer`` makes the optimizer
+  another class on the same parameter groups and learning rate (``torch.optim.Adafactor``,
+  :class:`torchmem.fit.Adam8bitStandIn`); ``fsdp`` applies FSDP2's ``fully_shard`` to each
+  repeated block and then to the root holding the optimizer's parameters, before the
+  optimizer is made, and gives the optimizer the sharded parameters (as the FSDP2 tutorial's
+  code does); the estimate runs under the fake process group of that many ranks.
+- **the step**: ``accumulate=k`` builds the batch as ``batch_size // k`` and runs ``step()``
+  ``k`` times per optimizer step, the optimizers' ``step()`` and ``zero_grad()`` skipped in
+  all but the last (gradients accumulate, as a hand-written accumulation loop does).
+
+``count_flops`` adds up the floating-point operations of every operator run
+(``torch.utils.flop_counter``'s formulas), so the cost of recomputation can be given.
+
+Example:
+    >>> import torch
+    >>> lr = LeverRun(checkpoint=True)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> with lr:
+    ...     _ = net(torch.randn(2, 4))
+    >>> lr.wrapped
+    ['0', '1']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["LeverRun", "repeated_blocks"]
+
+
+def repeated_blocks(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks of ``root``: the children of each ``ModuleList``/``Sequential``
+    holding two or more modules of one class, outermost first (blocks inside a block are not
+    listed again); ``(qualified name, module)`` pairs.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+        ...         self.head = torch.nn.Linear(2, 1)
+        >>> [n for n, _ in repeated_blocks(Net())]
+        ['layers.0', 'layers.1', 'layers.2']
+    """
+    out: list[tuple[str, torch.nn.Module]] = []
+    inside: list[str] = []
+    for name, m in root.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in inside):
+            continue
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        kids = list(m.named_children())
+        if len(kids) < 2 or len({type(k) for _, k in kids}) != 1:
+            continue
+        if not any(True for _ in kids[0][1].parameters()):
+            continue  # a stack of parameter-free modules (activations) is no block
+        for k, child in kids:
+            q = f"{name}.{k}" if name else k
+            out.append((q, child))
+            inside.append(q)
+    return out
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.__torchmem_checkpointed__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _has_float_params(m: torch.nn.Module) -> bool:
+    return any(p.is_floating_point() for p in m.parameters())
+
+
+class LeverRun:
+    """One estimate's levers (see the module's documentation); a context manager that
+    installs them for ``build`` and ``step`` and records what it changed.
+
+    ``checkpoint``: checkpoint each repeated block; ``autocast``: a dtype to autocast roots'
+    calls to; ``weights_dtype``: convert the model's floating-point weights to it;
+    ``optimizer``: keyword arguments for the optimizers' constructors
+    (``{"fused": True, "foreach": False}``); ``replace_optimizer``: a class to make instead
+    (called with the parameter groups and ``lr``); ``fsdp``: shard with ``fully_shard`` (the
+    estimate must run with ``world_size``; ``"offload"``: with ``CPUOffloadPolicy``); ``accumulate``: micro-batches per optimizer step;
+    ``count_flops``: count floating-point operations.
+
+    After the run: ``wrapped`` (the blocks checkpointed), ``roots`` (class names of the
+    modules called at top level), ``optimizers`` (class names made), ``optimizer_refused``
+    (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``.
+
+    Example:
+        >>> import torch
+        >>> lr = LeverRun(optimizer={"foreach": False, "fused": False})
+        >>> with lr:
+        ...     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+        >>> opt.defaults["foreach"], lr.optimizers
+        (False, ['AdamW'])
+    """
+
+    def __init__(
+        self,
+        *,
+        checkpoint: bool = False,
+        autocast: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        optimizer: dict[str, Any] | None = None,
+        replace_optimizer: type | None = None,
+        fsdp: bool | str = False,
+        accumulate: int = 1,
+        count_flops: bool = False,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.autocast = autocast
+        self.weights_dtype = weights_dtype
+        self.optimizer = dict(optimizer or {})
+        self.replace_optimizer = replace_optimizer
+        self.fsdp = fsdp
+        self.accumulate = int(accumulate)
+        self.count_flops = count_flops
+        self.flops = 0
+        self.wrapped: list[str] = []
+        self.roots: list[str] = []
+        self.optimizers: list[str] = []
+        self.optimizer_refused: list[str] = []
+        self.converted: list[str] = []
+        self.sharded: list[str] = []
+        self.steps_called = 0
+        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._opts: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._tls = threading.local()
+        self._undo: list[Callable[[], None]] = []
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def batch(self, batch_size: int) -> int:
+        """The batch ``build`` is called with (the micro-batch under accumulation).
+
+        Example:
+            >>> LeverRun(accumulate=4).batch(16)
+            4
+        """
+        return batch_size // self.accumulate if self.accumulate > 1 else batch_size
+
+    def run_step(self, step: Callable[[], Any]) -> None:
+        """One optimizer step: ``step()`` once, or ``accumulate`` times with the optimizers'
+        ``step``/``zero_grad`` skipped in all but the last.
+
+        Example:
+            >>> calls = []
+            >>> LeverRun(accumulate=2).run_step(lambda: calls.append(1)); calls
+            [1, 1]
+        """
+        for i in range(self.accumulate):
+            if i < self.accumulate - 1:
+                with self._skip_optimizer():
+                    step()
+            else:
+                step()
+
+    @contextlib.contextmanager
+    def _skip_optimizer(self) -> Iterator[None]:
+        def noop(*a: Any, **k: Any) -> None:
+            return None
+
+        opts: list[Any] = list(self._opts)
+        for o in opts:
+            o.step = noop
+            o.zero_grad = noop
+        try:
+            yield
+        finally:
+            for o in opts:
+                o.__dict__.pop("step", None)
+                o.__dict__.pop("zero_grad", None)
+
+    # -- installation --------------------------------------------------------------------------
+
+    def __enter__(self) -> LeverRun:
+        self._patch_call()
+        self._patch_optimizers()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _patch_call(self) -> None:
+        cls = torch.nn.Module
+        orig = cls.__call__
+        lever = self
+
+        def call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            tls = lever._tls
+            depth = getattr(tls, "depth", 0)
+            ctx: Any = None
+            if depth == 0:
+                if module not in lever._seen:
+                    lever._roots.add(module)
+                    lever.roots.append(type(module).__name__)
+                    lever._first_call(module)
+                if module in lever._roots:
+                    if lever.weights_dtype is not None and module in lever._done:
+                        args = _cast(args, lever.weights_dtype)
+                        kwargs = _cast(kwargs, lever.weights_dtype)
+                    if lever.autocast is not None:
+                        ctx = torch.autocast("cuda", dtype=lever.autocast)
+            lever._seen.add(module)
+            tls.depth = depth + 1
+            try:
+                if ctx is None:
+                    return orig(module, *args, **kwargs)
+                with ctx:
+                    return orig(module, *args, **kwargs)
+            finally:
+                tls.depth = depth
+
+        cls.__call__ = call  # type: ignore[method-assign]
+        self._undo.append(lambda: setattr(cls, "__call__", orig))
+
+    def _first_call(self, root: torch.nn.Module) -> None:
+        for m in root.modules():
+            self._seen.add(m)
+        if self.checkpoint:
+            for name, block in repeated_blocks(root):
+                if getattr(block.forward, "__torchmem_checkpointed__", False):
+                    continue
+                block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+                self.wrapped.append(name)
+        if self.weights_dtype is not None and root not in self._done and _has_float_params(root):
+            self._convert(root)
+
+    def _convert(self, root: torch.nn.Module) -> None:
+        root.to(self.weights_dtype)
+        self._done.add(root)
+        self.converted.append(type(root).__name__)
+
+    def _patch_optimizers(self) -> None:
+        from torch.optim import Optimizer
+
+        lever = self
+        classes = [c for c in vars(torch.optim).values()
+                   if isinstance(c, type) and issubclass(c, Optimizer) and "__init__" in vars(c)]
+        from torchmem.fit._bnb import Adam8bitStandIn
+
+        classes.append(Adam8bitStandIn)
+        if Optimizer not in classes:
+            classes.append(Optimizer)
+
+        for c in dict.fromkeys(classes):
+            orig = vars(c)["__init__"]
+
+            def init(self: Any, params: Any, *args: Any, __orig: Any = orig, __cls: Any = c,
+                     **kwargs: Any) -> None:
+                tls = lever._tls
+                if getattr(tls, "in_opt", False):
+                    __orig(self, params, *args, **kwargs)
+                    return
+                tls.in_opt = True
+                try:
+                    lever._make_optimizer(self, __cls, __orig, params, args, kwargs)
+                finally:
+                    tls.in_opt = False
+
+            setattr(c, "__init__", init)  # noqa: B010
+            self._undo.append(lambda c=c, orig=orig: setattr(c, "__init__", orig))  # type: ignore[misc]
+
+    def _make_optimizer(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
+        import inspect
+
+        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        self.optimizers.append(type(opt).__name__)
+        self._opts.add(opt)
+        if self.weights_dtype is not None or self.fsdp:
+            params = self._model_changes(params)
+        if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:
+            new = self.replace_optimizer
+            lr = kwargs.get("lr", args[0] if args else None)
+            opt.__class__ = new
+            extra = {} if lr is None else {"lr": lr}
+            vars(new)["__init__"](opt, params, **extra)
+            return
+        if self.optimizer:
+            try:
+                sig = inspect.signature(orig)
+            except (TypeError, ValueError):
+                sig = None
+            names = set(sig.parameters) if sig is not None else set()
+            missing = [k for k in self.optimizer if k not in names]
+            if missing:
+                self.optimizer_refused.append(
+                    f"{type(opt).__name__} takes no {', '.join(k + '=' for k in missing)} argument"
+                )
+            else:
+                kwargs = {**kwargs, **self.optimizer}
+        orig(opt, params, *args, **kwargs)
+
+    def _model_changes(self, params: list[Any]) -> list[Any]:
+        """bf16 weights and FSDP at the optimizer's making: on the roots holding ``params``."""
+        flat: list[Any] = []
+        for p in params:
+            if isinstance(p, dict):
+                flat.extend(p["params"] if not isinstance(p["params"], torch.Tensor)
+                            else [p["params"]])
+            else:
+                flat.append(p)
+        ids = {id(p) for p in flat}
+        roots = _roots_holding(ids)
+        for root in roots:
+            if self.weights_dtype is not None and root not in self._done:
+                self._convert(root)
+        if not self.fsdp:
+            return params
+        remap: dict[int, Any] = {}
+        for root in roots:
+            old = {id(p): n for n, p in root.named_parameters()}
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            kw: dict[str, Any] = ({"offload_policy": CPUOffloadPolicy()}
+                                  if self.fsdp == "offload" else {})
+            for name, block in repeated_blocks(root):
+                fully_shard(block, **kw)
+                self.sharded.append(name)
+            fully_shard(root, **kw)
+            self.sharded.append(type(root).__name__)
+            new = dict(root.named_parameters())
+            for i, n in old.items():
+                if n in new:
+                    remap[i] = new[n]
+        out: list[Any] = []
+        for p in params:
+            if isinstance(p, dict):
+                ps = p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]]
+                out.append({**p, "params": [remap.get(id(q), q) for q in ps]})
+            else:
+                out.append(remap.get(id(p), p))
+        return out
+
+
+def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
+    """The outermost modules (not a child of another live module) holding any of the
+    parameters ``ids``."""
+    with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
+        warnings.simplefilter("ignore")
+        mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    children: set[int] = set()
+    for m in mods:
+        for c in m.children():
+            children.add(id(c))
+    return [m for m in mods if id(m) not in children
+            and any(id(p) in ids for p in m.parameters())]

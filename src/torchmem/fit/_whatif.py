@@ -1,0 +1,519 @@
+"""What would make it fit: the memory levers tried on the user's own step (``--what-if``).
+
+:func:`what_if` estimates the step as written, then once per lever, each applied by torchmem to
+the user's own model and optimizer as they are made (:mod:`torchmem.fit._levers`; no code
+changes), and returns one :class:`WhatIfRow` per lever, sorted by peak reserved bytes, plus the
+cheapest combination that fits, found greedily (:func:`best_combination`).
+
+The levers (:data:`LEVERS`), each equal to the same change written by hand:
+
+==========================  ===============================================================
+``activation_checkpointing``  each repeated block (children of a ``ModuleList``/``Sequential``
+                              of one class) under non-reentrant ``checkpoint``
+``grad_accumulation_2``/``4`` the batch as 2 (4) micro-batches, one optimizer step after them
+``bf16_autocast``             the model's calls under ``torch.autocast("cuda", bfloat16)``
+                              (``fp16_autocast`` instead on GPUs without bf16: compute
+                              capability below 8.0; its gradient scaler's few scalars aside)
+``bf16_weights``              the model's weights (and so gradients and optimizer state) in
+                              bfloat16, its floating-point inputs cast to it
+``optimizer_fused``           the same optimizer with ``fused=True``
+``optimizer_foreach``         ``foreach=True``
+``optimizer_per_parameter``   ``foreach=False, fused=False``
+``optimizer_8bit``            bitsandbytes' 8-bit Adam (:class:`~torchmem.fit.Adam8bitStandIn`:
+                              what it allocates; its CUDA kernels cannot run in an estimate)
+``adafactor``                 ``torch.optim.Adafactor`` (factored second moments)
+``fsdp_2``/``4``/``8``        FSDP2 ``fully_shard`` of each block and the model, per rank of
+                              2/4/8 GPUs (PyTorch's fake process group)
+``cpu_offload``               FSDP2 on one GPU with ``CPUOffloadPolicy``: parameters, gradients
+                              and optimizer state on the host, each block gathered in turn
+``allocator``                 the best ``PYTORCH_CUDA_ALLOC_CONF`` of ``--suggest``
+==========================  ===============================================================
+
+``lora`` (peft) is listed as not available when peft is missing, and not built otherwise.
+A lever the step cannot take is listed with the reason (``skipped``), never hidden.
+
+Costs (``WhatIfRow.cost``): ``recompute_flops_share`` (extra floating-point operations over
+the step's own, ``torch.utils.flop_counter``'s formulas), ``micro_batches`` (forward and
+backward passes per optimizer step), ``communication_bytes_per_step`` (per rank: FSDP's
+all-gathers in forward and backward and its gradient reduce-scatter, 3 x (N-1)/N of the
+parameters' bytes), ``host_peak_bytes``, and ``changes`` (what else the lever changes: the
+numerics, the optimizer's maths).
+
+Example:
+    >>> [lv.name for lv in LEVERS][:3]
+    ['activation_checkpointing', 'grad_accumulation_2', 'grad_accumulation_4']
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchmem.errors import InvalidInputError
+from torchmem.fit._catalog import GPU
+from torchmem.fit._estimate import Estimate
+from torchmem.fit._levers import LeverRun
+
+__all__ = ["LEVERS", "Lever", "WhatIfRow", "best_combination", "check_levers", "what_if",
+           "what_if_lines"]
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One memory lever: its name, the :class:`~torchmem.fit._levers.LeverRun` settings, the
+    world size it runs under (FSDP), its cost tier (0: free ... 5: more hardware) and the
+    group of levers it excludes (one optimizer, one precision, ...).
+
+    Example:
+        >>> LEVERS[0].tier, LEVERS[0].group
+        (3, 'checkpoint')
+    """
+
+    name: str
+    settings: Mapping[str, Any]
+    tier: int
+    group: str
+    world_size: int | None = None
+    changes: str = ""
+
+
+_BF16, _FP16 = torch.bfloat16, torch.float16
+
+#: every lever, in the order of the table before sorting (see the module's documentation)
+LEVERS: tuple[Lever, ...] = (
+    Lever("activation_checkpointing", {"checkpoint": True}, 3, "checkpoint",
+          changes="recomputes each block's forward in backward"),
+    Lever("grad_accumulation_2", {"accumulate": 2}, 4, "accumulate",
+          changes="2 forward/backward passes per optimizer step"),
+    Lever("grad_accumulation_4", {"accumulate": 4}, 4, "accumulate",
+          changes="4 forward/backward passes per optimizer step"),
+    Lever("bf16_autocast", {"autocast": _BF16}, 1, "autocast",
+          changes="bfloat16 compute where autocast allows it"),
+    Lever("fp16_autocast", {"autocast": _FP16}, 1, "autocast",
+          changes="float16 compute where autocast allows it; needs a gradient scaler"),
+    Lever("bf16_weights", {"weights_dtype": _BF16}, 2, "weights",
+          changes="bfloat16 weights, gradients and optimizer state (no fp32 master copy)"),
+    Lever("optimizer_fused", {"optimizer": {"fused": True, "foreach": False}}, 0, "optimizer",
+          changes="none (the same optimizer's fused kernels)"),
+    Lever("optimizer_foreach", {"optimizer": {"foreach": True, "fused": False}}, 0, "optimizer",
+          changes="none (the same optimizer's multi-tensor kernels)"),
+    Lever("optimizer_per_parameter", {"optimizer": {"foreach": False, "fused": False}}, 0,
+          "optimizer", changes="slower: one parameter at a time"),
+    Lever("optimizer_8bit", {"replace_optimizer": "adam8bit"}, 2, "optimizer",
+          changes="8-bit Adam state (bitsandbytes)"),
+    Lever("adafactor", {"replace_optimizer": "adafactor"}, 2, "optimizer",
+          changes="Adafactor's factored second moments instead of the optimizer's state"),
+    Lever("lora", {}, 2, "lora", changes="trains rank-8 adapters only"),
+    Lever("fsdp_2", {"fsdp": True}, 5, "shard", 2, changes="2 GPUs"),
+    Lever("fsdp_4", {"fsdp": True}, 5, "shard", 4, changes="4 GPUs"),
+    Lever("fsdp_8", {"fsdp": True}, 5, "shard", 8, changes="8 GPUs"),
+    Lever("cpu_offload", {"fsdp": "offload"}, 5, "shard", 1,
+          changes="state on the host; every block's parameters copied in each pass"),
+    Lever("allocator", {}, 0, "allocator", changes="none (allocator settings)"),
+)
+_BY_NAME = {lv.name: lv for lv in LEVERS}
+
+
+def check_levers(names: Sequence[str] | None) -> list[Lever]:
+    """The levers named (all of :data:`LEVERS` for ``None``); a clear error for unknown names.
+
+    Example:
+        >>> [lv.name for lv in check_levers(["adafactor"])]
+        ['adafactor']
+        >>> check_levers(["turbo"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: unknown lever 'turbo'; expected some of ...
+    """
+    if names is None:
+        return list(LEVERS)
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError(f"levers must be a list of lever names, got {names!r}")
+    out = []
+    for n in names:
+        if n not in _BY_NAME:
+            raise InvalidInputError(
+                f"unknown lever {n!r}; expected some of {', '.join(_BY_NAME)}; fix: name "
+                "levers from that list, or leave them out to try every one"
+            )
+        out.append(_BY_NAME[n])
+    return out
+
+
+@dataclass
+class WhatIfRow:
+    """One lever tried: what was changed, the three peaks, the verdict, the headroom and the
+    cost; ``skipped`` says why a lever could not be applied (then the figures are ``None``).
+
+    Example:
+        >>> r = WhatIfRow("adafactor", "AdamW -> torch.optim.Adafactor", 10, 20, 30, True, 5)
+        >>> r.to_dict()["lever"], r.to_dict()["fits"]
+        ('adafactor', True)
+    """
+
+    lever: str
+    applied: str
+    peak_requested_bytes: int | None
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    fits: bool | None
+    headroom_bytes: int | None
+    cost: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None
+    estimate: Estimate | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (``estimate`` left out).
+
+        Example:
+            >>> sorted(WhatIfRow("x", "", None, None, None, None, None, skipped="why").to_dict())[:3]
+            ['applied', 'cost', 'fits']
+        """
+        d: dict[str, Any] = {
+            "lever": self.lever, "applied": self.applied,
+            "peak_requested_bytes": self.peak_requested_bytes,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes, "cost": dict(self.cost),
+        }
+        if self.skipped is not None:
+            d["skipped"] = self.skipped
+        return d
+
+
+def _row(lever: str, applied: str, e: Estimate, cost: dict[str, Any]) -> WhatIfRow:
+    return WhatIfRow(lever, applied, e.peak_requested_bytes, e.peak_allocated_bytes,
+                     e.peak_reserved_bytes, e.fits, e.headroom_bytes, cost, estimate=e)
+
+
+def _skip(lever: str, why: str) -> WhatIfRow:
+    return WhatIfRow(lever, "", None, None, None, None, None, skipped=why)
+
+
+# A function (levers, world_size, alloc_conf, count_flops) -> (Estimate, LeverRun)
+RunFn = Callable[[Sequence[Lever], "int | None", "str | None"], "tuple[Estimate, LeverRun]"]
+
+
+def _lever_run(levers: Sequence[Lever]) -> LeverRun:
+    from torchmem.fit._bnb import Adam8bitStandIn
+
+    kw: dict[str, Any] = {"count_flops": True}
+    for lv in levers:
+        for k, v in lv.settings.items():
+            if k == "replace_optimizer":
+                v = Adam8bitStandIn if v == "adam8bit" else torch.optim.Adafactor
+            kw[k] = v
+    return LeverRun(**kw)
+
+
+def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
+    """What ``lv`` changed, in words, or ``None`` when it changed nothing (not applicable)."""
+    s = lv.settings
+    if lv.name == "activation_checkpointing":
+        if not lr.wrapped:
+            return None
+        return f"checkpointed {len(lr.wrapped)} blocks: {_names(lr.wrapped)}"
+    if "accumulate" in s:
+        return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
+    if "autocast" in s:
+        return (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
+                f"{_names(sorted(set(lr.roots)))}")
+    if "weights_dtype" in s:
+        if not lr.converted:
+            return None
+        return f"{_names(lr.converted)} .to(bfloat16), floating inputs cast"
+    if "optimizer" in s:
+        if lr.optimizer_refused:
+            return None
+        kw = ", ".join(f"{k}={v}" for k, v in s["optimizer"].items())
+        return f"{_names(base_opts)}({kw})"
+    if "replace_optimizer" in s:
+        to = ("torchmem.fit.Adam8bitStandIn (bitsandbytes' Adam8bit)"
+              if s["replace_optimizer"] == "adam8bit" else "torch.optim.Adafactor")
+        return f"{_names(base_opts)} -> {to}"
+    if "fsdp" in s:
+        if not lr.sharded:
+            return None
+        how = ("fully_shard(offload_policy=CPUOffloadPolicy()) on 1 GPU"
+               if s["fsdp"] == "offload" else f"fully_shard over {lv.world_size} GPUs")
+        return f"{how}: {_names(lr.sharded)}"
+    return None
+
+
+def _names(xs: Sequence[str], n: int = 3) -> str:
+    xs = list(xs)
+    return ", ".join(xs[:n]) + (f" (+{len(xs) - n} more)" if len(xs) > n else "")
+
+
+def what_if(
+    run: Callable[..., tuple[Estimate, LeverRun]],
+    base: Estimate,
+    base_lr: LeverRun,
+    card: GPU,
+    levers: Sequence[Lever],
+    batch_size: int,
+    progress: Callable[[str], None] | None = None,
+    suggest: Callable[[Estimate], str | None] | None = None,
+) -> tuple[list[WhatIfRow], WhatIfRow | None]:
+    """Try each of ``levers`` with ``run(levers, world_size=, alloc_conf=)`` (one estimate of
+    the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
+    written) and find the cheapest combination that fits; returns the rows sorted by peak
+    reserved bytes (skipped levers last) and the recommended combination (``None`` when
+    nothing tried fits).
+
+    Example:
+        >>> from torchmem.fit._engine import run_once
+        >>> def build(batch):
+        ...     net = torch.nn.Linear(64, 64).cuda()
+        ...     opt = torch.optim.AdamW(net.parameters())
+        ...     x = torch.randn(batch, 64, device="cuda")
+        ...     return lambda: (net(x).sum().backward(), opt.step(), opt.zero_grad())
+        >>> def run(levers, world_size=None, alloc_conf=None):
+        ...     lr = _lever_run(levers)
+        ...     return run_once(build, 8, "T4", levers=lr, world_size=world_size), lr
+        >>> base, lr = run([])
+        >>> rows, best = what_if(run, base, lr, gpu_card("T4"), check_levers(["adafactor"]), 8)
+        >>> rows[0].lever, rows[0].applied
+        ('adafactor', 'AdamW -> torch.optim.Adafactor')
+    """
+    say = progress or (lambda m: None)
+    base_opts = list(dict.fromkeys(base_lr.optimizers))
+    base_flops = base_lr.flops
+    param_bytes = base.by_category.get("parameter", 0)
+    rows: list[WhatIfRow] = []
+    bf16_ok = card.compute_capability >= (8, 0)
+    for k, lv in enumerate(levers, 1):
+        why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
+        if why is not None:
+            rows.append(_skip(lv.name, why))
+            continue
+        say(f"what-if {k}/{len(levers)}: {lv.name} ...")
+        if lv.name == "allocator":
+            rows.append(_allocator_row(run, base, suggest))
+            continue
+        try:
+            e, lr = run([lv], world_size=lv.world_size)
+        except InvalidInputError as err:
+            rows.append(_skip(lv.name, f"the step failed with it: {str(err).splitlines()[0]}"))
+            continue
+        applied = _applied(lv, lr, base_opts)
+        if applied is None:
+            rows.append(_skip(lv.name, _why_unchanged(lv, lr)))
+            continue
+        rows.append(_row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
+    rows.sort(key=lambda r: (r.peak_reserved_bytes is None, r.peak_reserved_bytes or 0))
+    best = best_combination(run, base, rows, say)
+    return rows, best
+
+
+def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
+                    bf16_ok: bool) -> str | None:
+    name = lv.name
+    if name == "lora":
+        if importlib.util.find_spec("peft") is None:
+            return "peft is not installed (pip install peft)"
+        return "not built yet: torchmem does not apply LoRA adapters itself"
+    if name == "bf16_autocast" and not bf16_ok:
+        return f"the {base.gpu} has no bfloat16 (compute capability below 8.0): fp16_autocast"
+    if name == "fp16_autocast" and bf16_ok:
+        return "bf16_autocast is the one tried on a GPU with bfloat16"
+    if name == "bf16_weights" and not bf16_ok:
+        return f"the {base.gpu} has no bfloat16 (compute capability below 8.0)"
+    if "accumulate" in lv.settings:
+        k = lv.settings["accumulate"]
+        if not opts:
+            return "the step makes no optimizer (nothing to accumulate for)"
+        if batch % k:
+            return f"batch {batch} is not a multiple of {k}"
+    if ("optimizer" in lv.settings or "replace_optimizer" in lv.settings) and not opts:
+        return "the step makes no torch.optim optimizer"
+    if "fsdp" in lv.settings:
+        if base.world_size is not None:
+            return f"the step already runs as rank 0 of {base.world_size}"
+        if not opts:
+            return "the step makes no optimizer (FSDP is applied when it is made)"
+    return None
+
+
+def _why_unchanged(lv: Lever, lr: LeverRun) -> str:
+    if lv.name == "activation_checkpointing":
+        return ("no repeated blocks (a ModuleList or Sequential of two or more modules of one "
+                f"class) in {_names(sorted(set(lr.roots))) or 'the model'}")
+    if lv.name == "bf16_weights":
+        return "no module with floating-point weights was called"
+    if lr.optimizer_refused:
+        return "; ".join(lr.optimizer_refused)
+    return "the lever found nothing to change in this step"
+
+
+def _cost(lv: Lever, e: Estimate, lr: LeverRun, base_flops: int,
+          param_bytes: int) -> dict[str, Any]:
+    cost: dict[str, Any] = {"changes": lv.changes}
+    if base_flops:
+        cost["recompute_flops_share"] = round(max(0, lr.flops - base_flops) / base_flops, 4)
+    cost["micro_batches"] = int(lv.settings.get("accumulate", 1))
+    n = lv.world_size or 1
+    cost["communication_bytes_per_step"] = (
+        3 * param_bytes * (n - 1) // n if lv.settings.get("fsdp") is True else 0)
+    cost["host_peak_bytes"] = e.host_peak_bytes
+    return cost
+
+
+def _allocator_row(run: Callable[..., tuple[Estimate, LeverRun]], base: Estimate,
+                   suggest: Callable[[Estimate], str | None] | None) -> WhatIfRow:
+    conf = suggest(base) if suggest is not None else None
+    if conf is None:
+        return _skip("allocator", "no PYTORCH_CUDA_ALLOC_CONF setting of --suggest lowers the "
+                     "peak reserved memory of this step")
+    e, _ = run([], alloc_conf=conf)
+    return _row("allocator", f"PYTORCH_CUDA_ALLOC_CONF={conf}", e,
+                {"changes": "none (allocator settings)", "micro_batches": 1,
+                 "communication_bytes_per_step": 0, "host_peak_bytes": e.host_peak_bytes,
+                 "alloc_conf": conf})
+
+
+def best_combination(
+    run: Callable[..., tuple[Estimate, LeverRun]],
+    base: Estimate,
+    rows: Sequence[WhatIfRow],
+    say: Callable[[str], None] = lambda m: None,
+    rounds: int = 3,
+    tries: int = 4,
+) -> WhatIfRow | None:
+    """The cheapest combination of the rows' levers that fits, found greedily: the cheapest
+    single lever that fits (by cost tier, then peak reserved); else, the lever saving the most
+    is kept and each compatible lever is tried on top of it, cheapest first (``tries`` a
+    round), for up to ``rounds`` levers. ``None`` when nothing found fits.
+
+    Example:
+        >>> best_combination(None, None, [WhatIfRow("adafactor", "x", 1, 2, 3, True, 9)]).lever
+        'adafactor'
+    """
+    done = [r for r in rows if r.skipped is None and r.peak_reserved_bytes is not None]
+
+    def key(r: WhatIfRow) -> tuple[int, int]:
+        return (_BY_NAME[r.lever.split(" + ")[-1]].tier if r.lever in _BY_NAME else 9,
+                r.peak_reserved_bytes or 0)
+
+    fitting = sorted((r for r in done if r.fits), key=key)
+    if fitting:
+        return fitting[0]
+    if not done:
+        return None
+    current = min(done, key=lambda r: r.peak_reserved_bytes or 0)
+    chosen = [_BY_NAME[current.lever]]
+    conf = current.cost.get("alloc_conf")
+    for _ in range(rounds - 1):
+        groups = {lv.group for lv in chosen}
+        cands = sorted((r for r in done if r.lever in _BY_NAME
+                        and _BY_NAME[r.lever].group not in groups
+                        and not (_BY_NAME[r.lever].world_size and any(
+                            lv.world_size for lv in chosen))), key=key)[:tries]
+        if not cands:
+            break
+        tried: list[WhatIfRow] = []
+        for r in cands:
+            combo = [*chosen, _BY_NAME[r.lever]]
+            name = " + ".join(lv.name for lv in combo)
+            say(f"what-if best: {name} ...")
+            ws = next((lv.world_size for lv in combo if lv.world_size), None)
+            this_conf = conf or r.cost.get("alloc_conf")
+            try:
+                e, lr = run([lv for lv in combo if lv.name != "allocator"], world_size=ws,
+                            alloc_conf=this_conf)
+            except InvalidInputError:
+                continue
+            applied = "; ".join(x.applied for x in [current, r])
+            row = _row(name, applied, e, {"changes": "; ".join(lv.changes for lv in combo),
+                                          "micro_batches": max(
+                                              int(lv.settings.get("accumulate", 1))
+                                              for lv in combo),
+                                          "host_peak_bytes": e.host_peak_bytes})
+            if this_conf:
+                row.cost["alloc_conf"] = this_conf
+            if e.fits:
+                return row
+            tried.append(row)
+        if not tried:
+            break
+        current = min(tried, key=lambda r: r.peak_reserved_bytes or 0)
+        chosen = [_BY_NAME[n] for n in current.lever.split(" + ")]
+        conf = current.cost.get("alloc_conf")
+    return None
+
+
+def what_if_lines(rows: Sequence[WhatIfRow], best: WhatIfRow | None, base: Estimate) -> list[str]:
+    """The report's what-if table: one line per lever (sorted by peak reserved), the skipped
+    ones with their reasons, then the recommended combination.
+
+    Example:
+        >>> from torchmem.fit import Estimate
+        >>> base = Estimate("T4", 8, False, 100, 10, 50, 60, 95)
+        >>> rows = [WhatIfRow("adafactor", "AdamW -> Adafactor", 40, 50, 70, True, 20,
+        ...                   {"host_peak_bytes": 8})]
+        >>> print("\\n".join(what_if_lines(rows, rows[0], base)))
+        what if (each lever alone, sorted by peak reserved; as written: 95 B reserved, DOES NOT FIT)
+          lever                     peak reserved  peak allocated  fits  headroom  cost
+          adafactor                          70 B            50 B  yes       20 B  host 8 B
+        best: adafactor (fits, headroom 20 B): AdamW -> Adafactor
+    """
+    from torchmem.units import format_bytes as fb
+
+    verdict = "FITS" if base.fits else "DOES NOT FIT"
+    out = [f"what if (each lever alone, sorted by peak reserved; as written: "
+           f"{fb(base.peak_reserved_bytes)} reserved, {verdict})",
+           f"  {'lever':<25} {'peak reserved':>13} {'peak allocated':>15}  fits  "
+           f"{'headroom':>8}  cost"]
+    for r in rows:
+        if r.skipped is not None:
+            continue
+        fits = "yes" if r.fits else "no"
+        out.append(f"  {r.lever:<25} {fb(r.peak_reserved_bytes or 0):>13} "
+                   f"{fb(r.peak_allocated_bytes or 0):>15}  {fits:<4}  "
+                   f"{fb(r.headroom_bytes or 0):>8}  {_cost_words(r.cost)}".rstrip())
+    skipped = [r for r in rows if r.skipped is not None]
+    if skipped:
+        out.append("  not applied:")
+        out.extend(f"    {r.lever}: {r.skipped}" for r in skipped)
+    if best is None:
+        out.append("best: nothing tried fits (try a larger GPU or more GPUs)")
+    else:
+        out.append(f"best: {best.lever} (fits, headroom {fb(best.headroom_bytes or 0)}): "
+                   f"{best.applied}")
+    return out
+
+
+def _cost_words(cost: Mapping[str, Any]) -> str:
+    from torchmem.units import format_bytes as fb
+
+    bits = []
+    share = cost.get("recompute_flops_share")
+    if share and share >= 0.005:
+        bits.append(f"+{share:.0%} FLOPs")
+    if cost.get("micro_batches", 1) > 1:
+        bits.append(f"{cost['micro_batches']} micro-batches/step")
+    if cost.get("communication_bytes_per_step"):
+        bits.append(f"{fb(cost['communication_bytes_per_step'])} comm/step")
+    if cost.get("host_peak_bytes"):
+        bits.append(f"host {fb(cost['host_peak_bytes'])}")
+    if cost.get("maximized"):
+        label = "batch" if cost["maximized"] == "batch_size" else cost["maximized"]
+        bits.append(f"largest {label} {cost['max_value']}")
+    if not bits:
+        bits.append(str(cost.get("changes", "")))
+    return ", ".join(bits)
+
+
+def gpu_card(name: str) -> GPU:
+    """The catalog GPU ``name`` (for examples).
+
+    Example:
+        >>> gpu_card("T4").name
+        'T4'
+    """
+    from torchmem.fit._catalog import gpu
+
+    return gpu(name)

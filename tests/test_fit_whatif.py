@@ -1,0 +1,218 @@
+"""``estimate(..., what_if=True)`` / ``torchmem estimate --what-if``: each lever, applied by
+torchmem to the user's own model and optimizer, equals the same change written by hand (all
+three peaks, to the byte); levers a step cannot take say why; the table, the best combination
+and the JSON shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import torchmem
+from torchmem.errors import InvalidInputError
+from torchmem.fit import Adam8bitStandIn
+from torchmem.fit._engine import run_once
+from torchmem.fit._whatif import LEVERS, _lever_run, check_levers, what_if_lines
+
+D, SEQ, BATCH = 128, 64, 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(D, 4 * D)
+        self.b = torch.nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, ckpt: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+        self.head = torch.nn.Linear(D, 10)
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.ckpt else layer(x)
+        return self.head(x)
+
+
+def as_written(batch: int) -> object:
+    """The user's step: nothing memory-saving in it."""
+    net = Net().cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x = torch.randn(batch, SEQ, D, device="cuda")
+
+    def step() -> None:
+        net(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, micro: int = 1,
+            autocast: torch.dtype | None = None, opt_cls: type | None = None,
+            shard: str | None = None):  # noqa: ANN201
+    """The same step with one change written by hand."""
+    def build(batch: int) -> object:
+        net = Net(ckpt=ckpt).cuda()
+        if bf16:
+            net.to(torch.bfloat16)
+        if shard is not None:
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            kw = {"offload_policy": CPUOffloadPolicy()} if shard == "offload" else {}
+            for layer in net.layers:
+                fully_shard(layer, **kw)
+            fully_shard(net, **kw)
+        opt = (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {}))
+        x = torch.randn(batch, SEQ, D, device="cuda")
+
+        def fwd() -> torch.Tensor:
+            if autocast is not None:
+                with torch.autocast("cuda", dtype=autocast):
+                    return net(x)
+            return net(x.to(torch.bfloat16) if bf16 else x)
+
+        def micro_step() -> None:
+            fwd().float().sum().backward()
+
+        def step() -> None:
+            for _ in range(micro):
+                micro_step()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+    return build
+
+
+def figures(e: torchmem.fit.Estimate) -> tuple[int, int, int, int]:
+    return (e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes,
+            e.host_peak_bytes)
+
+
+BY_NAME = {lv.name: lv for lv in LEVERS}
+CASES = {
+    "activation_checkpointing": (by_hand(ckpt=True), BATCH, None),
+    "grad_accumulation_2": (by_hand(micro=2), BATCH // 2, None),
+    "grad_accumulation_4": (by_hand(micro=4), BATCH // 4, None),
+    "bf16_autocast": (by_hand(autocast=torch.bfloat16), BATCH, None),
+    "fp16_autocast": (by_hand(autocast=torch.float16), BATCH, None),
+    "bf16_weights": (by_hand(bf16=True), BATCH, None),
+    "optimizer_fused": (by_hand(opt_kw={"fused": True, "foreach": False}), BATCH, None),
+    "optimizer_foreach": (by_hand(opt_kw={"foreach": True}), BATCH, None),
+    "optimizer_per_parameter": (by_hand(opt_kw={"foreach": False}), BATCH, None),
+    "optimizer_8bit": (by_hand(opt_cls=Adam8bitStandIn), BATCH, None),
+    "adafactor": (by_hand(opt_cls=torch.optim.Adafactor), BATCH, None),
+    "fsdp_2": (by_hand(shard="fsdp"), BATCH, 2),
+    "cpu_offload": (by_hand(shard="offload"), BATCH, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_lever_equals_the_change_written_by_hand(name: str) -> None:
+    hand, batch, world = CASES[name]
+    lv = BY_NAME[name]
+    lr = _lever_run([lv])
+    lever = run_once(as_written, BATCH, "A100-80GB", levers=lr, world_size=world)
+    written = run_once(hand, batch, "A100-80GB", world_size=world)
+    assert figures(lever) == figures(written)
+    plain = run_once(as_written, BATCH, "A100-80GB", world_size=world)
+    if name in ("optimizer_foreach",):  # AdamW's default on a GPU is foreach: the same step
+        assert figures(lever) == figures(plain)
+    elif name != "optimizer_per_parameter":
+        assert figures(lever) != figures(plain)  # the lever changed something
+
+
+def test_checkpointing_names_the_blocks_and_counts_the_recomputed_flops() -> None:
+    lr = _lever_run([BY_NAME["activation_checkpointing"]])
+    run_once(as_written, BATCH, "A100-80GB", levers=lr, steps=1)
+    assert lr.wrapped == ["layers.0", "layers.1", "layers.2"]
+    base = _lever_run([])
+    run_once(as_written, BATCH, "A100-80GB", levers=base, steps=1)
+    # the recomputed forward of the three blocks, up to what backward needs (non-reentrant
+    # checkpoint stops early): block.a's matmul (2*m*k*n FLOPs) and the relu; block.b's output
+    # is needed by nothing, so its matmul is not rerun
+    assert lr.flops - base.flops == 3 * 2 * (BATCH * SEQ) * D * (4 * D)
+
+
+def test_what_if_table_best_and_json() -> None:
+    e = torchmem.estimate(as_written, gpu="560 MiB", batch_size=BATCH, margin=0,
+                          what_if=["activation_checkpointing", "adafactor", "lora",
+                                   "grad_accumulation_4", "allocator"])
+    usable = e.usable_bytes
+    rows = {r.lever: r for r in e.what_if}
+    assert set(rows) == {"activation_checkpointing", "adafactor", "lora", "grad_accumulation_4",
+                         "allocator"}
+    done = [r for r in e.what_if if r.skipped is None]
+    assert [r.peak_reserved_bytes for r in done] == sorted(r.peak_reserved_bytes for r in done)
+    for r in done:  # each row's verdict is its own run's, on this GPU
+        assert r.fits == (r.peak_reserved_bytes <= usable and r.estimate.oom is None)
+        assert r.headroom_bytes == usable - r.peak_reserved_bytes
+    assert rows["lora"].skipped and "peft" in rows["lora"].skipped
+    d = json.loads(json.dumps(e.to_dict()))
+    assert {"lever", "applied", "peak_requested_bytes", "peak_allocated_bytes",
+            "peak_reserved_bytes", "fits", "headroom_bytes", "cost"} <= set(d["what_if"][0])
+    if e.what_if_best is not None:
+        assert e.what_if_best.fits and d["what_if_best"]["lever"] == e.what_if_best.lever
+    text = "\n".join(what_if_lines(e.what_if, e.what_if_best, e))
+    assert "lora: peft is not installed" in text
+
+
+def test_levers_a_step_cannot_take_say_why() -> None:
+    def no_blocks(batch: int) -> object:
+        net = torch.nn.Linear(D, D).cuda()
+        x = torch.randn(batch, D, device="cuda")
+        return lambda: net(x).sum().backward()
+
+    e = torchmem.estimate(no_blocks, gpu="T4", batch_size=3,
+                          what_if=["activation_checkpointing", "grad_accumulation_2",
+                                   "optimizer_fused", "bf16_autocast", "fsdp_2"])
+    why = {r.lever: r.skipped for r in e.what_if}
+    assert "no repeated blocks" in why["activation_checkpointing"]
+    assert "no optimizer" in why["grad_accumulation_2"]
+    assert "no torch.optim optimizer" in why["optimizer_fused"]
+    assert "no bfloat16" in why["bf16_autocast"]  # a T4 is compute capability 7.5
+    assert "no optimizer" in why["fsdp_2"]
+    assert all(r.peak_reserved_bytes is None for r in e.what_if)
+
+
+def test_unknown_lever_is_a_clear_error() -> None:
+    with pytest.raises(InvalidInputError, match="unknown lever 'turbo'"):
+        check_levers(["turbo"])
+    with pytest.raises(InvalidInputError, match="unknown lever"):
+        torchmem.estimate(as_written, gpu="T4", what_if=["turbo"])
+
+
+def test_cli_what_if(tmp_path, capsys) -> None:  # noqa: ANN001
+    from torchmem.cli import main
+
+    f = tmp_path / "m.py"
+    f.write_text(
+        "import torch\n"
+        "def build(batch):\n"
+        "    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)]).cuda()\n"
+        "    opt = torch.optim.AdamW(net.parameters())\n"
+        "    x = torch.randn(batch, 64, device='cuda')\n"
+        "    def step():\n"
+        "        net(x).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "    return step\n"
+    )
+    code = main(["estimate", f"{f}:build", "--gpu", "T4", "--batch-size", "4", "--json",
+                 "--what-if", "activation_checkpointing,adafactor"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {r["lever"]: r for r in d["what_if"]}
+    assert rows["activation_checkpointing"]["applied"].startswith("checkpointed 3 blocks")
+    assert rows["adafactor"]["applied"] == "AdamW -> torch.optim.Adafactor"
+    assert d["what_if_best"]["fits"] is True
+    assert main(["estimate", f"{f}:build", "--what-if", "nope"]) == 2
+    assert "unknown lever 'nope'" in capsys.readouterr().err
