@@ -26,7 +26,9 @@ they are made and changes them the way a user would by hand:
   code does); the estimate runs under the fake process group of that many ranks.
 - **the step**: ``accumulate=k`` builds the batch as ``batch_size // k`` and runs ``step()``
   ``k`` times per optimizer step, the optimizers' ``step()`` and ``zero_grad()`` skipped in
-  all but the last (gradients accumulate, as a hand-written accumulation loop does).
+  all but the last (gradients accumulate, as a hand-written accumulation loop does); a
+  transformers ``Trainer`` made by ``build`` gets ``gradient_accumulation_steps`` times ``k``
+  instead (its per-device batch is the micro-batch) and the step runs once.
 
 ``count_flops`` adds up the floating-point operations of every operator run
 (``torch.utils.flop_counter``'s formulas), so the cost of recomputation can be given.
@@ -166,7 +168,7 @@ class LeverRun:
         self.optimizer_refused: list[str] = []
         self.converted: list[str] = []
         self.sharded: list[str] = []
-        self.steps_called = 0
+        self.trainer_accumulates = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -194,6 +196,9 @@ class LeverRun:
             >>> LeverRun(accumulate=2).run_step(lambda: calls.append(1)); calls
             [1, 1]
         """
+        if self.trainer_accumulates:
+            step()  # the Trainer accumulates (gradient_accumulation_steps)
+            return
         for i in range(self.accumulate):
             if i < self.accumulate - 1:
                 with self._skip_optimizer():
@@ -222,7 +227,34 @@ class LeverRun:
     def __enter__(self) -> LeverRun:
         self._patch_call()
         self._patch_optimizers()
+        if self.accumulate > 1:
+            self._patch_trainer()
         return self
+
+    def _patch_trainer(self) -> None:
+        """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
+        is multiplied by ``accumulate`` (its per-device batch is the micro-batch ``build`` was
+        given), and each step runs once."""
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            return
+        try:
+            from transformers import Trainer
+        except Exception:  # noqa: BLE001 - a broken install: no Trainer to adjust
+            return
+        orig = vars(Trainer)["__init__"]
+        lever = self
+
+        def init(trainer: Any, *args: Any, **kwargs: Any) -> None:
+            targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+            if targs is not None and hasattr(targs, "gradient_accumulation_steps"):
+                targs.gradient_accumulation_steps *= lever.accumulate
+                lever.trainer_accumulates = True
+            orig(trainer, *args, **kwargs)
+
+        setattr(Trainer, "__init__", init)  # noqa: B010
+        self._undo.append(lambda: setattr(Trainer, "__init__", orig))
 
     def __exit__(self, *exc: object) -> None:
         while self._undo:

@@ -59,7 +59,7 @@ from torchmem.fit._estimate import Estimate
 from torchmem.fit._levers import LeverRun
 
 __all__ = ["LEVERS", "Lever", "WhatIfRow", "best_combination", "check_levers", "what_if",
-           "what_if_lines"]
+           "what_if_lines", "combine"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,53 @@ class Lever:
     group: str
     world_size: int | None = None
     changes: str = ""
+    #: the levers a combination (``"a+b"``) is made of; empty for one lever
+    parts: tuple[Lever, ...] = ()
+
+    @property
+    def singles(self) -> tuple[Lever, ...]:
+        """The single levers this one is made of (itself for a single lever).
+
+        Example:
+            >>> [lv.name for lv in combine(check_levers(["adafactor"]) * 1).singles]
+            ['adafactor']
+        """
+        return self.parts or (self,)
+
+
+def combine(levers: Sequence[Lever]) -> Lever:
+    """One lever made of several (``"activation_checkpointing+grad_accumulation_4"``): their
+    settings merged; an error when two of them are of one kind (two optimizers, two
+    precisions, two world sizes) or the allocator is among them.
+
+    Example:
+        >>> combine(check_levers(["adafactor", "activation_checkpointing"])).name
+        'adafactor + activation_checkpointing'
+        >>> combine(check_levers(["adafactor", "optimizer_8bit"]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: levers adafactor and optimizer_8bit cannot be combined ...
+    """
+    if len(levers) == 1:
+        return levers[0]
+    seen: dict[str, str] = {}
+    settings: dict[str, Any] = {}
+    for lv in levers:
+        if lv.name in ("allocator", "lora"):
+            raise InvalidInputError(
+                f"the {lv.name} lever is tried alone (the best combination adds the allocator "
+                "settings itself); fix: list it apart, e.g. --what-if a+b,allocator"
+            )
+        if lv.group in seen:
+            raise InvalidInputError(
+                f"levers {seen[lv.group]} and {lv.name} cannot be combined (both set the "
+                f"{lv.group}); fix: keep one of them"
+            )
+        seen[lv.group] = lv.name
+        settings.update(lv.settings)
+    ws = next((lv.world_size for lv in levers if lv.world_size), None)
+    return Lever(" + ".join(lv.name for lv in levers), settings, max(lv.tier for lv in levers),
+                 "+".join(lv.group for lv in levers), ws,
+                 "; ".join(lv.changes for lv in levers), tuple(levers))
 
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
@@ -119,11 +166,12 @@ _BY_NAME = {lv.name: lv for lv in LEVERS}
 
 
 def check_levers(names: Sequence[str] | None) -> list[Lever]:
-    """The levers named (all of :data:`LEVERS` for ``None``); a clear error for unknown names.
+    """The levers named (all of :data:`LEVERS` for ``None``); ``"a+b"`` names a combination
+    (:func:`combine`); a clear error for unknown names.
 
     Example:
-        >>> [lv.name for lv in check_levers(["adafactor"])]
-        ['adafactor']
+        >>> [lv.name for lv in check_levers(["adafactor", "grad_accumulation_4+adafactor"])]
+        ['adafactor', 'grad_accumulation_4 + adafactor']
         >>> check_levers(["turbo"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         torchmem.errors.InvalidInputError: unknown lever 'turbo'; expected some of ...
@@ -133,13 +181,17 @@ def check_levers(names: Sequence[str] | None) -> list[Lever]:
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise InvalidInputError(f"levers must be a list of lever names, got {names!r}")
     out = []
-    for n in names:
-        if n not in _BY_NAME:
-            raise InvalidInputError(
-                f"unknown lever {n!r}; expected some of {', '.join(_BY_NAME)}; fix: name "
-                "levers from that list, or leave them out to try every one"
-            )
-        out.append(_BY_NAME[n])
+    for spec in names:
+        parts = []
+        for n in (p.strip() for p in spec.split("+")):
+            if n not in _BY_NAME:
+                raise InvalidInputError(
+                    f"unknown lever {n!r}; expected some of {', '.join(_BY_NAME)} (or several "
+                    "joined with '+'); fix: name levers from that list, or leave them out to "
+                    "try every one"
+                )
+            parts.append(_BY_NAME[n])
+        out.append(combine(parts))
     return out
 
 
@@ -211,6 +263,9 @@ def _lever_run(levers: Sequence[Lever]) -> LeverRun:
 
 def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
     """What ``lv`` changed, in words, or ``None`` when it changed nothing (not applicable)."""
+    if lv.parts:
+        said = [_applied(p, lr, base_opts) for p in lv.parts]
+        return None if any(x is None for x in said) else "; ".join(x or "" for x in said)
     s = lv.settings
     if lv.name == "activation_checkpointing":
         if not lr.wrapped:
@@ -311,6 +366,12 @@ def what_if(
 
 def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
                     bf16_ok: bool) -> str | None:
+    if lv.parts:
+        for p in lv.parts:
+            why = _not_applicable(p, base, opts, batch, bf16_ok)
+            if why is not None:
+                return f"{p.name}: {why}"
+        return None
     name = lv.name
     if name == "lora":
         if importlib.util.find_spec("peft") is None:
@@ -339,6 +400,9 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
 
 
 def _why_unchanged(lv: Lever, lr: LeverRun) -> str:
+    for p in lv.parts:
+        if _applied(p, lr, []) is None:
+            return f"{p.name}: {_why_unchanged(p, lr)}"
     if lv.name == "activation_checkpointing":
         return ("no repeated blocks (a ModuleList or Sequential of two or more modules of one "
                 f"class) in {_names(sorted(set(lr.roots))) or 'the model'}")
@@ -394,9 +458,11 @@ def best_combination(
     """
     done = [r for r in rows if r.skipped is None and r.peak_reserved_bytes is not None]
 
+    def levers_of(r: WhatIfRow) -> list[Lever]:
+        return [_BY_NAME[n] for n in r.lever.split(" + ")]
+
     def key(r: WhatIfRow) -> tuple[int, int]:
-        return (_BY_NAME[r.lever.split(" + ")[-1]].tier if r.lever in _BY_NAME else 9,
-                r.peak_reserved_bytes or 0)
+        return (max(lv.tier for lv in levers_of(r)), r.peak_reserved_bytes or 0)
 
     fitting = sorted((r for r in done if r.fits), key=key)
     if fitting:
@@ -404,14 +470,15 @@ def best_combination(
     if not done:
         return None
     current = min(done, key=lambda r: r.peak_reserved_bytes or 0)
-    chosen = [_BY_NAME[current.lever]]
+    chosen = levers_of(current)
     conf = current.cost.get("alloc_conf")
     for _ in range(rounds - 1):
         groups = {lv.group for lv in chosen}
         cands = sorted((r for r in done if r.lever in _BY_NAME
                         and _BY_NAME[r.lever].group not in groups
                         and not (_BY_NAME[r.lever].world_size and any(
-                            lv.world_size for lv in chosen))), key=key)[:tries]
+                            lv.world_size for lv in chosen))
+                        and not (r.lever == "allocator" and conf)), key=key)[:tries]
         if not cands:
             break
         tried: list[WhatIfRow] = []
@@ -440,7 +507,7 @@ def best_combination(
         if not tried:
             break
         current = min(tried, key=lambda r: r.peak_reserved_bytes or 0)
-        chosen = [_BY_NAME[n] for n in current.lever.split(" + ")]
+        chosen = levers_of(current)
         conf = current.cost.get("alloc_conf")
     return None
 
