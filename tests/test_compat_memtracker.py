@@ -425,3 +425,34 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileFormatError, match="refused to load.*nothing was executed"):
         MemoryTracker().load(path)
     assert not flag.exists()
+
+
+def test_a_failed_start_leaves_no_hook_and_no_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchmem.capture.tracker as tracker_pkg
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracker failed")
+
+    before = len(_get_current_dispatch_mode_stack())
+    monkeypatch.setattr(tracker_pkg, "track", broken)
+    net = nn.Sequential(nn.Linear(2, 2))
+    mt = MemoryTracker()
+    with pytest.raises(RuntimeError, match="tracker failed"):
+        mt.start_monitor(net)
+    assert mt._hooks == [] and mt.profile_mode is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert len(_get_current_dispatch_mode_stack()) == before
+
+
+def test_loading_a_tmtrace_after_a_cuda_run_reads_the_file_not_the_device(tmp_path: Path) -> None:
+    mt = MemoryTracker()
+    mt.start_monitor(nn.ReLU())
+    x = torch.ones(8)
+    mt.stop()
+    p = tmp_path / "run.tmtrace"
+    mt.save_trace(p)
+    mt._allocator = True  # as after a run on CUDA: loading a file must not read the device
+    mt._device_module = None
+    mt.load(p)
+    assert _bytes(mt.memories_allocated) == [32]
+    del x

@@ -163,25 +163,25 @@ class MemoryTracker:
         self._pick_device(root_module)
         self._clear_state()
         _flag_root(root_module, True)
-        for name, m in root_module.named_modules():
-            if m is not root_module:
-                _flag_root(m, False)
-            if ".fused_proxy_grouped_embedding_bag" in name:  # no hooks there, as in PyTorch
-                continue
-            self._hooks.append(m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
-            self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))
-        empty_cache = getattr(self._device_module, "empty_cache", None)
-        if self._allocator and empty_cache is not None:
-            empty_cache()
-        tracker = track(root_module, metadata={"producer": "torchmem.compat.MemoryTracker"})
-        tracker.__enter__()
-        self._tracker, self._trace = tracker, tracker.trace
-        mode = MemoryProfileDispatchMode(self)
         try:
+            for name, m in root_module.named_modules():
+                if m is not root_module:
+                    _flag_root(m, False)
+                if ".fused_proxy_grouped_embedding_bag" in name:  # no hooks there, as in PyTorch
+                    continue
+                self._hooks.append(
+                    m.register_forward_pre_hook(self._create_pre_forward_hook(name)))
+                self._hooks.append(m.register_forward_hook(self._create_post_forward_hook(name)))
+            empty_cache = getattr(self._device_module, "empty_cache", None)
+            if self._allocator and empty_cache is not None:
+                empty_cache()
+            tracker = track(root_module, metadata={"producer": "torchmem.compat.MemoryTracker"})
+            tracker.__enter__()
+            self._tracker, self._trace = tracker, tracker.trace
+            mode = MemoryProfileDispatchMode(self)
             mode.__enter__()  # above the tracker's mode: it reads after the tracker recorded
         except BaseException:
-            self._tracker = None
-            tracker.__exit__(None, None, None)
+            self.stop()  # a failed start leaves no hook and no mode behind
             raise
         self.profile_mode = mode
 
@@ -222,7 +222,7 @@ class MemoryTracker:
             >>> mt.stop(); mt.stop(); len(mt._hooks), mt._num_alloc_retries
             (0, 0)
         """
-        if self.profile_mode is None and self._tracker is None:
+        if self.profile_mode is None and self._tracker is None and not self._hooks:
             return
         if self._allocator:
             self._num_alloc_retries = self._device_module.memory_stats().get(
@@ -542,7 +542,8 @@ class MemoryTracker:
         :attr:`trace`. The pickle is read without importing anything but ``defaultdict``, so
         a file that would run code is refused. A ``.tmtrace`` file (``torchmem run``,
         :meth:`save_trace`) is read too: :attr:`trace` is set and the series get one point per
-        allocation or free of the trace (named ``<module>.<operator>_<n>``).
+        allocation or free of the trace (named ``<module>.<operator>_<n>``; the live bytes of
+        every device in the trace).
 
         Example:
             >>> import os, pickle, tempfile, torchmem
@@ -605,11 +606,10 @@ class MemoryTracker:
             op = s[tr.op[i]] or ("free" if kind == free else "initial")
             n = self._operator_names[op]
             self._operator_names[op] = n + 1
-            self._record_memory_stats(f"{s[tr.module[i]]}.{op}_{n}")
-            mib = sum(live.values()) / BYTES_PER_MB
-            point = (self.memories_allocated[self._op_index - 1][0], mib)
+            point = (f"{s[tr.module[i]]}.{op}_{n}", sum(live.values()) / BYTES_PER_MB)
             for series in (self.memories_allocated, self.memories_active, self.memories_reserved):
-                series[self._op_index - 1] = point
+                series[self._op_index] = point
+            self._op_index += 1
         self._trace = tr
 
 
