@@ -69,8 +69,7 @@ __all__ = ["MemoryTracker"]
 BYTES_PER_MB = 1024 * 1024.0
 
 _SOURCES = ("auto", "allocator", "torchmem")
-_KEYS = ("memories_allocated", "memories_active", "memories_reserved", "markers",
-         "num_alloc_retries")
+_SERIES = ("memories_allocated", "memories_active", "memories_reserved")
 _DETACH = torch.ops.aten.detach.default
 _STATS = "a stats file written by MemoryTracker.save_stats (PyTorch's or torchmem's)"
 
@@ -92,8 +91,8 @@ class MemoryTracker:
     - any other device (CPU, ``meta``, fake tensors), or ``source="torchmem"``: *allocated*
       is the exact live bytes of the storages torchmem tracks on the model's device (the
       device of its first parameter or buffer; every device when it has none): the model's
-      parameters and buffers plus everything created while monitoring (tensors made before
-      ``start_monitor`` that are not the model's are not counted). There is no caching
+      parameters, buffers and gradients plus every storage created while monitoring (tensors
+      made before ``start_monitor`` that are not the model's are not counted). There is no caching
       allocator, so *active* and *reserved* equal *allocated*, and ``_num_alloc_retries`` is 0.
 
     Args:
@@ -576,7 +575,7 @@ class MemoryTracker:
                 f"{name}: not a MemoryTracker stats file ({type(e).__name__}: {e}); expected "
                 f"{_STATS}", path=name, kind="stats"
             ) from None
-        series = [_series(name, stats, key) for key in _KEYS[:3]]
+        series = [_series(name, stats, key) for key in _SERIES]
         markers = _markers(name, stats)
         retries, op_index = stats.get("num_alloc_retries"), stats.get("op_index", len(series[0]))
         for key, value in (("num_alloc_retries", retries), ("op_index", op_index)):
