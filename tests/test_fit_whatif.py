@@ -145,26 +145,47 @@ def test_checkpointing_names_the_blocks_and_counts_the_recomputed_flops() -> Non
 
 
 def test_what_if_table_best_and_json() -> None:
-    e = torchmem.estimate(as_written, gpu="560 MiB", batch_size=BATCH, margin=0,
+    # batch 64 on an H100-sized context with 120 MiB usable: as written needs 150 MiB reserved
+    e = torchmem.estimate(as_written, gpu="650 MiB", batch_size=64, margin=0,
                           what_if=["activation_checkpointing", "adafactor", "lora",
-                                   "grad_accumulation_4", "allocator"])
+                                   "grad_accumulation_4", "allocator",
+                                   "grad_accumulation_4+activation_checkpointing"])
+    assert not e.fits and e.oom is not None  # the step as written runs out, and says where
     usable = e.usable_bytes
     rows = {r.lever: r for r in e.what_if}
     assert set(rows) == {"activation_checkpointing", "adafactor", "lora", "grad_accumulation_4",
-                         "allocator"}
+                         "allocator", "grad_accumulation_4 + activation_checkpointing"}
     done = [r for r in e.what_if if r.skipped is None]
     assert [r.peak_reserved_bytes for r in done] == sorted(r.peak_reserved_bytes for r in done)
     for r in done:  # each row's verdict is its own run's, on this GPU
         assert r.fits == (r.peak_reserved_bytes <= usable and r.estimate.oom is None)
         assert r.headroom_bytes == usable - r.peak_reserved_bytes
+        # and equals the same levers' run made directly on that card
+        direct = run_once(as_written, 64, "650 MiB",
+                          levers=_lever_run(check_levers([r.lever.replace(" + ", "+")])))
+        if r.fits:
+            assert figures(direct)[:3] == (r.peak_requested_bytes, r.peak_allocated_bytes,
+                                           r.peak_reserved_bytes)
+        else:
+            assert direct.oom is not None
+    assert rows["activation_checkpointing"].fits and rows["grad_accumulation_4"].fits
+    assert not rows["adafactor"].fits
+    # the cheapest that fits: checkpointing (recomputation) before accumulation (more steps)
+    assert e.what_if_best.lever == "activation_checkpointing"
     assert rows["lora"].skipped and "peft" in rows["lora"].skipped
     d = json.loads(json.dumps(e.to_dict()))
     assert {"lever", "applied", "peak_requested_bytes", "peak_allocated_bytes",
             "peak_reserved_bytes", "fits", "headroom_bytes", "cost"} <= set(d["what_if"][0])
-    if e.what_if_best is not None:
-        assert e.what_if_best.fits and d["what_if_best"]["lever"] == e.what_if_best.lever
+    assert d["what_if_best"]["lever"] == "activation_checkpointing"
     text = "\n".join(what_if_lines(e.what_if, e.what_if_best, e))
     assert "lora: peft is not installed" in text
+    assert "best: activation_checkpointing (fits" in text
+
+
+def test_best_is_as_written_when_the_step_fits() -> None:
+    e = torchmem.estimate(as_written, gpu="H100-80GB", batch_size=8, what_if=["adafactor"])
+    assert e.fits and e.what_if_best.lever == "as_written"
+    assert e.what_if_best.peak_reserved_bytes == e.peak_reserved_bytes
 
 
 def test_levers_a_step_cannot_take_say_why() -> None:

@@ -242,7 +242,8 @@ def estimate(
     offload, the allocator settings of ``--suggest``), each applied by torchmem to the model and
     optimizer ``build`` makes, and sets ``Estimate.what_if`` (one row per lever, sorted by
     peak reserved; levers the step cannot take say why) and ``Estimate.what_if_best`` (the
-    cheapest combination that fits, found greedily; ``None`` when none does). With
+    cheapest combination that fits, found greedily; ``None`` when none does, a row named
+    ``as_written`` when the step fits without a lever). With
     ``maximize``, the levers are tried at the batch (and parameters) given, and the largest
     value each of the three best levers allows is searched too (``cost["max_value"]``).
 
@@ -613,7 +614,8 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
 
     def run(chosen: Sequence[Any], world_size: int | None = None, alloc_conf: str | None = None,
             snap: bool = False, b: int | None = None,
-            extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
+            extra: Mapping[str, Any] | None = None, oom_site: bool = False,
+            ) -> tuple[Estimate, Any]:
         o = dict(opts)
         if world_size is not None:
             o["world_size"] = world_size
@@ -630,18 +632,26 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
 
         e, lr = once(big)
         if e.peak_reserved_bytes > card.usable_bytes:
-            real, real_lr = once(card)
-            if real.oom is None:
-                return _apply_margin(real, margin, card), real_lr
-            e.oom = real.oom
+            # blocks beyond the usable memory: out of memory on the card whatever its cache
+            # does; only the step as written is rerun then, to say where
+            if oom_site or e.peak_allocated_bytes <= card.usable_bytes:
+                real, real_lr = once(card)
+                if real.oom is None:
+                    return _apply_margin(real, margin, card), real_lr
+                e.oom = real.oom
+            else:
+                e.notes.append(
+                    f"needs {format_bytes(e.peak_allocated_bytes)} of blocks at its peak, more "
+                    f"than the {format_bytes(card.usable_bytes)} usable: out of memory on the "
+                    f"{card.name}")
         e.gpu, e.capacity_bytes = card.name, card.total_bytes
-        e.fits = e.oom is None
+        e.fits = e.oom is None and e.peak_reserved_bytes <= card.usable_bytes
         return _apply_margin(e, margin, card), lr
 
     say = progress or (lambda m: None)
     say("what-if: the step as written ...")
     want_snap = keep_snapshot or any(lv.name == "allocator" for lv in levers)
-    base, base_lr = run([], snap=want_snap)
+    base, base_lr = run([], snap=want_snap, oom_site=True)
 
     def suggest(e: Estimate) -> str | None:
         from torchmem.sim import suggest as _suggest

@@ -317,7 +317,7 @@ def what_if(
     the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
     written) and find the cheapest combination that fits; returns the rows sorted by peak
     reserved bytes (skipped levers last) and the recommended combination (``None`` when
-    nothing tried fits).
+    nothing tried fits; a row named ``as_written`` when the step fits without a lever).
 
     Example:
         >>> from torchmem.fit._engine import run_once
@@ -360,6 +360,11 @@ def what_if(
             continue
         rows.append(_row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
     rows.sort(key=lambda r: (r.peak_reserved_bytes is None, r.peak_reserved_bytes or 0))
+    if base.fits:  # nothing needed: the cheapest combination is none
+        return rows, _row("as_written", "nothing: the step fits as written", base,
+                          {"changes": "none", "micro_batches": 1,
+                           "communication_bytes_per_step": 0,
+                           "host_peak_bytes": base.host_peak_bytes})
     best = best_combination(run, base, rows, say)
     return rows, best
 
@@ -530,15 +535,16 @@ def what_if_lines(rows: Sequence[WhatIfRow], best: WhatIfRow | None, base: Estim
     from torchmem.units import format_bytes as fb
 
     verdict = "FITS" if base.fits else "DOES NOT FIT"
+    w = max([25, *(len(r.lever) for r in rows if r.skipped is None)])
     out = [f"what if (each lever alone, sorted by peak reserved; as written: "
            f"{fb(base.peak_reserved_bytes)} reserved, {verdict})",
-           f"  {'lever':<25} {'peak reserved':>13} {'peak allocated':>15}  fits  "
+           f"  {'lever':<{w}} {'peak reserved':>13} {'peak allocated':>15}  fits  "
            f"{'headroom':>8}  cost"]
     for r in rows:
         if r.skipped is not None:
             continue
         fits = "yes" if r.fits else "no"
-        out.append(f"  {r.lever:<25} {fb(r.peak_reserved_bytes or 0):>13} "
+        out.append(f"  {r.lever:<{w}} {fb(r.peak_reserved_bytes or 0):>13} "
                    f"{fb(r.peak_allocated_bytes or 0):>15}  {fits:<4}  "
                    f"{fb(r.headroom_bytes or 0):>8}  {_cost_words(r.cost)}".rstrip())
     skipped = [r for r in rows if r.skipped is not None]
@@ -547,6 +553,8 @@ def what_if_lines(rows: Sequence[WhatIfRow], best: WhatIfRow | None, base: Estim
         out.extend(f"    {r.lever}: {r.skipped}" for r in skipped)
     if best is None:
         out.append("best: nothing tried fits (try a larger GPU or more GPUs)")
+    elif best.lever == "as_written":
+        out.append("best: as written (it fits; no lever needed)")
     else:
         out.append(f"best: {best.lever} (fits, headroom {fb(best.headroom_bytes or 0)}): "
                    f"{best.applied}")
