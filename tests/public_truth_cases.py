@@ -309,3 +309,39 @@ def estimate(variant: str, max_steps: int | None = None) -> Any:
 def estimated_mib(e: Any) -> float:
     """An estimate as the page's figure: peak reserved + the page's measured context (MiB)."""
     return e.peak_reserved_bytes / 2**20 + CONTEXT_MIB
+
+
+#: The page's other variants as ``--what-if`` levers applied to its vanilla run (issue 25: from
+#: the vanilla run alone, the what-if must reproduce them within the same 5%). The accelerate
+#: loop is the last Trainer row's figure and is not a lever.
+WHAT_IF: dict[str, str] = {
+    "accum": "grad_accumulation_4",
+    "accum_ckpt": "grad_accumulation_4+activation_checkpointing",
+    "fp16": "fp16_autocast",
+    "accum_ckpt_fp16": "grad_accumulation_4+activation_checkpointing+fp16_autocast",
+    "adafactor": "adafactor",
+    "accum_ckpt_fp16_adafactor":
+        "grad_accumulation_4+activation_checkpointing+fp16_autocast+adafactor",
+    "adam8bit": "optimizer_8bit",
+    "accum_ckpt_fp16_8bit":
+        "grad_accumulation_4+activation_checkpointing+fp16_autocast+optimizer_8bit",
+}
+
+
+def what_if(variants: list[str], progress: Callable[[str], None] | None = None) -> Any:
+    """:func:`torchmem.estimate` of the vanilla run with ``--what-if`` for the levers of
+    ``variants`` (:data:`WHAT_IF`); returns the estimate (its ``what_if`` rows)."""
+    import torchmem
+
+    return torchmem.estimate(bert_run, gpu=GPU, batch_size=VARIANTS["vanilla"].batch,
+                             params={"variant": "vanilla"}, steps=1, margin=0,
+                             what_if=[WHAT_IF[v] for v in variants], progress=progress)
+
+
+def what_if_mib(e: Any, variant: str) -> float:
+    """The what-if row of ``variant``'s levers as the page's figure (MiB, with its context)."""
+    name = WHAT_IF[variant].replace("+", " + ")
+    row = next(r for r in e.what_if if r.lever == name)
+    if row.peak_reserved_bytes is None:
+        raise AssertionError(f"{name} was not applied: {row.skipped}")
+    return row.peak_reserved_bytes / 2**20 + CONTEXT_MIB
