@@ -627,7 +627,7 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
             with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
                 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
                 e = run_once(build, batch if b is None else b, on, keep_snapshot=snap,
-                             params={**kw, **(extra or {})}, levers=lr, **o)
+                             params={**kw, **(extra or {})}, levers=lr, stacks=oom_site, **o)
             return e, lr
 
         e, lr = once(big)
