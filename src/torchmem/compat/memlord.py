@@ -246,14 +246,21 @@ class _LordLedger(Ledger):
         held. Otherwise it counts at once through ``lord``.
         """
         lord_ref = weakref.ref(lord)
-        pending, died, names, lock = self._pending, self._died, self._names, self._lock
-        entry, env, keys, debug_on = _Entry, _ENV_DATA, _ENV_KEYS, _debug_on
+        pending, names, lock = self._pending, self._names, self._lock
+        entry, env, debug_on = _Entry, _ENV_DATA, _debug_on
+        # A queued entry's death only needs appending to the queue: the deque's own append is
+        # its callback, with no Python frame (the ledger's _died also records the free site, but
+        # this path runs only while call-site tracking is off).
+        died = pending.append
 
         def sink(t: torch.Tensor) -> None:
             if (
                 self._track
                 or self._slow
-                or (debug_on() if env is None else any(env.get(k) == v for k, v in keys))
+                or (
+                    debug_on() if env is None
+                    else env.get(b"DEBUG") == b"1" or env.get(b"TORCHMEM_DEBUG") == b"1"
+                )
             ):
                 m = lord_ref()
                 if m is not None:
@@ -870,6 +877,8 @@ _originals: dict[tuple[Any, str], Any] = {}
 _snake_registry: tuple[weakref.ref[SnakeHooks], ...] = ()  # every enabled SnakeHooks
 _snakes: tuple[weakref.ref[SnakeHooks], ...] = ()  # those wrapping factories
 _clone_snakes: tuple[weakref.ref[SnakeHooks], ...] = ()  # those wrapping Tensor.clone
+_sinks: tuple[Callable[[torch.Tensor], None], ...] = ()  # their fast paths (SnakeHooks._sink)
+_clone_sinks: tuple[Callable[[torch.Tensor], None], ...] = ()
 _movers: tuple[weakref.ref[TorchMoveHooks], ...] = ()  # every enabled TorchMoveHooks
 _TLS = threading.local()
 
@@ -892,16 +901,17 @@ def _new_tensors(out: Any) -> list[torch.Tensor]:
 
 
 def _factory_wrapper(fn: Callable[..., Any], clone: bool) -> Callable[..., Any]:
+    tensor_type = torch.Tensor
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        refs = _clone_snakes if clone else _snakes
-        if refs and not (kwargs and _has_out(kwargs)):
-            if type(out) is torch.Tensor:  # the common case, kept short
-                for r in refs:
-                    h = r()
-                    if h is not None:
-                        h._sink(out)
+        sinks = _clone_sinks if clone else _sinks
+        if sinks and not (kwargs and _has_out(kwargs)):
+            if type(out) is tensor_type:  # the common case, kept short
+                for sink in sinks:
+                    sink(out)
                 return out
+            refs = _clone_snakes if clone else _snakes
             tensors = _new_tensors(out)
             if tensors:
                 for r in refs:
@@ -935,13 +945,15 @@ def _unpatch(keep: Callable[[tuple[Any, str]], bool]) -> None:
 
 def _refresh_patches() -> None:
     """Install the patches enabled hooks need, and restore the originals no hooks need."""
-    global _snake_registry, _snakes, _movers, _clone_snakes
+    global _snake_registry, _snakes, _movers, _clone_snakes, _sinks, _clone_sinks
     with _patch_lock:
         snakes = [r for r in _snake_registry if (h := r()) is not None and h._enabled]
         movers = [r for r in _movers if (m := r()) is not None and m._enabled]
         _snake_registry = tuple(snakes)
         _snakes = tuple(r for r in snakes if (h := r()) is not None and h._wrap_factories)
         _clone_snakes = tuple(r for r in snakes if (h := r()) is not None and h._deep_autowrap)
+        _sinks = tuple(h._sink for r in _snakes if (h := r()) is not None)
+        _clone_sinks = tuple(h._sink for r in _clone_snakes if (h := r()) is not None)
         _movers = tuple(movers)
         if _snakes:
             for name in _FACTORIES:
