@@ -12,7 +12,8 @@ for all devices, a device type or one index, ``hook_into_torch()``, ``hook_into_
 ``reset``, the ``DEBUG=1`` lines it prints per call and its always-printed ``[auto_gc]`` report.
 MemLord's per-device counters (``_allocated_by_dev``, ``_freed_by_dev``) and its auto-GC hooks
 (``_maybe_auto_gc``, ``_device_memory_stats``, this module's ``_run_backend_gc``) keep their
-names too, so tests written against MemLord run unchanged.
+names too, and :func:`get_device_mem_stats` stands for ``memlord.util.get_device_mem_stats``, so
+tests written against MemLord run unchanged.
 
 What is counted comes from a :class:`torchmem.Ledger`, so MemLord's drift is gone: a storage
 counts once however many views of it are allocated (across calls too), and a storage credited as
@@ -23,6 +24,10 @@ follows MemLord: ``auto_gc_strategy=None`` installs MemLord's default bands
 the *smaller* of the two, and an auto-GC run empties the device's cache (no ``gc.collect()``;
 nothing on CPU, where MemLord's backend GC does nothing) and resets ``allocated`` and ``freed`` of
 every device of that type.
+
+The factory hooks of :meth:`MemLord.hook_into_python` keep torch's factories cheap: without
+call-site tracking, auto-GC bands or ``DEBUG=1`` a new storage is only queued (weakly) and
+counted at the next read or write of the counters, or once 4096 events are queued.
 
 Example:
     >>> import torch
