@@ -86,7 +86,7 @@ NAMESPACES: dict[str, list[str]] = {
         "storage_ref", "tensor_span", "track", "track_lite", "unique_bytes", "why_alive",
     ],
     "torchmem.compat": [
-        "MemReporter", "MemoryTracker", "cdata", "device_ordinal", "get_device",
+        "MemLord", "MemReporter", "MemoryTracker", "cdata", "device_ordinal", "get_device",
         "tensor_memory_span",
     ],
     "torchmem.devices": [

@@ -186,11 +186,35 @@ class Ledger(_CallSites, _AutoGc, _TrackerListener):
                 e = pending.popleft()
             except IndexError:  # another thread drained it
                 break
+            if e.token == 0:  # queued uncounted by a fast producer
+                self._count_fresh_locked(e)
+                continue
             if entries.get(e.key) is e:
                 del entries[e.key]
                 self._credit_free_locked(e, True, getattr(e, "free_site", None))
                 touched.add(e.device)
         return touched
+
+    def _count_fresh_locked(self, e: _Entry) -> None:
+        """Count a storage a producer queued uncounted (an entry with token 0, see below).
+
+        A producer on a hot path (torchmem.compat.MemLord's factory hooks) may append
+        ``_Entry(storage, self._died)`` with ``key``, ``nbytes``, ``device`` set and ``token = 0``
+        to the queue instead of counting at once. Alive when drained, the storage is counted as
+        :meth:`allocate` would; dead already, it counts as allocated and freed. Either way the
+        entry's own death, queued later, is skipped (its token is no longer 0 and it is never in
+        the table).
+        """
+        e.token = -1
+        st = e()
+        if st is not None:
+            self._count_locked(st, None, e.device)
+            return
+        stats, _aggs = self._chains.get(e.device) or self._chain(e.device)
+        stats.allocations += 1
+        stats.live += 1
+        self._grow_locked(e.device, e.nbytes)
+        self._credit_free_locked(e, True, getattr(e, "free_site", None))
 
     def _credit_free_locked(self, e: _Entry, auto: bool, site: Optional[Site]) -> None:
         n = e.nbytes
