@@ -176,6 +176,18 @@ class LeverRun:
         self._tls = threading.local()
         self._undo: list[Callable[[], None]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a worker process hands back: the settings and what was changed (the patches,
+        weak sets and thread state stay behind)."""
+        keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
+                "fsdp", "accumulate", "count_flops", "flops", "wrapped", "roots", "optimizers",
+                "optimizer_refused", "converted", "sharded", "trainer_accumulates")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.__dict__.update(state)
+
     # -- the step ----------------------------------------------------------------------------
 
     def batch(self, batch_size: int) -> int:

@@ -661,7 +661,8 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
         dev = _suggest(e).devices[0]
         return None if dev.best is None else dev.best.alloc_conf
 
-    rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest)
+    rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest,
+                         workers=None)
     if maximize is not None:
         _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base)
     base.what_if = rows

@@ -312,12 +312,15 @@ def what_if(
     batch_size: int,
     progress: Callable[[str], None] | None = None,
     suggest: Callable[[Estimate], str | None] | None = None,
+    workers: int | None = 1,
 ) -> tuple[list[WhatIfRow], WhatIfRow | None]:
     """Try each of ``levers`` with ``run(levers, world_size=, alloc_conf=)`` (one estimate of
     the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
     written) and find the cheapest combination that fits; returns the rows sorted by peak
     reserved bytes (skipped levers last) and the recommended combination (``None`` when
-    nothing tried fits; a row named ``as_written`` when the step fits without a lever).
+    nothing tried fits; a row named ``as_written`` when the step fits without a lever). The
+    levers run in ``workers`` forked processes (:mod:`torchmem.fit._pool`; ``None``: one per
+    core).
 
     Example:
         >>> from torchmem.fit._engine import run_once
@@ -338,35 +341,50 @@ def what_if(
     base_opts = list(dict.fromkeys(base_lr.optimizers))
     base_flops = base_lr.flops
     param_bytes = base.by_category.get("parameter", 0)
-    rows: list[WhatIfRow] = []
+    rows: list[WhatIfRow | None] = []
     bf16_ok = card.compute_capability >= (8, 0)
-    for k, lv in enumerate(levers, 1):
+    jobs: list[tuple[int, Lever]] = []
+    for lv in levers:
         why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
         if why is not None:
             rows.append(_skip(lv.name, why))
-            continue
-        say(f"what-if {k}/{len(levers)}: {lv.name} ...")
-        if lv.name == "allocator":
+        elif lv.name == "allocator":
+            say("what-if: allocator (the settings of --suggest) ...")
             rows.append(_allocator_row(run, base, suggest))
+        else:
+            jobs.append((len(rows), lv))
+            rows.append(None)
+    count = [0]
+
+    def done(i: int, result: Any) -> None:
+        count[0] += 1
+        say(f"what-if {count[0]}/{len(jobs)}: {jobs[i][1].name} done")
+
+    from torchmem.fit._pool import run_all
+
+    say(f"what-if: {len(jobs)} levers to run ...")
+    results = run_all(lambda job: run([job[1]], world_size=job[1].world_size), jobs, workers,
+                      done)
+    for (at, lv), res in zip(jobs, results):
+        if isinstance(res, InvalidInputError):
+            rows[at] = _skip(lv.name, f"the step failed with it: {str(res).splitlines()[0]}")
             continue
-        try:
-            e, lr = run([lv], world_size=lv.world_size)
-        except InvalidInputError as err:
-            rows.append(_skip(lv.name, f"the step failed with it: {str(err).splitlines()[0]}"))
-            continue
+        if isinstance(res, BaseException):
+            raise res
+        e, lr = res
         applied = _applied(lv, lr, base_opts)
-        if applied is None:
-            rows.append(_skip(lv.name, _why_unchanged(lv, lr)))
-            continue
-        rows.append(_row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
-    rows.sort(key=lambda r: (r.peak_reserved_bytes is None, r.peak_reserved_bytes or 0))
+        rows[at] = (_skip(lv.name, _why_unchanged(lv, lr)) if applied is None
+                    else _row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
+    done_rows: list[WhatIfRow] = [r for r in rows if r is not None]
+    done_rows.sort(key=lambda r: (r.peak_reserved_bytes is None, r.peak_reserved_bytes or 0))
+    rows_out = done_rows
     if base.fits:  # nothing needed: the cheapest combination is none
-        return rows, _row("as_written", "nothing: the step fits as written", base,
+        return rows_out, _row("as_written", "nothing: the step fits as written", base,
                           {"changes": "none", "micro_batches": 1,
                            "communication_bytes_per_step": 0,
                            "host_peak_bytes": base.host_peak_bytes})
-    best = best_combination(run, base, rows, say)
-    return rows, best
+    best = best_combination(run, base, rows_out, say)
+    return rows_out, best
 
 
 def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
