@@ -228,12 +228,63 @@ def test_cli_what_if(tmp_path, capsys) -> None:  # noqa: ANN001
         "    return step\n"
     )
     code = main(["estimate", f"{f}:build", "--gpu", "T4", "--batch-size", "4", "--json",
-                 "--what-if", "activation_checkpointing,adafactor"])
+                 "--what-if", "--levers", "activation_checkpointing,adafactor"])
     d = json.loads(capsys.readouterr().out)
     assert code == 0
     rows = {r["lever"]: r for r in d["what_if"]}
     assert rows["activation_checkpointing"]["applied"].startswith("checkpointed 3 blocks")
     assert rows["adafactor"]["applied"] == "AdamW -> torch.optim.Adafactor"
     assert d["what_if_best"]["fits"] is True
-    assert main(["estimate", f"{f}:build", "--what-if", "nope"]) == 2
+    assert main(["estimate", f"{f}:build", "--what-if", "--levers", "nope"]) == 2
     assert "unknown lever 'nope'" in capsys.readouterr().err
+    assert main(["estimate", f"{f}:build", "--levers", "adafactor"]) == 2
+    assert "add --what-if" in capsys.readouterr().err
+    # a script: torchmem's options before it, its own after it
+    s = tmp_path / "train.py"
+    s.write_text(SCRIPT)
+    code = main(["estimate", "--gpu", "A100-80GB", "--json", "--what-if", "--levers",
+                 "adafactor,grad_accumulation_2", str(s), "--batch-size", "4"])
+    d = json.loads(capsys.readouterr().out)
+    rows = {r["lever"]: r for r in d["what_if"]}
+    assert code == 0 and rows["adafactor"]["applied"] == "AdamW -> torch.optim.Adafactor"
+    assert "script's batch" in rows["grad_accumulation_2"]["skipped"]
+
+
+SCRIPT = """
+import argparse, torch
+p = argparse.ArgumentParser(); p.add_argument("--batch-size", type=int, default=8)
+a = p.parse_args()
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = torch.nn.Linear(128, 512); self.b = torch.nn.Linear(512, 128)
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+net = torch.nn.Sequential(*[Block() for _ in range(3)]).cuda()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+for i in range(100):
+    x = torch.randn(a.batch_size, 64, 128, device="cuda")
+    loss = net(x).float().sum()
+    loss.backward(); opt.step(); opt.zero_grad()
+    print(f"step {i} loss {loss.item():.3f}")
+"""
+
+
+def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
+    """The levers apply to a script's own model and optimizer; each row equals the script
+    estimated with the change written into it."""
+    f = tmp_path / "train.py"
+    f.write_text(SCRIPT)
+    e = torchmem.estimate_script(str(f), ["--batch-size", "8"], "A100-80GB",
+                                 what_if=["activation_checkpointing", "adafactor",
+                                          "grad_accumulation_2", "fsdp_2"])
+    rows = {r.lever: r for r in e.what_if}
+    assert rows["activation_checkpointing"].applied.startswith("checkpointed 3 blocks: 0, 1, 2")
+    assert "script's batch is its own" in rows["grad_accumulation_2"].skipped
+    assert "build function" in rows["fsdp_2"].skipped
+    assert e.script.steps_run == 2
+    by_hand = tmp_path / "train_adafactor.py"
+    by_hand.write_text(SCRIPT.replace("torch.optim.AdamW(", "torch.optim.Adafactor("))
+    h = torchmem.estimate_script(str(by_hand), ["--batch-size", "8"], "A100-80GB")
+    r = rows["adafactor"]
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)

@@ -27,7 +27,7 @@ build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there
 in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
 model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
-``--what-if`` (or ``--what-if lever,lever``) also tries the memory levers on the step, each applied
+``--what-if`` (``--levers a,b+c`` to choose them) also tries the memory levers on the step, each applied
 by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit._whatif`): a table
 sorted by peak reserved, the levers the step cannot take with the reason, and the cheapest
 combination that fits (``what_if``/``what_if_best`` in the JSON); with ``--max`` the largest
@@ -152,14 +152,17 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
     parser.add_argument("--suggest", action="store_true",
                         help="also replay the estimated run under the documented allocator "
                              "settings and print the best PYTORCH_CUDA_ALLOC_CONF (torchmem whatif)")
-    parser.add_argument("--what-if", nargs="?", const="all", default=None, metavar="LEVERS",
+    parser.add_argument("--what-if", action="store_true",
                         help="also try the memory levers on the step, each applied by torchmem "
                              "to your model and optimizer (activation checkpointing, gradient "
                              "accumulation, bf16, the optimizer's implementations, 8-bit Adam, "
                              "Adafactor, FSDP over 2/4/8 GPUs, CPU offload, allocator "
                              "settings): a table sorted by peak reserved and the cheapest "
-                             "combination that fits; optionally a comma-separated list of "
-                             "levers (e.g. --what-if activation_checkpointing,adafactor)")
+                             "combination that fits")
+    parser.add_argument("--levers", default=None, metavar="LEVER,LEVER+LEVER",
+                        help="with --what-if: the levers to try (comma-separated; '+' joins "
+                             "levers into one combination), e.g. "
+                             "activation_checkpointing,adafactor,grad_accumulation_4+adafactor")
     from torchmem.cli._estimate_hf import add_arguments as add_hf_arguments
 
     add_hf_arguments(parser)
@@ -492,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
             "fix: drop one"
         )
     if maximize == "batch_size" and args.batch_size is not None and not getattr(
-            args, "what_if", None):
+            args, "what_if", False):
         raise InvalidInputError(
             "--batch-size and --max batch_size: the batch size is either set or searched; "
             "fix: drop one"
@@ -521,18 +524,21 @@ def run(args: argparse.Namespace) -> int:
             "group; --hf-config builds an unsharded model; fix: drop --world-size, or write a "
             "build(batch_size) that shards the model and pass it as FILE:build"
         )
-    what_if = getattr(args, "what_if", None)
-    if what_if is not None:
-        if script is not None or getattr(args, "hf_config", None):
+    what_if = getattr(args, "what_if", False)
+    levers = getattr(args, "levers", None)
+    if levers is not None and not what_if:
+        raise InvalidInputError("--levers chooses the levers of --what-if; fix: add --what-if")
+    if what_if:
+        if getattr(args, "hf_config", None):
             raise InvalidInputError(
-                "--what-if applies the levers to a build function's model and optimizer "
-                "(FILE:build); scripts and --hf-config are not supported by it yet; fix: write "
-                "a build(batch_size) that makes the model, the optimizer and the batch and "
-                "returns step(), and estimate FILE:build --what-if"
+                "--what-if applies the levers to the model and optimizer a build function or a "
+                "script makes; --hf-config is not supported by it yet; fix: write a "
+                "build(batch_size) that makes the model from the config, the optimizer and the "
+                "batch and returns step(), and estimate FILE:build --what-if"
             )
         from torchmem.fit._whatif import check_levers
 
-        names = None if what_if == "all" else [n.strip() for n in what_if.split(",") if n.strip()]
+        names = None if levers is None else [n.strip() for n in levers.split(",") if n.strip()]
         check_levers(names)
         options["what_if"] = True if names is None else names
     # with --json, stdout is the JSON document: what the user's code prints goes to stderr

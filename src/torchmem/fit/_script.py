@@ -751,6 +751,7 @@ def estimate_script(
     progress: Callable[[str], None] | None = None,
     default_device: str | None = None,
     routing: str = "balanced",
+    what_if: bool | Sequence[str] = False,
 ) -> ScriptEstimate:
     """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
     ``python -m script args`` with ``module=True``) under the estimate (see the module
@@ -798,6 +799,12 @@ def estimate_script(
     target = _find(os.fspath(script), module)
     lo, hi, step = _check_range(search_range, maximize)
 
+    if what_if is not False:
+        return _script_what_if(target, list(args), card, steps, float(time_limit), what_if,
+                               maximize, spec, progress, keep_snapshot,
+                               dict(alloc_conf=alloc_conf, strict_values=strict_values,
+                                    default_device=default_device, routing=routing))
+
     def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
         e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
@@ -825,3 +832,35 @@ def estimate_script(
                    lambda v: probe(v, keep_snapshot), fits_at, step)
     assert isinstance(best, ScriptEstimate)
     return best
+
+
+def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_limit: float,
+                    what_if: bool | Sequence[str], maximize: str | None, spec: Any,
+                    progress: Callable[[str], None] | None, keep_snapshot: bool,
+                    opts: dict[str, Any]) -> ScriptEstimate:
+    """``estimate_script(..., what_if=...)``: the script as written, then each lever applied to
+    the model and optimizer it makes (:mod:`torchmem.fit._whatif`; accumulation and FSDP are
+    listed as not available for scripts)."""
+    from torchmem.fit._search import what_if_runs
+    from torchmem.fit._whatif import check_levers
+
+    if maximize is not None:
+        raise InvalidInputError(
+            "what_if with a search (--max) takes a build function for now; fix: estimate the "
+            "script at the batch you want to check (its own --batch-size), or drop --max"
+        )
+    chosen = check_levers(None if what_if is True else what_if)
+
+    def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
+            world_size: int | None, alloc_conf: str | None) -> Estimate:
+        r = _Run(target, argv, steps, time_limit)
+        o = dict(opts)
+        if alloc_conf is not None:
+            o["alloc_conf"] = alloc_conf
+        e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks, **o)
+        return r.finish(e)
+
+    out = what_if_runs(one, card, 1, chosen, None, spec, progress, keep_snapshot, None,
+                       script=True)
+    assert isinstance(out, ScriptEstimate)
+    return out

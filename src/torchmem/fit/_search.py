@@ -603,6 +603,29 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
              search_range: tuple[int, ...] | None) -> Estimate:
     """``estimate(..., what_if=...)``: the step as written, then each lever (see
     :mod:`torchmem.fit._whatif`)."""
+
+    def one(on: GPU, lr: Any, b: int | None, extra: Mapping[str, Any] | None, snap: bool,
+            stacks: bool, world_size: int | None, alloc_conf: str | None) -> Estimate:
+        o = dict(opts)
+        if world_size is not None:
+            o["world_size"] = world_size
+        if alloc_conf is not None:
+            o["alloc_conf"] = alloc_conf
+        return run_once(build, batch if b is None else b, on, keep_snapshot=snap,
+                        params={**kw, **(extra or {})}, levers=lr, stacks=stacks, **o)
+
+    return what_if_runs(one, card, batch, levers, maximize, margin, progress, keep_snapshot,
+                        search_range)
+
+
+def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: list[Any],
+                 maximize: str | None, margin: MarginSpec,
+                 progress: Callable[[str], None] | None, keep_snapshot: bool,
+                 search_range: tuple[int, ...] | None, script: bool = False) -> Estimate:
+    """The what-if of a step that ``one(card, lever_run, batch, extra_params, keep_snapshot,
+    stacks, world_size, alloc_conf)`` estimates once (a build function's, or a script's with
+    ``script=True``): the step as written (returned, with ``what_if`` and ``what_if_best``
+    set), each lever, the best combination, the largest value with ``maximize``."""
     from torchmem.fit._whatif import _lever_run, what_if
 
     # Each run is made on the card with unbounded memory first (the peaks the step needs, not
@@ -616,18 +639,11 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
             snap: bool = False, b: int | None = None,
             extra: Mapping[str, Any] | None = None, oom_site: bool = False,
             ) -> tuple[Estimate, Any]:
-        o = dict(opts)
-        if world_size is not None:
-            o["world_size"] = world_size
-        if alloc_conf is not None:
-            o["alloc_conf"] = alloc_conf
-
         def once(on: GPU) -> tuple[Estimate, Any]:
             lr = _lever_run(chosen)
             with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
                 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-                e = run_once(build, batch if b is None else b, on, keep_snapshot=snap,
-                             params={**kw, **(extra or {})}, levers=lr, stacks=oom_site, **o)
+                e = one(on, lr, b, extra, snap, oom_site, world_size, alloc_conf)
             return e, lr
 
         e, lr = once(big)
@@ -662,7 +678,7 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
         return None if dev.best is None else dev.best.alloc_conf
 
     rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest,
-                         workers=None)
+                         workers=None, script=script)
     if maximize is not None:
         _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base)
     base.what_if = rows

@@ -313,6 +313,7 @@ def what_if(
     progress: Callable[[str], None] | None = None,
     suggest: Callable[[Estimate], str | None] | None = None,
     workers: int | None = 1,
+    script: bool = False,
 ) -> tuple[list[WhatIfRow], WhatIfRow | None]:
     """Try each of ``levers`` with ``run(levers, world_size=, alloc_conf=)`` (one estimate of
     the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
@@ -345,7 +346,9 @@ def what_if(
     bf16_ok = card.compute_capability >= (8, 0)
     jobs: list[tuple[int, Lever]] = []
     for lv in levers:
-        why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
+        why = _not_for_scripts(lv) if script else None
+        if why is None:
+            why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
         if why is not None:
             rows.append(_skip(lv.name, why))
         elif lv.name == "allocator":
@@ -419,6 +422,16 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
             return f"the step already runs as rank 0 of {base.world_size}"
         if not opts:
             return "the step makes no optimizer (FSDP is applied when it is made)"
+    return None
+
+
+def _not_for_scripts(lv: Lever) -> str | None:
+    for p in lv.singles:
+        if "accumulate" in p.settings:
+            return ("a script's batch is its own: estimate it with a smaller batch (its "
+                    "--batch-size) and its own accumulation, or write a build(batch_size)")
+        if "fsdp" in p.settings:
+            return "FSDP levers take a build function (FILE:build) for now, not a script"
     return None
 
 
