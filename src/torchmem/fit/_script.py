@@ -849,7 +849,7 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
             "what_if with a search (--max) takes a build function for now; fix: estimate the "
             "script at the batch you want to check (its own --batch-size), or drop --max"
         )
-    chosen = check_levers(None if what_if is True else what_if)
+    chosen = check_levers(None if isinstance(what_if, bool) else what_if)
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
