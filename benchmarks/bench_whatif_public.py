@@ -11,7 +11,8 @@ levers applied by torchmem to the vanilla run's model, optimizer and ``Trainer``
 the variants estimated directly are (``benchmarks/bench_public_truth.py``). Each row's figure is
 its peak reserved memory plus the CUDA context the page measured (1343 MiB).
 
-Run:  python benchmarks/bench_whatif_public.py [VARIANT ...]   (about 10 minutes on our 2 cores)
+Run:  python benchmarks/bench_whatif_public.py [VARIANT ...] [--max-steps N]
+      (about 10 minutes on our 2 cores for the eight)
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", choices=[[], *cases.WHAT_IF], default=[],
                     help="variants to reproduce (default: all eight)")
+    ap.add_argument("--max-steps", type=int, default=None,
+                    help="optimizer steps per run (default: the variants' own, two)")
     a = ap.parse_args(argv)
     names = list(a.variants) or list(cases.WHAT_IF)
     t = time.perf_counter()
     e = cases.what_if(names, progress=lambda m: print(
-        f"  [{time.perf_counter() - t:6.0f} s] {m}", file=sys.stderr, flush=True))
+        f"  [{time.perf_counter() - t:6.0f} s] {m}", file=sys.stderr, flush=True),
+        max_steps=a.max_steps)
     print(f"vanilla (as written): {cases.estimated_mib(e):8.0f} MiB, published "
           f"{cases.VARIANTS['vanilla'].published_mib}")
     print(f"{'variant':<27} {'levers':<70} {'what-if':>8} {'published':>9}  error")

@@ -328,13 +328,15 @@ WHAT_IF: dict[str, str] = {
 }
 
 
-def what_if(variants: list[str], progress: Callable[[str], None] | None = None) -> Any:
+def what_if(variants: list[str], progress: Callable[[str], None] | None = None,
+            max_steps: int | None = None) -> Any:
     """:func:`torchmem.estimate` of the vanilla run with ``--what-if`` for the levers of
     ``variants`` (:data:`WHAT_IF`); returns the estimate (its ``what_if`` rows)."""
     import torchmem
 
     return torchmem.estimate(bert_run, gpu=GPU, batch_size=VARIANTS["vanilla"].batch,
-                             params={"variant": "vanilla"}, steps=1, margin=0,
+                             params={"variant": "vanilla", "max_steps": max_steps}, steps=1,
+                             margin=0,
                              what_if=[WHAT_IF[v] for v in variants], progress=progress)
 
 

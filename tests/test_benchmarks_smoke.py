@@ -56,6 +56,8 @@ SMOKE: dict[str, list[str]] = {
                           "--offload-layers", "2", "--offload-width", "64",
                           "--offload-batch", "8"],
     "bench_viewer.py": ["--events", "5000", "--repeats", "1"],
+    "bench_whatif_levers.py": ["--smoke"],
+    "bench_whatif_public.py": ["adam8bit", "--max-steps", "1"],
     "bench_whatif.py": ["--reps", "1", "--requests", "5000",
                         "--files", "MAGMA27_a2__memory_snapshot.pickle"],
     "bench_why_alive.py": ["--repeats", "1"],
@@ -210,6 +212,24 @@ def test_bench_public_truth() -> None:
         r"^variant +estimated MiB +published MiB +diff",
         rf"^adam8bit +{NUM} +13085 +[+-]{NUM}% +{NUM}$",
         rf"^[01] of 1 within 5% \(largest difference {NUM}%\); order the same as published")
+
+
+def test_bench_whatif_levers() -> None:
+    pytest.importorskip("transformers")
+    out = smoke("bench_whatif_levers.py")
+    has(out, r"^what if \(each lever alone, sorted by peak reserved; as written: ",
+        rf"^  activation_checkpointing +{NUM} (MiB|GiB) +{NUM} (MiB|GiB)  yes ",
+        r"^best: as written \(it fits; no lever needed\)$",
+        rf"^one estimate {NUM} s; what-if table \({NUM} levers run, {NUM} skipped, best "
+        rf"combination included\) {NUM} s = {NUM} estimates' time; peak RSS {NUM} GiB$")
+
+
+def test_bench_whatif_public() -> None:
+    pytest.importorskip("transformers")
+    out = smoke("bench_whatif_public.py")
+    has(out, rf"^vanilla \(as written\): +{NUM} MiB, published 14949$",
+        rf"^adam8bit +optimizer_8bit +{NUM} +13085 +[+-]{NUM}%$",
+        rf"^worst {NUM}% \(goal 5%\); {NUM} s for the what-if$")
 
 
 def test_bench_pytest_plugin() -> None:
