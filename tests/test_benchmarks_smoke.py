@@ -106,8 +106,11 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 
 def test_bench_aggregate() -> None:
     out = smoke("bench_aggregate.py")
-    has(out, r"^variant +events +rows held +held MiB", rf"^full +{NUM} +{NUM} ",
-        rf"^aggregate +{NUM} +{NUM} ",
+    has(out, r"^variant +events +rows held +held MiB +peak MiB +RSS MiB +peak RSS MiB",
+        rf"^full +{NUM} +{NUM} ", rf"^aggregate +{NUM} +{NUM} ",
+        rf"^agg-nosteps +{NUM} +{NUM} ", rf"^agg-nosteps-grad +{NUM} +{NUM} ",
+        *(rf"^{m}: {NUM} events without a step marker, .* peak RSS growth -?{NUM} MiB"
+          rf" = -?{NUM} B/event \(target <= 64 MiB: met\)" for m in ("agg-nosteps", "agg-nosteps-grad")),
         rf"^aggregate / full: held {NUM}, peak {NUM}, RSS {NUM}; CPU time per event {NUM}x",
         r"target <= 64 MiB: met\); same peak as full: True")
 
