@@ -6,6 +6,7 @@ comparison. Competitors of the ``bench`` extra that are not installed must be re
 skipped, not crash the run.
 
 Run one benchmark:  pytest tests/test_benchmarks_smoke.py -k bench_copy
+The quick ones only: pytest tests/test_benchmarks_smoke.py -m "not slow"   (about 2 minutes)
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# The quick half (under ~20 s each on 2 loaded cores, about 2 minutes together) runs with
+# ``-m "not slow"``; the rest is marked ``slow`` (about 12 more minutes).
+slow = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -119,6 +122,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
         f"no smoke run: {sorted(scripts - set(SMOKE))}; not a script: {sorted(set(SMOKE) - scripts)}")
 
 
+@slow
 def test_bench_aggregate() -> None:
     out = smoke("bench_aggregate.py")
     has(out, r"^variant +events +rows held +held MiB +peak MiB +RSS MiB +peak RSS MiB",
@@ -149,6 +153,7 @@ def test_bench_diff() -> None:
         rf"torchmem diff --at end {NUM} ms wall .* torchmem / _memory_viz = {R()}x CPU")
 
 
+@slow
 def test_bench_estimate() -> None:
     out = smoke("bench_estimate.py")
     has(out, r"^method +seconds +peak RSS +requested +allocated +reserved +verdict",
@@ -164,6 +169,7 @@ def test_bench_estimate_hf() -> None:
         rf"^  at {NUM} tokens: weights .* KV cache .* kernel \w+", rf"^total {NUM} s for RTX-4090")
 
 
+@slow
 def test_bench_fit_dist() -> None:
     out = smoke("bench_fit_dist.py")
     has(out, r"^world size 2$", rf"^  torchmem +{NUM} .* (fits|OOM) on H100-80GB",
@@ -198,6 +204,7 @@ def test_bench_growth() -> None:
              rf"{R()}x; found \S+ \+{NUM} B/iteration")
 
 
+@slow
 def test_bench_ledger() -> None:
     out = smoke("bench_ledger.py")
     has(out, rf"^  torchmem\.Ledger +{R()} us/pair +{NUM} us/pair +x ?{R()} vs Ledger",
@@ -208,6 +215,7 @@ def test_bench_ledger() -> None:
         r"^  tensor then its view +allocated bytes +4000 +8000 +4000")
 
 
+@slow
 def test_bench_live() -> None:
     out = smoke("bench_live.py")
     has(out, rf"^one panel drawn in {R()} ms", rf"^mlp: untracked {NUM} ms, run {NUM} ms",
@@ -222,6 +230,7 @@ def test_bench_merge() -> None:
         rf"^  with --jobs 2: {NUM} s wall", rf"merge / summaries = {R()}x CPU")
 
 
+@slow
 def test_bench_public_truth() -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -232,6 +241,7 @@ def test_bench_public_truth() -> None:
         rf"^[01] of 1 within 5% \(largest difference {NUM}%\); order the same as published")
 
 
+@slow
 def test_bench_pytest_plugin() -> None:
     out = smoke("bench_pytest_plugin.py")
     has(out, r"^2 tests \(CPU forward/backward each\), sum of test times, best of 1:",
@@ -259,6 +269,7 @@ def test_bench_script() -> None:
         rf"^goal \(script <= 1\.5x the build function\): (met|NOT met) \(worst ratio {NUM}x\)")
 
 
+@slow
 def test_bench_search() -> None:
     # The answers are not compared here: with 1 or 2 layers the estimated peak is not monotone in
     # seq_len above ~534k tokens on the RTX-4090 (540,000 does not fit, 600,000 and 833,024 do),
@@ -299,6 +310,7 @@ def test_bench_storage() -> None:
         has(out, r"^SKIP pytorch_memlab: pytorch_memlab not installed")
 
 
+@slow
 def test_bench_tracker() -> None:
     out = smoke("bench_tracker.py")
     row = rf" +{NUM} +{NUM} +{NUM} +{NUM} +{NUM}$"
@@ -313,6 +325,7 @@ def test_bench_tracker() -> None:
         has(out, r"^SKIP memray: not installed")
 
 
+@slow
 def test_bench_tracker_stream() -> None:
     out = smoke("bench_tracker.py", "--stream")
     has(out, r"^  variant +CPU ms/step +wall ms/step",
@@ -320,6 +333,7 @@ def test_bench_tracker_stream() -> None:
         rf"^  streamed / in memory: CPU {R()}x, wall {R()}x")
 
 
+@slow
 def test_bench_transfer() -> None:
     out = smoke("bench_transfer.py")
     has(out, r"^contiguous source, CPU -> CPU",
@@ -328,6 +342,7 @@ def test_bench_transfer() -> None:
         rf"^offload_forward\(\.\.\., overlap=True\) +{R()}ms +{R()}x")
 
 
+@slow
 def test_bench_viewer() -> None:
     out = smoke("bench_viewer.py")
     has(out, r"^snapshot: 5,000 events",
@@ -337,6 +352,7 @@ def test_bench_viewer() -> None:
         has(out, rf"time to interactive\): {NUM} s", r"JavaScript errors: 0")
 
 
+@slow
 def test_bench_viewer_real_file() -> None:
     out = run("bench_viewer.py", "--file", "tests/data/SketchKV2__my_snapshot.pickle",
               "--repeats", "1")
@@ -352,6 +368,7 @@ def test_bench_whatif() -> None:
         rf"^generated, 5000 requests +{NUM} .* yes ")
 
 
+@slow
 def test_bench_why_alive() -> None:
     out = smoke("bench_why_alive.py")
     has(out, rf"^why_alive, first path +{NUM} +{NUM}  .*GLOBAL",
@@ -360,6 +377,7 @@ def test_bench_why_alive() -> None:
         rf"^host_memory\(\) .*: {NUM} ms; psutil memory_info\(\) \(RSS\): {NUM} ms; ratio {R()}x")
 
 
+@slow
 def test_gpu_truth() -> None:
     out = smoke("gpu_truth.py")
     def fig() -> str:  # real, torchmem, ratio, plain fake, ratio
