@@ -466,3 +466,37 @@ def test_a_step_less_run_with_autograd_stays_bounded_and_its_totals_are_exact() 
     # the most alive at once: the 100 kB buffer and one iteration's x, x * 2 and x * 2 + 1
     assert s.peak == {"cpu": 100_000 + 12 * max(sizes[big_at:big_at + 4])}, s.peak
     assert s.final_live == {"cpu": 0} and not s.iterations[-1].complete
+
+
+def _backward_after_many_forwards(kw: dict[str, Any], within: int = 0) -> tuple[list[Any], int]:
+    """300 forwards with autograd on and no backward, then one forward and backward: the
+    backward's allocations as (operator, module, bytes), and the sequence map's largest size."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    seen: list[Any] = []
+
+    def listener(ev: Any, _storage: Any) -> None:
+        if ev.kind.name == "ALLOC" and ev.phase.label == "backward":
+            seen.append((ev.op, ev.module, ev.nbytes))
+
+    tr = torchmem.track(net, listeners=[listener], **kw)
+    if within:
+        tr.trace.aggregate.within = within
+    most = 0
+    with tr:
+        for _ in range(300):
+            _ = net(torch.randn(2, 8))
+            most = max(most, len(tr._seq_bounds))
+        net(torch.randn(2, 8)).sum().backward()
+    return seen, most
+
+
+def test_the_bounded_sequence_map_still_attributes_a_recent_backward() -> None:
+    """The map from autograd nodes to modules of a step-less aggregated run is cut to its newest
+    half at ``within`` entries; a backward right after its forward is attributed to the same
+    modules as in a full trace, which keeps every entry."""
+    full, full_most = _backward_after_many_forwards({})
+    agg, agg_most = _backward_after_many_forwards({"aggregate": 1}, within=64)
+    assert full_most > 500 and agg_most <= 64, (full_most, agg_most)
+    assert agg == full and len(full) >= 4
+    assert {m for _, m, _ in full} >= {"Sequential.0", "Sequential.2"}, full
