@@ -10,32 +10,67 @@ drops them and ends with ``tracker.step()``: 101 events per step, so 10,000,000 
   aggregate   ``aggregate=True`` (fold and compact every 262,144 events, keep the last 5
               iterations and the peak's)
 
+and without step markers (issue 26: an inference loop), the same events but no ``tracker.step()``:
+
+  agg-nosteps       ``aggregate=True``, never a step marker: the iteration in progress is
+                    compacted every ``Aggregate.within`` rows (262,144) instead
+  agg-nosteps-grad  50 allocations per forward too, with autograd on: a tensor that requires
+                    grad through ``Sequential`` of 50 modules that each add 1 (each output
+                    frees the one before it): the tracker's map from autograd nodes to modules
+                    gains an entry at every module too (now kept to ``within`` entries)
+
 Each variant runs in a fresh subprocess. Memory: Python's tracemalloc (the trace's columns are
 ``array`` buffers and the aggregate's tables are Python objects: all of it is traced; torch's
 tensor memory is not), measured from just before the block to after it (``held``: what the
 tracker keeps once the run is over, the trace and the aggregate; ``peak``: the most at any
-moment, compaction's transient copies included), and the process's RSS growth over the run
-(psutil). Time: CPU time of the run per event, in separate subprocesses without tracemalloc
-(which slows Python allocations), over ``--speed-events`` events (default 2,000,000).
+moment, compaction's transient copies included), the process's RSS growth over the run
+(psutil) and its peak RSS growth (``VmHWM`` of /proc/self/status, reset through
+/proc/self/clear_refs just before the block, minus the RSS there). Time: CPU time of the run
+per event, in separate subprocesses without tracemalloc (which slows Python allocations), over
+``--speed-events`` events (default 2,000,000).
 Each child first runs a short tracked block, so the modules the tracker imports on first use are
 not counted as its memory.
 
 Run:  python benchmarks/bench_aggregate.py                    (10M events, about 20 minutes on
                                                                2 busy cores)
       python benchmarks/bench_aggregate.py --events 1000000 --speed-events 500000  (quick look)
+      python benchmarks/bench_aggregate.py --variants agg-nosteps,agg-nosteps-grad  (no steps)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 PER_STEP = 50  # tensors per step: 100 events with their frees, and the step marker
 BUDGET_MIB = 64.0
+VARIANTS = ("full", "aggregate", "agg-nosteps", "agg-nosteps-grad")
+
+
+def _peak_rss_reset() -> bool:
+    """Reset the process's peak RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    """The process's peak RSS in bytes (``VmHWM``), 0 where /proc is missing."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(m.group(1)) * 1024 if m else 0
 
 
 def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
@@ -48,10 +83,20 @@ def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
 
     steps = max(1, events // (2 * PER_STEP + 1))
     proc = psutil.Process()
+    stepped = mode in ("full", "aggregate")
+    grad = mode == "agg-nosteps-grad"
     xs = [torch.ones(8) for _ in range(PER_STEP)]
-    with torchmem.track(step_marker="manual", aggregate=1) as warm:  # first-use imports
+
+    class AddOne(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return t + 1
+
+    net = torch.nn.Sequential(*(AddOne() for _ in range(PER_STEP)))
+    x = torch.ones(8, requires_grad=True)
+    targets = (net,) if grad else ()
+    with torchmem.track(*targets, step_marker="manual", aggregate=1) as warm:  # first-use imports
         for _ in range(3):
-            ys = torch._foreach_add(xs, 1.0)
+            ys = net(x) if grad else torch._foreach_add(xs, 1.0)
             del ys
             warm.step()
     torchmem.analysis.summarize(warm.trace)
@@ -59,14 +104,16 @@ def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
     if traced:
         tracemalloc.start()
     rss0 = proc.memory_info().rss
+    hwm = _peak_rss_reset()
     base = tracemalloc.get_traced_memory()[0] if traced else 0
     t0 = time.process_time()
     report = max(1, steps // 10)
-    with torchmem.track(step_marker="manual", aggregate=(mode == "aggregate")) as tr:
+    with torchmem.track(*targets, step_marker="manual", aggregate=(mode != "full")) as tr:
         for i in range(steps):
-            ys = torch._foreach_add(xs, 1.0)
+            ys = net(x) if grad else torch._foreach_add(xs, 1.0)
             del ys
-            tr.step()
+            if stepped:
+                tr.step()
             if i % report == 0:
                 print(f"  {mode}: step {i:,} of {steps:,}", file=sys.stderr, flush=True)
     cpu = time.process_time() - t0
@@ -80,6 +127,7 @@ def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
         out["held_mib"] = (cur - base) / 2**20
         out["peak_mib"] = (peak - base) / 2**20
         out["rss_mib"] = (proc.memory_info().rss - rss0) / 2**20
+        out["peak_rss_mib"] = (_peak_rss() - rss0) / 2**20 if hwm else float("nan")
     if agg is not None:
         summary = torchmem.analysis.summarize(tr.trace)
         out["summary_iterations"] = len(summary.iterations)
@@ -99,23 +147,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=10_000_000)
     ap.add_argument("--speed-events", type=int, default=2_000_000)
-    ap.add_argument("--child", choices=["full", "aggregate"], default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--child", choices=VARIANTS, default=None)
     ap.add_argument("--untraced", action="store_true")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.events, not args.untraced)))
         return
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        ap.error(f"--variants: unknown {bad or 'empty list'}; expected some of {', '.join(VARIANTS)}")
     print(f"tracker memory over {args.events:,} events ({PER_STEP * 2 + 1} events per step)",
           file=sys.stderr)
-    mem = {m: _spawn(m, args.events, True) for m in ("full", "aggregate")}
-    speed = {m: _spawn(m, args.speed_events, False) for m in ("full", "aggregate")}
-    print(f"\n{'variant':<10} {'events':>11} {'rows held':>10} {'held MiB':>9} {'peak MiB':>9} "
-          f"{'RSS MiB':>8} {'us/event':>9}   (us/event: CPU over {args.speed_events:,} events)")
-    for m in ("full", "aggregate"):
+    mem = {m: _spawn(m, args.events, True) for m in variants}
+    speed = {m: _spawn(m, args.speed_events, False) for m in variants}
+    print(f"\n{'variant':<17} {'events':>11} {'rows held':>10} {'held MiB':>9} {'peak MiB':>9} "
+          f"{'RSS MiB':>8} {'peak RSS MiB':>12} {'us/event':>9}   "
+          f"(us/event: CPU over {args.speed_events:,} events)")
+    for m in variants:
         r, s = mem[m], speed[m]
-        print(f"{m:<10} {r['events']:>11,} {r['rows_held']:>10,} {r['held_mib']:>9.1f} "
-              f"{r['peak_mib']:>9.1f} {r['rss_mib']:>8.1f} "
+        print(f"{m:<17} {r['events']:>11,} {r['rows_held']:>10,} {r['held_mib']:>9.1f} "
+              f"{r['peak_mib']:>9.1f} {r['rss_mib']:>8.1f} {r['peak_rss_mib']:>12.1f} "
               f"{1e6 * s['cpu_s'] / s['events']:>9.2f}")
+    for m in ("agg-nosteps", "agg-nosteps-grad"):
+        if m in mem:
+            r = mem[m]
+            ok = r["peak_mib"] <= BUDGET_MIB and r["held_mib"] <= BUDGET_MIB
+            print(f"{m}: {r['events']:,} events without a step marker, {r['rows_held']:,} rows "
+                  f"held, held {r['held_mib']:.1f} MiB, peak {r['peak_mib']:.1f} MiB, peak RSS "
+                  f"growth {r['peak_rss_mib']:.1f} MiB = {r['peak_rss_mib'] * 2**20 / r['events']:.2f}"
+                  f" B/event (target <= {BUDGET_MIB:.0f} MiB: {'met' if ok else 'NOT met'})")
+    if "full" not in mem or "aggregate" not in mem:
+        return
     f, a = mem["full"], mem["aggregate"]
     print(f"\naggregate / full: held {a['held_mib'] / f['held_mib']:.3f}, "
           f"peak {a['peak_mib'] / f['peak_mib']:.3f}, RSS {a['rss_mib'] / max(f['rss_mib'], 1):.3f}; "

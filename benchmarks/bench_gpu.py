@@ -1,7 +1,8 @@
 """torchmem's CUDA paths measured on a real GPU, side by side with what users would write instead.
 
-Needs a CUDA GPU (exits 2 without one). All in one process; every time is the minimum over
-``--repeats`` runs, methods interleaved round by round.
+Needs a CUDA GPU: without one it says so (``SKIP bench_gpu: ...``) and exits 0, measuring
+nothing. All in one process; every time is the minimum over ``--repeats`` runs, methods
+interleaved round by round.
 
 Transfers (a ``--mb`` MiB float32 tensor):
   host -> GPU   ``x.to("cuda")`` from pageable memory; ``x.pin_memory().to("cuda")`` (pinning
@@ -220,8 +221,11 @@ def main() -> int:
                     help="comma-separated: transfers, overlap, tracker (default all)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench_gpu: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
+        why = "needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured"
+        print(f"SKIP bench_gpu: {why}", flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"skipped": why}) + "\n")
+        return 0
     res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     print(f"GPU: {res['gpu']}, torch {res['torch']}", flush=True)
     wanted = [w for w in a.sections.split(",") if w]

@@ -413,3 +413,90 @@ def test_default_aggregation_compacts_step_less_runs_past_the_default_period() -
     a = torchmem.track(aggregate=True).trace.aggregate
     assert a.within == DEFAULT_PERIOD and a.midway_at() == DEFAULT_PERIOD
     assert torchmem.track(aggregate=10).trace.aggregate.midway_at() == DEFAULT_PERIOD
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # one new storage (aten::mul) and one autograd node
+
+
+class _Shift(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1  # one new storage (aten::add) and one autograd node
+
+
+def test_a_step_less_run_with_autograd_stays_bounded_and_its_totals_are_exact() -> None:
+    """Issue 26: an inference loop with autograd on (no ``torch.no_grad``) and no optimizer
+    step. The held events stay under ``within`` and so does the tracker's map from autograd
+    sequence numbers to modules (it grew by two entries per forward before: 12 B each, without
+    bound); per-operator and per-module totals, the event count and the peak equal sums over
+    the tensors the loop made, computed here from their sizes."""
+    n, within, big_at = 3000, 500, 1000
+    sizes = [8 + i % 13 for i in range(n)]  # floats per tensor in iteration i
+    net = torch.nn.Sequential(_Scale(), _Shift())
+    held: list[int] = []
+    seq_map: list[int] = []
+    tr = torchmem.track(net, aggregate=1)  # no optimizer: no step marker, ever
+    tr.trace.aggregate.within = within
+    big = None
+    with tr:
+        for i, k in enumerate(sizes):
+            if i == big_at:
+                big = torch.ones(25_000)
+            elif i == big_at + 4:
+                big = None
+            x = torch.full((k,), 1.0, requires_grad=True)
+            out = net(x)
+            del x, out
+            held.append(len(tr.trace))
+            seq_map.append(len(tr._seq_bounds))
+    assert big is None
+    a = tr.trace.aggregate
+    assert a.events == 6 * n + 2  # every tensor's ALLOC and FREE, none missed or doubled
+    assert a.compactions >= 20 and max(held) <= within + 16, (a.compactions, max(held))
+    assert max(seq_map) <= within, max(seq_map)
+    assert max(seq_map[n // 2:]) <= max(seq_map[:n // 2])  # flat, not growing
+    s = summarize_trace(tr.trace)
+    per_tensor = 4 * sum(sizes)
+    ops = {name: (nbytes, count) for name, nbytes, count in s.top_ops_allocated}
+    assert ops == {"aten::full": (per_tensor, n), "aten::mul": (per_tensor, n),
+                   "aten::add": (per_tensor, n), "aten::ones": (100_000, 1)}, ops
+    mods = {name: (nbytes, count) for name, nbytes, count in s.top_modules_allocated}
+    assert mods["Sequential.0"] == (per_tensor, n) and mods["Sequential.1"] == (per_tensor, n)
+    # the most alive at once: the 100 kB buffer and one iteration's x, x * 2 and x * 2 + 1
+    assert s.peak == {"cpu": 100_000 + 12 * max(sizes[big_at:big_at + 4])}, s.peak
+    assert s.final_live == {"cpu": 0} and not s.iterations[-1].complete
+
+
+def _backward_after_many_forwards(kw: dict[str, Any], within: int = 0) -> tuple[list[Any], int]:
+    """300 forwards with autograd on and no backward, then one forward and backward: the
+    backward's allocations as (operator, module, bytes), and the sequence map's largest size."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    seen: list[Any] = []
+
+    def listener(ev: Any, _storage: Any) -> None:
+        if ev.kind.name == "ALLOC" and ev.phase.label == "backward":
+            seen.append((ev.op, ev.module, ev.nbytes))
+
+    tr = torchmem.track(net, listeners=[listener], **kw)
+    if within:
+        tr.trace.aggregate.within = within
+    most = 0
+    with tr:
+        for _ in range(300):
+            _ = net(torch.randn(2, 8))
+            most = max(most, len(tr._seq_bounds))
+        net(torch.randn(2, 8)).sum().backward()
+    return seen, most
+
+
+def test_the_bounded_sequence_map_still_attributes_a_recent_backward() -> None:
+    """The map from autograd nodes to modules of a step-less aggregated run is cut to its newest
+    half at ``within`` entries; a backward right after its forward is attributed to the same
+    modules as in a full trace, which keeps every entry."""
+    full, full_most = _backward_after_many_forwards({})
+    agg, agg_most = _backward_after_many_forwards({"aggregate": 1}, within=64)
+    assert full_most > 500 and agg_most <= 64, (full_most, agg_most)
+    assert agg == full and len(full) >= 4
+    assert {m for _, m, _ in full} >= {"Sequential.0", "Sequential.2"}, full

@@ -87,7 +87,23 @@ class _Phases(_Recorder):
         return mod
 
     def _seq_mark(self, owner: int) -> None:
-        seq_mark(self._seq_bounds, self._seq_owner, owner)
+        bounds = self._seq_bounds
+        seq_mark(bounds, self._seq_owner, owner)
+        if len(bounds) > self._seq_cap:  # aggregated and no step marker for a long while
+            self._trim_seq_map()
+
+    def _trim_seq_map(self) -> None:
+        """Keep the newest half of the sequence-number map (aggregated runs only).
+
+        The map gains an entry at each module boundary with an autograd node made since the
+        last one and is emptied at step markers; a run without any (an inference loop with
+        autograd on) would grow it without bound. An aggregated run keeps at most
+        ``Aggregate.within`` entries: a backward through a graph whose forward began more than
+        ``within / 2`` module boundaries earlier attributes its oldest nodes to no module
+        (sizes, operators, phases and peaks are unaffected).
+        """
+        keep = max(1, self._seq_cap // 2)
+        del self._seq_bounds[:-keep], self._seq_owner[:-keep]
 
     def _prune_seq_map(self) -> None:
         """At a step marker the graphs of earlier iterations have run backward: forget them."""

@@ -163,6 +163,7 @@ class _Recorder:
         # module changed (sorted) and that module's interned name, recorded in forward
         self._seq_bounds = array("q")
         self._seq_owner = array("I")
+        self._seq_cap = _NEVER  # entries the map may hold (aggregated: Aggregate.within)
         self._bw_last = 0
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         self._optims: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

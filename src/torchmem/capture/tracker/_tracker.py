@@ -167,6 +167,7 @@ class Tracker(_Threads):
         self._active = True
         if self._agg is not None:
             self._midway_at = self._agg.midway_at()
+            self._seq_cap = max(2, self._agg.within)
         self._pid = os.getpid()
         _RUNNING.add(self)
         return self
@@ -350,8 +351,10 @@ def track(
             an int ``N`` does so once the trace holds ``N`` events (full detail for shorter
             runs). Without step markers (an inference loop) or in a long iteration, the
             iteration in progress is compacted every ``trace.aggregate.within`` rows (default
-            262,144), keeping its live storages and those alive at the peak: bounded memory
-            over any run length. ``torchmem.analysis.summarize`` gives the same figures as for
+            262,144), keeping its live storages and those alive at the peak, and the map from
+            autograd nodes to modules keeps at most ``within`` entries (a backward through a
+            graph made more than ``within / 2`` module calls before it attributes its oldest
+            nodes to no module): bounded memory over any run length. ``torchmem.analysis.summarize`` gives the same figures as for
             a full trace.
         keep_last: complete iterations an aggregated trace keeps in full (default 5).
         mode: ``"ops"`` (default): the dispatch tracker, which sees every operator's outputs
