@@ -37,6 +37,8 @@ def test_not_built_names_nothing_that_exists() -> None:
         "estimates from a config": callable(torchmem.estimate_hf),
         "host memory kept apart": "host_peak_bytes" in Estimate.__dataclass_fields__,
         "live view of host memory": "HostRow" in vars(live) and HostSampler is not None,
+        "memory levers": "what_if" in inspect.signature(torchmem.estimate).parameters,
+        "MemLord drop-in": hasattr(torchmem.compat, "MemLord"),
     }
     assert all(built.values()), built
     text = _not_built()
