@@ -288,3 +288,18 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
     r = rows["adafactor"]
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+
+
+def test_largest_batch_per_lever_equals_the_search_on_the_change_written_by_hand() -> None:
+    """``--what-if --max batch_size``: the largest batch as written and with each top lever
+    equal :func:`torchmem.estimate`'s own search on the step written that way."""
+    e = torchmem.estimate(as_written, gpu="650 MiB", batch_size=8, margin=0,
+                          what_if=["adafactor"], maximize="batch_size")
+    plain = torchmem.estimate(as_written, gpu="650 MiB", margin=0, max_batch_size=True)
+    assert e.max_batch_size == plain.max_batch_size
+    row = e.what_if[0]
+    hand = torchmem.estimate(by_hand(opt_cls=torch.optim.Adafactor), gpu="650 MiB", margin=0,
+                             max_batch_size=True)
+    assert row.cost["maximized"] == "batch_size"
+    assert row.cost["max_value"] == hand.max_batch_size
+    assert hand.max_batch_size > plain.max_batch_size  # Adafactor's smaller state leaves room
