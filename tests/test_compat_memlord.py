@@ -50,6 +50,12 @@ def _debug_off_and_hooks_restored() -> Iterator[None]:
     os.environ.update(saved)
     gc.collect()  # hooks of MemLords that died without disable() are removed with them
     assert torch.empty is empty and torch.Tensor.to is to
+    # MemLord's usage poller (get_device_mem_stats) lives for the process, as MemLord's does;
+    # later test files count the poller threads, so each test here closes it
+    with memlord_mod._poller_lock:
+        poller, memlord_mod._poller = memlord_mod._poller, None
+    if poller is not None:
+        poller.close()
 
 
 @pytest.fixture
