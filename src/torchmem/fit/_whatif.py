@@ -334,7 +334,8 @@ def what_if(
         ...     lr = _lever_run(levers)
         ...     return run_once(build, 8, "T4", levers=lr, world_size=world_size), lr
         >>> base, lr = run([])
-        >>> rows, best = what_if(run, base, lr, gpu_card("T4"), check_levers(["adafactor"]), 8)
+        >>> from torchmem.fit import gpu
+        >>> rows, best = what_if(run, base, lr, gpu("T4"), check_levers(["adafactor"]), 8)
         >>> rows[0].lever, rows[0].applied
         ('adafactor', 'AdamW -> torch.optim.Adafactor')
     """
@@ -612,14 +613,3 @@ def _cost_words(cost: Mapping[str, Any]) -> str:
         bits.append(str(cost.get("changes", "")))
     return ", ".join(bits)
 
-
-def gpu_card(name: str) -> GPU:
-    """The catalog GPU ``name`` (for examples).
-
-    Example:
-        >>> gpu_card("T4").name
-        'T4'
-    """
-    from torchmem.fit._catalog import gpu
-
-    return gpu(name)
