@@ -299,13 +299,15 @@ class _LordLedger(Ledger):
 
         return sink
 
-    def _count_fresh_locked(self, e: _Entry) -> None:
-        st = e()  # held alive while the ledger counts it
-        if st is None and e.token == 0:  # counted as allocated, then credited as freed
-            d = self._devs.get(e.device) or self._dev(e.device)
-            self._alloc_tab[d] = self._alloc_tab.get(d, 0) + e.nbytes
-        super()._count_fresh_locked(e)
-        del st
+    def _count_dead_locked(self, e: _Entry) -> None:
+        # counted as allocated, then credited as freed: MemLord's allocated figure is unchanged
+        super()._count_dead_locked(e)
+        n = e.nbytes
+        d = self._devs.get(e.device) or self._dev(e.device)
+        self._freed_tab[d] = self._freed_tab.get(d, 0) + n
+        batch = self._batch
+        if batch is not None:
+            batch[d] = batch.get(d, 0) + n
 
     def _count_locked(
         self, st: torch.UntypedStorage, site: Optional[Site], device: Optional[str] = None

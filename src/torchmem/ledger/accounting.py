@@ -210,11 +210,32 @@ class Ledger(_CallSites, _AutoGc, _TrackerListener):
         if st is not None:
             self._count_locked(st, None, e.device)
             return
-        stats, _aggs = self._chains.get(e.device) or self._chain(e.device)
-        stats.allocations += 1
-        stats.live += 1
-        self._grow_locked(e.device, e.nbytes)
-        self._credit_free_locked(e, True, getattr(e, "free_site", None))
+        self._count_dead_locked(e)
+
+    def _count_dead_locked(self, e: _Entry) -> None:
+        """Count a queued storage that died before it was counted: allocated, then auto-freed.
+
+        The same counters as a count followed by an automatic free (the common case on a hooked
+        factory's temporaries, so done in one step): one allocation and one free, the peak raised
+        by its bytes, the live and allocated figures unchanged.
+        """
+        n = e.nbytes
+        dev, aggs = self._chains.get(e.device) or self._chain(e.device)
+        dev.allocations += 1
+        dev.frees += 1
+        dev.auto_frees += 1
+        dev.freed += n
+        dev.freed_total += n
+        if dev.allocated + n > dev.peak:
+            dev.peak = dev.allocated + n
+        for a in aggs:
+            if a.allocated + n > a.peak:
+                a.peak = a.allocated + n
+        if self._track:
+            site = getattr(e, "free_site", None)
+            if site is not None:
+                table = self._free_sites.setdefault(e.device, {})
+                table[site] = table.get(site, 0) + n
 
     def _credit_free_locked(self, e: _Entry, auto: bool, site: Optional[Site]) -> None:
         n = e.nbytes
