@@ -473,16 +473,64 @@ class _Writes:
         self.stand_ins.clear()
 
 
+_TORCHMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
+#: Seconds between two tries of a stop that landed in torchmem's own bookkeeping.
+_RETRY_S = 0.005
+#: Off the main thread, seconds after a stop before it is delivered again if the run goes on.
+_REFIRE_S = 0.25
+#: After this many seconds of tries the stop is raised wherever it lands.
+_RETRY_FOR_S = 10.0
+
+
+def _safe_to_stop(frame: Any) -> bool:
+    """Whether an asynchronous stop may be raised in ``frame`` (the code a timer interrupted).
+
+    Not inside torchmem's own code (the tracker, the simulator, the engine: a stop there would
+    leave their state half-written, or be swallowed in a weakref callback), nor in what such code
+    calls (torch's private modules, the standard library, generated ``<string>`` code), which
+    are looked through up to the first other frame: the script's own code, a library it uses,
+    torch's public modules (``torch.nn``, ``torch.optim``) are safe.
+
+    Example:
+        >>> import sys
+        >>> _safe_to_stop(sys._getframe())    # a doctest's frame is nobody's bookkeeping
+        True
+        >>> _safe_to_stop(None)   # no frame (a thread that ended)
+        True
+    """
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_TORCHMEM_DIR + os.sep):
+            return False
+        if path.startswith("<") or (path.startswith(_STDLIB_DIR + os.sep)
+                                    and "-packages" + os.sep not in path):
+            frame = frame.f_back
+            continue
+        if path.startswith(_TORCH_DIR + os.sep):
+            rel = path[len(_TORCH_DIR) + 1:]
+            if any(part.startswith("_") for part in rel.split(os.sep)):
+                frame = frame.f_back  # torch's internals: dispatch, fake tensors, decompositions
+                continue
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[None]:
-    """Raise ``stop()`` in this thread after ``seconds`` (a timer signal on the main thread,
-    an asynchronous exception on another)."""
+    """Raise ``stop()`` in this thread after ``seconds``, where it is safe (:func:`_safe_to_stop`):
+    a timer signal on the main thread, an asynchronous exception on another; a stop that would
+    land in torchmem's bookkeeping is tried again :data:`_RETRY_S` later."""
     if seconds <= 0 or seconds == float("inf"):
         yield
         return
+    give_up = time.monotonic() + seconds + _RETRY_FOR_S
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         def on_alarm(signum: int, frame: Any) -> None:
-            raise stop()
+            if _safe_to_stop(frame) or time.monotonic() > give_up:
+                raise stop()
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
 
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -494,19 +542,38 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
         return
     ident = threading.get_ident()
     done = threading.Event()
+    lock = threading.Lock()
 
     def fire() -> None:
-        if not done.is_set():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
-                                                       ctypes.py_object(_StopScript))
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+        with lock:
+            if done.is_set():
+                return
+            frame = sys._current_frames().get(ident)
+            if _safe_to_stop(frame) or time.monotonic() > give_up:
+                stop()  # its side effects (the reason recorded); the thread gets the class
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                           ctypes.py_object(_StopScript))
+                # the thread may have moved on between the look and the delivery (into a
+                # callback that swallows it): until the run has ended, look again later
+                start(_REFIRE_S)
+                return
+            start(_RETRY_S)
+
+    timers: list[threading.Timer] = []
+
+    def start(after: float) -> None:
+        t = threading.Timer(after, fire)
+        t.daemon = True
+        timers[:] = [t]
+        t.start()
+
+    start(seconds)
     try:
         yield
     finally:
-        done.set()
-        timer.cancel()
+        with lock:
+            done.set()
+            timers[0].cancel()
 
 
 class _ArgparseRejected(SystemExit):
