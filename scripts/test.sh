@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs everything the tests need, then runs lint, types and tests.
+# The README's test command: installs everything the tests need, then runs lint, types and tests
+# (the tests build the documentation site and run its examples: tests/test_docs_*.py).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
