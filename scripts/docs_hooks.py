@@ -34,21 +34,12 @@ _state: dict[str, Any] = {}
 
 
 def _example_trace() -> Any:
-    """The built-in example (``torchmem run --example``'s training run), tracked."""
-    import torch
-
+    """The built-in example tracked as ``torchmem run --example`` tracks it."""
     import torchmem
-    from torchmem._example_train import build_model
+    from torchmem._example_train import main
 
-    torch.manual_seed(0)
-    model = build_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    with torchmem.track(model, opt, stacks=False) as tr:
-        for _ in range(4):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(torch.randn(64, 64)), torch.randint(0, 10, (64,))).backward()
-            opt.step()
+    with torchmem.track(stacks=False) as tr:
+        main()
     return tr.trace
 
 
