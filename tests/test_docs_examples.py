@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,7 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
         assert not [b for b in ALL if b.page == page and b.lang in ("py", "python3", "pycon")]
         return
     ns: dict[str, object] = {"__name__": "__main__"}
+    before = {t.ident for t in threading.enumerate()}
     with _in(tmp_path):
         for b in todo:
             where = f"{page}:{b.line}"
@@ -127,6 +129,9 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
                     k.__name__ == b.marks["raises"] for k in type(info.value).__mro__), (where, info.value)
             else:
                 exec(code, ns)  # noqa: S102
+    # an example closes what it starts (later test files count torchmem's poller threads)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("torchmem")]
+    assert not left, f"{page} leaves threads running: {left}"
 
 
 def _commands(code: str) -> list[str]:
