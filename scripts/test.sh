@@ -48,7 +48,7 @@ python -c "from torchmem.capture.fast import native_available; from torchmem.cap
     || echo "!! the fast tracker's C++ part did not build: mode='fast' tests will fail"
 
 echo "== ruff"
-python -m ruff check src tests benchmarks
+python -m ruff check src tests benchmarks scripts
 echo "== import-linter (layers, torch-free core, producers never render, no cycles; see pyproject.toml)"
 lint-imports --no-logo
 echo "== mypy"
