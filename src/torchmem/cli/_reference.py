@@ -46,8 +46,8 @@ def option_names(parser: argparse.ArgumentParser) -> list[str]:
 
 def _section(name: str, parser: argparse.ArgumentParser) -> list[str]:
     formatter = parser._get_formatter()  # noqa: SLF001
-    usage = " ".join(parser.format_usage().split())
-    lines = [f"## `torchmem {name}`", "", SUBCOMMANDS[name][1].capitalize() + ".", "",
+    usage = parser.format_usage().strip()
+    lines = [f"## `torchmem {name}`", "", SUBCOMMANDS[name][1][:1].upper() + SUBCOMMANDS[name][1][1:] + ".", "",
              "```text", usage, "```", "", "| argument | what it does |", "|---|---|"]
     for action in parser._actions:  # noqa: SLF001
         if isinstance(action, argparse._HelpAction):  # noqa: SLF001
@@ -72,7 +72,7 @@ def cli_reference_markdown() -> str:
         "`torchmem estimate` exits 3 when the step does not fit.",
         "",
         "```text",
-        " ".join(top.format_usage().split()),
+        top.format_usage().strip(),
         "```",
         "",
         "| subcommand | what it does |",
