@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs everything the tests need, then runs lint, types and tests.
+# The README's test command: installs everything the tests need, then runs lint, types and tests
+# (the tests build the documentation site and run its examples: tests/test_docs_*.py).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ python -c "from torchmem.capture.fast import native_available; from torchmem.cap
     || echo "!! the fast tracker's C++ part did not build: mode='fast' tests will fail"
 
 echo "== ruff"
-python -m ruff check src tests benchmarks
+python -m ruff check src tests benchmarks scripts
 echo "== import-linter (layers, torch-free core, producers never render, no cycles; see pyproject.toml)"
 lint-imports --no-logo
 echo "== mypy"

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from torchmem._version import __version__
 from torchmem.errors import TorchmemError
 
-__all__ = ["main", "entry_point", "SUBCOMMANDS"]
+__all__ = ["main", "entry_point", "SUBCOMMANDS", "subcommand_parser"]
 
 # name -> (module, one-line help). Keep in the order shown by --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -65,6 +65,21 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of ``torchmem NAME`` (the one ``main`` parses with).
+
+    The command reference of the documentation is generated from these parsers.
+
+    Example:
+        >>> subcommand_parser("stats").prog
+        'torchmem stats'
+    """
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"torchmem {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(parser)
+    return parser
+
+
 def _available(name: str) -> bool:
     module = SUBCOMMANDS[name][0]
     return importlib.util.find_spec(module) is not None
@@ -96,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torchmem: error: unknown subcommand {name!r}; expected one of: {known}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"torchmem {name}", description=SUBCOMMANDS[name][1])
-    module.add_arguments(parser)
+    parser = subcommand_parser(name)
     try:
         ns = parser.parse_args(args[1:])
     except SystemExit as e:
