@@ -293,7 +293,7 @@ def test_three_gpu_mid_run_expandable_traces_replay_at_every_real_address(
     assert oomed and sorted(o.device for o in reports) == oomed
     for o in reports:
         assert o.simulated is not None and o.simulated["exact"] and o.simulated["start"] == "rebuilt"
-        assert "did not reproduce" not in o.explanation
-        if o.simulated["reproduces_oom"]:  # the what-ifs need the OOM reproduced first
-            assert len(o.alternatives) == 5
-    assert any(o.alternatives for o in reports)
+        # replayed on a device of the same size with the same settings, the request fails too
+        # (the seeded virtual ranges end where the real ones do), so the what-ifs are offered
+        assert o.simulated["reproduces_oom"] and "did not reproduce" not in o.explanation
+        assert len(o.alternatives) == 5

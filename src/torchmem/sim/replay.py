@@ -229,7 +229,9 @@ class TraceReplay:
             sim.real_addresses = [
                 t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
             ]
-            sim.range_starts = self._mapped_floors()
+        # the seeded ranges are the real ones whatever the new segments' addresses: they begin
+        # where the trace shows their pages (so they end where the real ranges end)
+        sim.range_starts = self._mapped_floors()
         self.allocator: CachingAllocator = sim
         self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
         self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
