@@ -179,6 +179,18 @@ def test_dataloader_copy_on_read_is_flagged_for_python_objects_only(
         # minus what a 0.1 s sampling gap can miss
         assert w["uss_peak_bytes"] >= reported[w["pid"]] - 16 * MiB
         assert w["uss_peak_bytes"] <= w["rss_peak_bytes"]
+    # the same loader under a plain ``python``: each worker's USS near its end (its own report)
+    # is what it is under ``torchmem run``, within a few MiB (the tracker stops in the workers)
+    plain_out = tmp_path / f"{kind}-plain"
+    plain_out.mkdir()
+    script = tmp_path / "loader.py"
+    res = subprocess.run([sys.executable, str(script), kind, str(plain_out)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert res.returncode == 0, res.stderr
+    plain = sorted(int(p.read_text()) for p in plain_out.glob("*.uss"))
+    tracked = sorted(reported.values())
+    assert len(plain) == 2 and all(abs(t - q) <= 8 * MiB for t, q in zip(tracked, plain)), (
+        plain, tracked)
     growth = [w["uss_growth_bytes"] for w in workers]
     if kind == "dicts":
         assert host["copy_on_read_suspect"] is True

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 import snapshot_synth
+from torchmem.analysis._oom import oom_report
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
-from torchmem.io.pytorch_snapshot import from_pytorch
+from torchmem.io.pytorch_snapshot import from_pytorch, to_pytorch_dict
 from torchmem.sim import CachingAllocator, replay
 from torchmem.sim.replay import TraceReplay
 
@@ -215,3 +216,84 @@ def test_a_page_mapped_otherwise_is_counted_and_reported() -> None:
     text = _render([res.to_dict()])
     assert "the simulator diverged" in text
     assert "segment_maps matched     0 of 1 (expandable pages: same address and size" in text
+
+
+def _expandable_run(seed: int, release_all: bool) -> CachingAllocator:
+    """A random program under expandable_segments:True on a 2000 MiB device, on two streams,
+    with small and large requests and a few empty_cache calls, until it runs out of memory (then
+    everything freed and released when ``release_all``)."""
+    rng = random.Random(seed)
+    a = CachingAllocator(capacity=2000 * MiB, config="expandable_segments:True")
+    live: list[int] = []
+    try:
+        for _ in range(4000):
+            r = rng.random()
+            if r < 0.5 or not live:
+                size = rng.choice([rng.randint(1, MiB), rng.randint(MiB, 200 * MiB),
+                                   rng.randint(1, 4096), rng.randint(1, MiB),
+                                   rng.randint(1, MiB // 2)])
+                live.append(a.malloc(size, rng.choice([0, 0, 0, 7])))
+            elif r < 0.97:
+                a.free(live.pop(rng.randrange(len(live))))
+            else:
+                a.empty_cache()
+    except SimulatedOutOfMemoryError:
+        pass
+    if release_all:
+        for x in live:
+            a.free(x)
+        a.empty_cache()
+    return a
+
+
+def _three_gpus(seed: int, release_all: bool) -> dict:
+    """One file of three devices (each its own program), each trace cut at a random entry of its
+    first half (a ring buffer), the addresses moved to a range of the driver's per device, as in
+    a real multi-GPU snapshot."""
+    raw: dict = {"segments": [], "device_traces": [],
+                 "allocator_settings": {"expandable_segments": True}}
+    for dev in range(3):
+        a = _expandable_run(3 * seed + dev, release_all)
+        one = to_pytorch_dict(a.snapshot())
+        lowest = min(e[1] for e in a.events if e[0] == "segment_map")
+        shift = 0x7F0000000000 + dev * (1 << 40) - lowest
+        for e in one["device_traces"][0]:
+            if e["action"] != "oom":
+                e["addr"] += shift
+        for seg in one["segments"]:
+            seg["device"], seg["address"] = dev, seg["address"] + shift
+            for b in seg["blocks"]:
+                b["address"] += shift
+        raw["segments"] += one["segments"]
+        trace = one["device_traces"][0]
+        raw["device_traces"].append(trace[random.Random(seed + dev).randrange(len(trace) // 2):])
+    return raw
+
+
+@pytest.mark.parametrize(("seed", "release_all"), [(2, True), (10, True), (17, True), (20, True),
+                                                   (24, True), (3, False)])
+def test_three_gpu_mid_run_expandable_traces_replay_at_every_real_address(
+    seed: int, release_all: bool
+) -> None:
+    # Pages the trace unmaps were mapped at its start, in a pool no end segment shows when the
+    # whole range was released: the blocks the trace frees there tell it (a request rounded to
+    # at most 1 MiB is the small pool's), not the size of the unmapped run (small-pool runs of
+    # 10 pages are 20 MiB too). The real addresses are the simulator's own from empty.
+    raw = _three_gpus(seed, release_all)
+    snap = from_pytorch(raw)
+    for dev in range(3):
+        res = replay(snap, dev)
+        n_allocs = sum(e["action"] == "alloc" for e in raw["device_traces"][dev])
+        assert res.start == "rebuilt" and res.first_divergence is None
+        assert (res.allocs_matched, res.allocs_expected) == (n_allocs, n_allocs) and n_allocs > 30
+        assert res.final_layout_equal
+    # the out-of-memory report replays up to each device's OOM and offers what-ifs
+    reports = oom_report(snap)
+    oomed = [d for d, t in enumerate(raw["device_traces"]) if any(e["action"] == "oom" for e in t)]
+    assert oomed and sorted(o.device for o in reports) == oomed
+    for o in reports:
+        assert o.simulated is not None and o.simulated["exact"] and o.simulated["start"] == "rebuilt"
+        # replayed on a device of the same size with the same settings, the request fails too
+        # (the seeded virtual ranges end where the real ones do), so the what-ifs are offered
+        assert o.simulated["reproduces_oom"] and "did not reproduce" not in o.explanation
+        assert len(o.alternatives) == 5

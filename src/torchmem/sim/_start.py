@@ -60,6 +60,10 @@ class StartSegment:
     #: Blocks whose slack the trace leaves open: address -> (rounded request, gap to the next
     #: live block, the most slack the block can carry); see :func:`slack_candidates`.
     open_slack: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: Mapped pieces of an expandable run whose pool no block of the trace shows (only their
+    #: size or the nearest block of the stream does): their starts; see :func:`start_state`'s
+    #: ``pools``.
+    guessed_pools: tuple[int, ...] = ()
 
     def layout(self) -> list[tuple[int, int, int]]:
         """The segment as ``(offset, size, requested)``, free gaps included (requested 0).
@@ -91,14 +95,20 @@ def _fail(device: int, i: int | None, what: str) -> InvalidInputError:
 
 
 def start_state(
-    snapshot: Snapshot, device: int = 0, config: AllocatorConfig | None = None
+    snapshot: Snapshot,
+    device: int = 0,
+    config: AllocatorConfig | None = None,
+    pools: dict[int, bool] | None = None,
 ) -> list[StartSegment]:
     """The allocator's segments and live blocks at the start of ``device``'s trace.
 
     Rebuilt from the snapshot's end state by walking the trace backwards (see the module
     docstring); ``config`` is the allocator's configuration (the default settings when not
     given): its rounding, and its ``max_split_size`` (a block at least that large is never
-    split, so it may carry up to ``max_non_split_rounding`` of slack). A device without segments
+    split, so it may carry up to ``max_non_split_rounding`` of slack). Expandable pages that the
+    trace unmaps were mapped at its start; their pool is the pool of the blocks the trace shows
+    there, else a guess (listed in ``guessed_pools``) that ``pools`` (piece start -> small)
+    overrides. A device without segments
     at the end whose trace does not agree with that starts empty (a trace without an end state).
     Raises :class:`~torchmem.errors.InvalidInputError` when the
     trace contradicts the end state (it frees a block twice, allocates in a segment that did not
@@ -115,15 +125,16 @@ def start_state(
         [(0, [[1024, 1024, 700, False]])]
     """
     if snapshot.segments_of(device):
-        return _walk_back(snapshot, device, config)
+        return _walk_back(snapshot, device, config, pools)
     try:  # no segment at the end: everything may have been released, or there is no end state
-        return _walk_back(snapshot, device, config)
+        return _walk_back(snapshot, device, config, pools)
     except InvalidInputError:
         return []  # a trace without an end state (hand-made): start empty
 
 
 def _walk_back(
-    snapshot: Snapshot, device: int, config: AllocatorConfig | None
+    snapshot: Snapshot, device: int, config: AllocatorConfig | None,
+    pools: dict[int, bool] | None = None,
 ) -> list[StartSegment]:
     t = snapshot.trace(device)
     names = t.action_names
@@ -132,6 +143,7 @@ def _walk_back(
     live: dict[int, list[Any]] = {}  # address -> [size or None, requested, pending]
     first_free: dict[int, int] = {}  # address -> index of its earliest free entry
     # expandable segments: mapped pieces, start -> [end, stream, small]; merged into runs later
+    # (small None: a piece the trace unmaps, whose pool is settled after the walk)
     mapped: dict[int, list[Any]] = {}
     for end_seg in snapshot.segments_of(device):
         small = end_seg.segment_type == "small"
@@ -184,8 +196,15 @@ def _walk_back(
                 raise _fail(device, i, f"the pages mapped at {a:#x} are not mapped later")
         elif act == "segment_unmap":  # the pages were mapped (and free) before
             _map_piece(mapped, a, a + sizes[i], streams[i])
+    cfg = config if config is not None else AllocatorConfig()
+    guessed: set[int] = set()
+    if any(v[2] is None for v in mapped.values()):
+        guessed = _settle_pools(
+            mapped, _pool_evidence(snapshot, device, cfg), cfg.large_segment_size, pools or {}
+        )
     for start, end, stream, small in _runs(mapped):
-        segs[start] = StartSegment(start, end - start, stream, small, True, [])
+        mine = tuple(sorted(a for a in guessed if start <= a < end))
+        segs[start] = StartSegment(start, end - start, stream, small, True, [], guessed_pools=mine)
     # assign the live blocks to their segments, then size the ones freed in the trace
     order = sorted(segs)
     for a in sorted(live):
@@ -194,7 +213,6 @@ def _walk_back(
         if seg is None or a >= seg.address + seg.size:
             raise _fail(device, None, f"the block at {a:#x}, live at the start, lies in no segment")
         seg.blocks.append([a, *live[a]])
-    cfg = config if config is not None else AllocatorConfig()
     max_split = cfg.max_split_size
     oversize_limit = max(cfg.max_non_split_rounding_size, _SMALL_BUFFER) - 512
     for seg in segs.values():
@@ -247,12 +265,20 @@ def seeding_order(segs: list[StartSegment]) -> list[StartSegment]:
     return plain + heads + rest
 
 
+def _same_pool(a: bool | None, b: bool | None) -> bool:
+    """Whether two pieces can be one pool's (a pool not known yet, None, fits either)."""
+    return a is None or b is None or a == b
+
+
 def _unmap_piece(mapped: dict[int, list[Any]], lo: int, hi: int) -> bool:
     """Remove ``[lo, hi)`` from the mapped pieces (False when it is not mapped)."""
     for start, (end, stream, small) in list(mapped.items()):
-        while end < hi and end in mapped and mapped[end][1:] == [stream, small]:
-            end = mapped.pop(end)[0]  # a run mapped in pieces
-            mapped[start][0] = end
+        while end < hi and end in mapped and mapped[end][1] == stream and _same_pool(
+            mapped[end][2], small
+        ):
+            nxt = mapped.pop(end)  # a run mapped in pieces
+            end, small = nxt[0], small if small is not None else nxt[2]
+            mapped[start] = [end, stream, small]
         if start <= lo and hi <= end:
             del mapped[start]
             if start < lo:
@@ -264,24 +290,65 @@ def _unmap_piece(mapped: dict[int, list[Any]], lo: int, hi: int) -> bool:
 
 
 def _map_piece(mapped: dict[int, list[Any]], lo: int, hi: int, stream: int) -> None:
-    """Add ``[lo, hi)`` to the mapped pieces; its pool is its mapped neighbour's (else by size:
-    large-pool pages are ``large_segment_size`` (20 MiB), small-pool pages 2 MiB)."""
-    small = None
-    for start, (end, s, sm) in mapped.items():
-        if s == stream and (end == lo or start == hi):
-            small = sm
-            break
-    if small is None:
-        small = (hi - lo) % (20 << 20) != 0
-    for start, (end, s, sm) in list(mapped.items()):  # coalesce with mapped neighbours
-        if s == stream and sm == small:
-            if end == lo:
-                del mapped[start]
-                lo = start
-            elif start == hi:
-                del mapped[start]
-                hi = end
+    """Add ``[lo, hi)`` to the mapped pieces, coalesced with its mapped neighbours of the same
+    stream; its pool is theirs, else open (None: settled by :func:`_settle_pools`)."""
+    small: bool | None = None
+    for start, (end, s, sm) in list(mapped.items()):
+        if s == stream and (end == lo or start == hi) and _same_pool(sm, small):
+            del mapped[start]
+            small = small if sm is None else sm
+            lo, hi = min(lo, start), max(hi, end)
     mapped[lo] = [hi, stream, small]
+
+
+def _pool_evidence(
+    snapshot: Snapshot, device: int, cfg: AllocatorConfig
+) -> dict[int, list[tuple[int, bool]]]:
+    """stream -> sorted ``(address, small)`` of every block the trace or the end state shows:
+    a request rounded to at most 1 MiB is served by the small pool, any other by the large one,
+    and each pool's expandable pages lie in virtual ranges of their own."""
+    t = snapshot.trace(device)
+    names = t.action_names
+    blocks = {k for k, name in enumerate(names) if name in ("alloc", "free_completed")}
+    out: dict[int, set[tuple[int, bool]]] = {}
+    for i in range(len(t)):
+        if t.actions[i] in blocks:
+            small = round_size(t.sizes[i], cfg) <= SMALL_SIZE
+            out.setdefault(t.streams[i], set()).add((t.addrs[i], small))
+    for seg in snapshot.segments_of(device):
+        if seg.is_expandable:
+            out.setdefault(seg.stream, set()).add((seg.address, seg.segment_type == "small"))
+    return {stream: sorted(points) for stream, points in out.items()}
+
+
+def _settle_pools(
+    mapped: dict[int, list[Any]],
+    evidence: dict[int, list[tuple[int, bool]]],
+    page: int,
+    pools: dict[int, bool],
+) -> set[int]:
+    """Give each piece of an open pool the pool of the blocks the trace shows inside it; else
+    the small pool when it is not whole pages of ``page`` bytes (the large pool's page); else
+    ``pools``' choice, or the pool of the nearest block of its stream (two pools' ranges are
+    separate reservations). Returns the starts of the pieces whose pool was so guessed."""
+    guessed: set[int] = set()
+    for start, row in mapped.items():
+        end, stream, small = row
+        if small is not None:
+            continue
+        points = evidence.get(stream, [])
+        k = bisect_right(points, (start, True))  # points[k - 1] at or below start, points[k] above
+        if k and points[k - 1][0] == start:
+            row[2] = points[k - 1][1]
+        elif k < len(points) and points[k][0] < end:
+            row[2] = points[k][1]
+        elif (end - start) % page:
+            row[2] = True
+        else:
+            guessed.add(start)
+            near = min(points[max(k - 1, 0):k + 1], key=lambda p: abs(p[0] - start), default=None)
+            row[2] = pools.get(start, near[1] if near is not None else False)
+    return guessed
 
 
 def _runs(mapped: dict[int, list[Any]]) -> list[tuple[int, int, int, bool]]:

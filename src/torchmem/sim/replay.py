@@ -47,7 +47,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError
+from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim._start import (
     SMALL_SIZE,
@@ -229,7 +229,9 @@ class TraceReplay:
             sim.real_addresses = [
                 t.addrs[i] for i in range(n) if self._names[t.actions[i]] == "segment_alloc"
             ]
-            sim.range_starts = self._mapped_floors()
+        # the seeded ranges are the real ones whatever the new segments' addresses: they begin
+        # where the trace shows their pages (so they end where the real ranges end)
+        sim.range_starts = self._mapped_floors()
         self.allocator: CachingAllocator = sim
         self._pending: set[int] = set()  # addresses whose free_requested came, free_completed not
         self._bsize: dict[int, int] = {}  # real address of a live block -> its block size
@@ -751,7 +753,50 @@ def _free_block_at(sim: CachingAllocator, address: int) -> int | None:
 
 
 def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[StartSegment]:
-    """:func:`start_state`, then the slack the trace leaves open chosen to agree with it.
+    """:func:`start_state`, its open slack (:func:`_settle_slack`) and the pools of expandable
+    pages no block of the trace shows chosen to agree with the trace: while the replay diverges,
+    each guessed piece's other pool is tried (up to 16 pieces), and kept when the replay then
+    matches more allocations before it diverges."""
+    pools: dict[int, bool] = {}
+    segs = _settle_slack(snapshot, device, cfg, start_state(snapshot, device, cfg))
+    guessed = {
+        a: s.small for s in segs if s.expandable for a in s.guessed_pools
+    }
+    if not guessed:
+        return segs
+    best = _matched_before_divergence(snapshot, device, cfg, segs)
+    for piece, small in sorted(guessed.items())[:16]:
+        if best is None:
+            break
+        trial = {**pools, piece: not small}
+        try:
+            other = _settle_slack(snapshot, device, cfg, start_state(snapshot, device, cfg, trial))
+            got = _matched_before_divergence(snapshot, device, cfg, other)
+        except TorchmemError:  # that pool makes the start state impossible
+            continue
+        if got is None or got > best:
+            pools, segs, best = trial, other, got
+    return segs
+
+
+def _matched_before_divergence(
+    snapshot: Snapshot, device: int, cfg: AllocatorConfig, segs: list[StartSegment]
+) -> int | None:
+    """The allocations a replay from ``segs`` matches before it diverges (None: it does not)."""
+    try:
+        probe = TraceReplay(snapshot, device, config=cfg, start=segs, stop_at_divergence=True)
+        probe.run()
+    except TorchmemError:
+        return -1
+    if probe._alloc_divergence is None and probe._segment_divergence()[1] is None:
+        return None
+    return probe._allocs_matched
+
+
+def _settle_slack(
+    snapshot: Snapshot, device: int, cfg: AllocatorConfig, segs: list[StartSegment]
+) -> list[StartSegment]:
+    """The slack the trace leaves open in ``segs`` chosen to agree with it.
 
     A large block freed in the trace may carry up to 1 MiB of slack before a free block; when no
     alloc lands in that free block first, only best fit can tell its size: no slack (a block
@@ -761,7 +806,6 @@ def _settle(snapshot: Snapshot, device: int, cfg: AllocatorConfig) -> list[Start
     and the replay is tried again with the smallest slack left.
     """
     rounding = _rounding(cfg)
-    segs = start_state(snapshot, device, cfg)
     rows = {row[0]: (seg, row) for seg in segs for row in seg.blocks if row[0] in seg.open_slack}
     excluded: dict[int, list[tuple[int, int]]] = {}
     t = snapshot.trace(device)
