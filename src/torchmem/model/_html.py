@@ -127,5 +127,33 @@ def estimate_html(est: Any) -> str:
             f"{fmt_bytes(o.requested_bytes)} with {fmt_bytes(o.allocated_bytes)} allocated, "
             f"{fmt_bytes(o.reserved_bytes)} reserved</div>{stack}"
         )
+    parts.extend(_what_if_html(est))
     parts.extend(f"<div>note: {html.escape(n)}</div>" for n in est.notes)
     return html_block("torchmem estimate", *parts)
+
+
+def _what_if_html(est: Any) -> list[str]:
+    """The what-if table (``estimate(..., what_if=...)``): one row per lever, the skipped ones
+    with their reasons, and the recommended combination."""
+    rows = getattr(est, "what_if", None) or []
+    if not rows:
+        return []
+    done = [r for r in rows if r.skipped is None]
+    out = [html_table(
+        "what if (each lever alone, sorted by peak reserved)",
+        ["lever", "peak reserved", "peak allocated", "fits", "headroom", "cost", "applied"],
+        [[r.lever, fmt_bytes(r.peak_reserved_bytes or 0), fmt_bytes(r.peak_allocated_bytes or 0),
+          "yes" if r.fits else "no", fmt_bytes(r.headroom_bytes or 0), r.cost_words(),
+          r.applied] for r in done])]
+    out.extend(f"<div>not applied: <b>{html.escape(r.lever)}</b>: {html.escape(r.skipped)}</div>"
+               for r in rows if r.skipped is not None)
+    best = getattr(est, "what_if_best", None)
+    if best is None:
+        line = "nothing tried fits (try a larger GPU or more GPUs)"
+    elif best.lever == "as_written":
+        line = "as written (it fits; no lever needed)"
+    else:
+        line = (f"{best.lever} (fits, headroom {fmt_bytes(best.headroom_bytes or 0)}): "
+                f"{best.applied}")
+    out.append(f"<div><b>best:</b> {html.escape(line)}</div>")
+    return out
