@@ -397,15 +397,20 @@ def llama_step(lora: bool = False, bf16: bool = False):  # noqa: ANN201
             model.to(torch.bfloat16)
         if lora:
             model = _lora(model, ["k_proj", "o_proj", "q_proj", "v_proj"])
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        ids = torch.randint(0, 512, (batch, 32), device="cuda")
-
-        def step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return step
+        return _lm_steps(model, batch)
     return build
+
+
+def _lm_steps(model: torch.nn.Module, batch: int) -> object:
+    """A causal LM's training step, AdamW on its trainable parameters."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 512, (batch, 32), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def test_lora_equals_get_peft_model_written_by_hand_on_a_model_of_ones_own() -> None:
@@ -436,6 +441,28 @@ def test_lora_equals_get_peft_model_written_by_hand_on_a_transformers_llama() ->
     # per layer: q (64 -> 64), k and v (64 -> 32: 2 of 4 heads), o (64 -> 64); A is r x in,
     # B is out x r
     assert trainable == 2 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))
+
+
+def test_lora_on_gpt2s_conv1d_equals_get_peft_model_written_by_hand() -> None:
+    """GPT-2's attention projection is one Conv1D, c_attn (its c_proj is in the MLP too)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build(lora: bool):  # noqa: ANN202
+        def b(batch: int) -> object:
+            model: torch.nn.Module = GPT2LMHeadModel(
+                GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)).cuda()
+            if lora:
+                model = peft.get_peft_model(model, peft.LoraConfig(
+                    r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0,
+                    fan_in_fan_out=True))
+            return _lm_steps(model, batch)
+        return b
+
+    lr = _lever_run([BY_NAME["lora"]])
+    lever = run_once(build(False), 2, "A100-80GB", levers=lr)
+    assert figures(lever) == figures(run_once(build(True), 2, "A100-80GB"))
+    # per layer: A is 8 x 64, B is 192 x 8 (q, k and v in one)
+    assert lr.adapted[0][:4] == ("GPT2LMHeadModel", ["c_attn"], 2, 2 * 8 * (64 + 192))
 
 
 def test_lora_with_other_levers_equals_both_written_by_hand() -> None:

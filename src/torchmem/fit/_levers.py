@@ -26,7 +26,7 @@ they are made and changes them the way a user would by hand:
   code does); the estimate runs under the fake process group of that many ranks; ``lora``
   wraps each root holding the optimizer's parameters with peft's
   ``get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=<its attention
-  projections>, lora_dropout=0.0))`` before the optimizer is made (after ``bf16_weights``'
+  projections>, lora_dropout=0.0))`` (``fan_in_fan_out=True`` for GPT-2's ``Conv1D``) before the optimizer is made (after ``bf16_weights``'
   conversion), and gives the optimizer the trainable parameters (the adapters), in the
   wrapped model's order, as ``AdamW(p for p in model.parameters() if p.requires_grad)``
   written after ``get_peft_model`` would (:func:`attention_projections` finds the targets).
@@ -516,8 +516,12 @@ class LeverRun:
                     "a module named attn or attention)")
                 continue
             before = {id(p) for p in root.parameters()}
+            # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
+            conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
+                       if n.rsplit(".", 1)[-1] in targets)
             config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
-                                target_modules=targets, lora_dropout=0.0)
+                                target_modules=targets, lora_dropout=0.0,
+                                fan_in_fan_out=conv)
             with warnings.catch_warnings():  # transformers' deprecations, seen through peft
                 warnings.simplefilter("ignore", FutureWarning)
                 wrapped = get_peft_model(root, config)
