@@ -82,7 +82,9 @@ def html_block(title: str, *parts: str) -> str:
 
 def estimate_html(est: Any) -> str:
     """An :class:`~torchmem.fit.Estimate` as HTML: the verdict, the memory lines, what is live at
-    the peak (by category and module) and where it would run out of memory.
+    the peak (by category and module), where it would run out of memory and, after
+    ``estimate(..., what_if=...)``, the what-if table (each lever's peaks, verdict, headroom,
+    cost and change; the levers not applied with the reason; the best combination).
 
     Duck-typed (this module never imports the producer that defines ``Estimate``), so that
     ``Estimate._repr_html_`` can call it without breaking the layers.
