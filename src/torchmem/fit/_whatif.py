@@ -407,12 +407,10 @@ def what_if(
             why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
         if why is not None:
             rows.append(_skip(lv.name, why))
-        elif lv.name == "allocator":
-            say("what-if: allocator (the settings of --suggest) ...")
-            rows.append(_allocator_row(run, base, suggest))
-        else:
+        else:  # the allocator's replays run beside the levers' estimates, in the pool too
             jobs.append((len(rows), lv))
             rows.append(None)
+    jobs.sort(key=lambda job: job[1].name != "allocator")  # its replays first, beside levers
     count = [0]
 
     def done(i: int, result: Any) -> None:
@@ -422,9 +420,17 @@ def what_if(
     from torchmem.fit._pool import run_all
 
     say(f"what-if: {len(jobs)} levers to run ...")
-    results = run_all(lambda job: run([job[1]], world_size=job[1].world_size), jobs, workers,
-                      done)
+
+    def one(job: tuple[int, Lever]) -> Any:
+        if job[1].name == "allocator":
+            return _allocator_row(run, base, suggest)
+        return run([job[1]], world_size=job[1].world_size)
+
+    results = run_all(one, jobs, workers, done)
     for (at, lv), res in zip(jobs, results):
+        if isinstance(res, WhatIfRow):  # the allocator's
+            rows[at] = res
+            continue
         if isinstance(res, InvalidInputError):
             rows[at] = _skip(lv.name, f"the step failed with it: {str(res).splitlines()[0]}")
             continue
