@@ -535,3 +535,14 @@ def test_hf_config_train_what_if_lora_equals_the_build_written_by_hand(tmp_path,
     assert "got --hf-config with --task generate" in err and "fix: --task train" in err
     with pytest.raises(InvalidInputError, match="got task 'forward'.*fix: task='train'"):
         torchmem.estimate_hf(LLAMA | {"model_type": "llama"}, task="forward", what_if=True)
+
+
+def test_best_prefers_precision_and_optimizer_levers_to_lora() -> None:
+    """LoRA changes what trains: where bf16 weights or Adafactor fit too, they are the best."""
+    from torchmem.fit import WhatIfRow
+    from torchmem.fit._whatif import best_combination
+
+    rows = [WhatIfRow("lora", "", 10, 20, 30, True, 90), WhatIfRow("adafactor", "", 40, 50, 60,
+                                                                   True, 60)]
+    assert best_combination(None, None, rows).lever == "adafactor"
+    assert best_combination(None, None, rows[:1]).lever == "lora"

@@ -171,7 +171,8 @@ LEVERS: tuple[Lever, ...] = (
           changes="8-bit Adam state (bitsandbytes)"),
     Lever("adafactor", {"replace_optimizer": "adafactor"}, 2, "optimizer",
           changes="Adafactor's factored second moments instead of the optimizer's state"),
-    Lever("lora", {"lora": 8}, 2, "lora",
+    # tier 4: it changes what trains (adapters only), more than precision or the optimizer
+    Lever("lora", {"lora": 8}, 4, "lora",
           changes="trains rank-8 adapters on the attention projections only"),
     Lever("fsdp_2", {"fsdp": True}, 5, "shard", 2, changes="2 GPUs"),
     Lever("fsdp_4", {"fsdp": True}, 5, "shard", 4, changes="4 GPUs"),
