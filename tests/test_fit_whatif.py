@@ -31,9 +31,9 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, ckpt: bool = False) -> None:
+    def __init__(self, ckpt: bool = False, block: type = Block) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+        self.layers = torch.nn.ModuleList(block() for _ in range(3))
         self.head = torch.nn.Linear(D, 10)
         self.ckpt = ckpt
 
@@ -47,8 +47,10 @@ def as_written(batch: int) -> object:
     """The user's step: nothing memory-saving in it."""
     net = Net().cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    x = torch.randn(batch, SEQ, D, device="cuda")
+    return _steps(net, opt, torch.randn(batch, SEQ, D, device="cuda"))
 
+
+def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> object:
     def step() -> None:
         net(x).float().sum().backward()
         opt.step()
@@ -172,20 +174,44 @@ def test_what_if_table_best_and_json() -> None:
     assert not rows["adafactor"].fits
     # the cheapest that fits: checkpointing (recomputation) before accumulation (more steps)
     assert e.what_if_best.lever == "activation_checkpointing"
-    assert rows["lora"].skipped and "peft" in rows["lora"].skipped
+    assert rows["lora"].skipped and "no attention projections" in rows["lora"].skipped
     d = json.loads(json.dumps(e.to_dict()))
     assert {"lever", "applied", "peak_requested_bytes", "peak_allocated_bytes",
             "peak_reserved_bytes", "fits", "headroom_bytes", "cost"} <= set(d["what_if"][0])
     assert d["what_if_best"]["lever"] == "activation_checkpointing"
     text = "\n".join(what_if_lines(e.what_if, e.what_if_best, e))
-    assert "lora: peft is not installed" in text
+    assert "lora: no attention projections in Net" in text
     assert "best: activation_checkpointing (fits" in text
+    page = e._repr_html_()  # the notebook's display: the same table
+    assert "best:</b> activation_checkpointing (fits" in page
+    assert "lora</b>: no attention projections in Net" in page
+
+
+def _html_cells(page: str) -> list[list[str]]:
+    import html
+    import re
+
+    return [[html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", page)]
 
 
 def test_best_is_as_written_when_the_step_fits() -> None:
-    e = torchmem.estimate(as_written, gpu="H100-80GB", batch_size=8, what_if=["adafactor"])
+    e = torchmem.estimate(as_written, gpu="H100-80GB", batch_size=8,
+                          what_if=["adafactor", "optimizer_per_parameter", "lora"])
     assert e.fits and e.what_if_best.lever == "as_written"
     assert e.what_if_best.peak_reserved_bytes == e.peak_reserved_bytes
+    # the notebook's display holds the table: each row's lever and its figures, in its cells
+    from torchmem.units import format_bytes
+
+    cells = {c[0]: c for c in _html_cells(e._repr_html_()) if c}
+    for r in e.what_if:
+        if r.skipped is None:
+            assert cells[r.lever][1:5] == [format_bytes(r.peak_reserved_bytes),
+                                           format_bytes(r.peak_allocated_bytes), "yes",
+                                           format_bytes(r.headroom_bytes)]
+            assert cells[r.lever][6] == r.applied
+    assert {"adafactor", "optimizer_per_parameter"} <= set(cells)
+    assert "as written (it fits; no lever needed)" in e._repr_html_()
 
 
 def test_levers_a_step_cannot_take_say_why() -> None:
@@ -303,3 +329,220 @@ def test_largest_batch_per_lever_equals_the_search_on_the_change_written_by_hand
     assert row.cost["maximized"] == "batch_size"
     assert row.cost["max_value"] == hand.max_batch_size
     assert hand.max_batch_size > plain.max_batch_size  # Adafactor's smaller state leaves room
+
+
+# -- lora: peft's get_peft_model on the attention projections, equal to it written by hand --
+
+peft = pytest.importorskip("peft")
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(D, D)
+        self.v_proj = torch.nn.Linear(D, D)
+        self.dense = torch.nn.Linear(D, D)  # a name the MLP uses too: not targeted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.q_proj(x) @ x.transpose(-1, -2) / D ** 0.5, -1)
+        return self.dense(w @ self.v_proj(x))
+
+
+class AttnBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.dense = torch.nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.dense(torch.relu(x))
+
+
+class AttnNet(Net):
+    def __init__(self, ckpt: bool = False) -> None:
+        super().__init__(ckpt, AttnBlock)
+
+
+def _lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def attn_step(lora: list[str] | None = None, ckpt: bool = False, all_params: bool = False):  # noqa: ANN201
+    """The step with an attention model; ``lora``: get_peft_model written by hand, the
+    optimizer given the trainable parameters (``all_params``: ``model.parameters()``)."""
+    def build(batch: int) -> object:
+        net: torch.nn.Module = AttnNet(ckpt=ckpt).cuda()
+        if lora is not None:
+            net = _lora(net, lora)
+        params = (net.parameters() if lora is None or all_params
+                  else [p for p in net.parameters() if p.requires_grad])
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _steps(net, opt, torch.randn(batch, SEQ, D, device="cuda"))
+    return build
+
+
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+         "max_position_embeddings": 64}
+
+
+def llama_step(lora: bool = False, bf16: bool = False):  # noqa: ANN201
+    def build(batch: int) -> object:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**LLAMA)).cuda()
+        if bf16:
+            model.to(torch.bfloat16)
+        if lora:
+            model = _lora(model, ["k_proj", "o_proj", "q_proj", "v_proj"])
+        return _lm_steps(model, batch)
+    return build
+
+
+def _lm_steps(model: torch.nn.Module, batch: int) -> object:
+    """A causal LM's training step, AdamW on its trainable parameters."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 512, (batch, 32), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_lora_equals_get_peft_model_written_by_hand_on_a_model_of_ones_own() -> None:
+    lr = _lever_run([BY_NAME["lora"]])
+    lever = run_once(attn_step(), BATCH, "A100-80GB", levers=lr)
+    hand = run_once(attn_step(["q_proj", "v_proj"]), BATCH, "A100-80GB")
+    assert figures(lever) == figures(hand)
+    # the optimizer given model.parameters() (frozen ones have no gradient: AdamW skips them)
+    assert figures(run_once(attn_step(["q_proj", "v_proj"], all_params=True), BATCH,
+                            "A100-80GB")) == figures(hand)
+    assert figures(lever) != figures(run_once(attn_step(), BATCH, "A100-80GB"))
+    # 3 blocks x 2 projections x (A: 8 x 128, B: 128 x 8) trainable, of the model's own
+    own = sum(p.numel() for p in AttnNet().parameters())
+    assert lr.adapted == [("AttnNet", ["q_proj", "v_proj"], 6, 6 * 2 * 8 * D,
+                           own + 6 * 2 * 8 * D)]
+    assert lr.optimizers == ["AdamW"]
+
+
+def test_lora_equals_get_peft_model_written_by_hand_on_a_transformers_llama() -> None:
+    lr = _lever_run([BY_NAME["lora"]])
+    lever = run_once(llama_step(), 2, "A100-80GB", levers=lr)
+    hand = run_once(llama_step(lora=True), 2, "A100-80GB")
+    assert figures(lever) == figures(hand)
+    assert figures(lever) != figures(run_once(llama_step(), 2, "A100-80GB"))
+    cls, targets, layers, trainable, total = lr.adapted[0]
+    assert (cls, targets, layers) == ("LlamaForCausalLM", ["k_proj", "o_proj", "q_proj",
+                                                            "v_proj"], 8)
+    # per layer: q (64 -> 64), k and v (64 -> 32: 2 of 4 heads), o (64 -> 64); A is r x in,
+    # B is out x r
+    assert trainable == 2 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))
+
+
+def test_lora_on_gpt2s_conv1d_equals_get_peft_model_written_by_hand() -> None:
+    """GPT-2's attention projection is one Conv1D, c_attn (its c_proj is in the MLP too)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build(lora: bool):  # noqa: ANN202
+        def b(batch: int) -> object:
+            model: torch.nn.Module = GPT2LMHeadModel(
+                GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)).cuda()
+            if lora:
+                model = peft.get_peft_model(model, peft.LoraConfig(
+                    r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0,
+                    fan_in_fan_out=True))
+            return _lm_steps(model, batch)
+        return b
+
+    lr = _lever_run([BY_NAME["lora"]])
+    lever = run_once(build(False), 2, "A100-80GB", levers=lr)
+    assert figures(lever) == figures(run_once(build(True), 2, "A100-80GB"))
+    # per layer: A is 8 x 64, B is 192 x 8 (q, k and v in one)
+    assert lr.adapted[0][:4] == ("GPT2LMHeadModel", ["c_attn"], 2, 2 * 8 * (64 + 192))
+
+
+def test_lora_with_other_levers_equals_both_written_by_hand() -> None:
+    lever = run_once(attn_step(), BATCH, "A100-80GB",
+                     levers=_lever_run(check_levers(["lora+activation_checkpointing"])))
+    hand = run_once(attn_step(["q_proj", "v_proj"], ckpt=True), BATCH, "A100-80GB")
+    assert figures(lever) == figures(hand)
+    lever = run_once(llama_step(), 2, "A100-80GB",
+                     levers=_lever_run(check_levers(["bf16_weights+lora"])))
+    assert figures(lever) == figures(run_once(llama_step(lora=True, bf16=True), 2,
+                                              "A100-80GB"))
+    with pytest.raises(InvalidInputError, match="fsdp_2 and lora cannot be combined"):
+        check_levers(["fsdp_2+lora"])
+
+
+def test_lora_row_names_the_adapters_and_the_trainable_share() -> None:
+    e = torchmem.estimate(attn_step(), gpu="A100-80GB", batch_size=BATCH, what_if=["lora"])
+    row = e.what_if[0]
+    assert row.skipped is None
+    assert row.applied.startswith("LoRA r=8 on q_proj, v_proj (6 layers) of AttnNet: 12,288 of ")
+    total = sum(p.numel() for p in AttnNet().parameters()) + 12288
+    assert row.cost["trainable_share"] == round(12288 / total, 6)
+    assert f"trains {12288 / total:.2%} of the parameters" in "\n".join(
+        what_if_lines(e.what_if, e.what_if_best, e))
+    plain = torchmem.estimate(as_written, gpu="A100-80GB", batch_size=BATCH, what_if=["lora"])
+    assert "no attention projections in Net" in plain.what_if[0].skipped
+
+
+def test_hf_config_train_what_if_lora_equals_the_build_written_by_hand(tmp_path, capsys) -> None:  # noqa: ANN001
+    """``torchmem estimate --hf-config config.json --task train --what-if``: the levers apply to
+    the model the config builds; the lora row equals that training step written by hand with
+    get_peft_model (estimate_hf's train step: AdamW(lr=1e-5), labels = inputs, 2 steps)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from torchmem.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", **LLAMA}))
+    code = main(["estimate", "--hf-config", str(cfg), "--task", "train", "--gpu", "A100-80GB",
+                 "--batch-size", "2", "--set", "seq_len=32", "--json", "--what-if",
+                 "--levers", "lora"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0
+    row = d["what_if"][0]
+    assert row["applied"].startswith("LoRA r=8 on k_proj, o_proj, q_proj, v_proj (8 layers) "
+                                     "of LlamaForCausalLM")
+
+    def hand(batch: int) -> object:
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), dtype=torch.float32)
+        model.to("cuda")
+        ids = torch.zeros((batch, 32), dtype=torch.long, device="cuda")
+        model.train()
+        model = _lora(model, ["k_proj", "o_proj", "q_proj", "v_proj"])
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+        def step() -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    h = torchmem.estimate(hand, gpu="A100-80GB", batch_size=2, steps=2)
+    assert (row["peak_requested_bytes"], row["peak_allocated_bytes"],
+            row["peak_reserved_bytes"]) == (h.peak_requested_bytes, h.peak_allocated_bytes,
+                                            h.peak_reserved_bytes)
+    assert row["peak_reserved_bytes"] != d["peak_reserved_bytes"]  # the lever changed it
+    # the inference tasks take no levers: a clear error, not a silent table
+    assert main(["estimate", "--hf-config", str(cfg), "--task", "generate", "--what-if"]) == 2
+    err = capsys.readouterr().err
+    assert "got --hf-config with --task generate" in err and "fix: --task train" in err
+    with pytest.raises(InvalidInputError, match="got task 'forward'.*fix: task='train'"):
+        torchmem.estimate_hf(LLAMA | {"model_type": "llama"}, task="forward", what_if=True)
+
+
+def test_best_prefers_precision_and_optimizer_levers_to_lora() -> None:
+    """LoRA changes what trains: where bf16 weights or Adafactor fit too, they are the best."""
+    from torchmem.fit import WhatIfRow
+    from torchmem.fit._whatif import best_combination
+
+    rows = [WhatIfRow("lora", "", 10, 20, 30, True, 90), WhatIfRow("adafactor", "", 40, 50, 60,
+                                                                   True, 60)]
+    assert best_combination(None, None, rows).lever == "adafactor"
+    assert best_combination(None, None, rows[:1]).lever == "lora"

@@ -103,7 +103,7 @@ NAMESPACES: dict[str, list[str]] = {
     ],
     "torchmem.fit": [
         "Adam8bitStandIn", "CONTEXT_BYTES", "Estimate", "GPU", "GPUS", "KVCache", "OOMSite",
-        "ScriptEstimate", "estimate", "estimate_hf", "estimate_script", "gpu",
+        "ScriptEstimate", "WhatIfRow", "estimate", "estimate_hf", "estimate_script", "gpu",
     ],
     "torchmem.integrations": [],
     "torchmem.io": [

@@ -32,6 +32,8 @@ by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit._what
 sorted by peak reserved, the levers the step cannot take with the reason, and the cheapest
 combination that fits (``what_if``/``what_if_best`` in the JSON); with ``--max`` the largest
 value each of the three best levers allows. The exit code stays the step's own verdict.
+With ``--hf-config ... --task train`` the levers apply to the model the config builds and its
+AdamW; the inference tasks (``forward``, ``generate``) take no levers (an error says so).
 
 ``torchmem estimate [options] train.py ARGS`` (or ``-m package.module ARGS``) estimates an
 unmodified script instead (:func:`torchmem.fit.estimate_script`): torchmem's options before the
@@ -529,12 +531,13 @@ def run(args: argparse.Namespace) -> int:
     if levers is not None and not what_if:
         raise InvalidInputError("--levers chooses the levers of --what-if; fix: add --what-if")
     if what_if:
-        if getattr(args, "hf_config", None):
+        task = getattr(args, "task", None) or "forward"
+        if getattr(args, "hf_config", None) and task != "train":
             raise InvalidInputError(
-                "--what-if applies the levers to the model and optimizer a build function or a "
-                "script makes; --hf-config is not supported by it yet; fix: write a "
-                "build(batch_size) that makes the model from the config, the optimizer and the "
-                "batch and returns step(), and estimate FILE:build --what-if"
+                f"--what-if tries memory levers on a training step, got --hf-config with "
+                f"--task {task}, which runs no backward pass and makes no optimizer; fix: "
+                "--task train (the levers apply to the model the config builds and its AdamW), "
+                "or drop --what-if"
             )
         from torchmem.fit._whatif import check_levers
 

@@ -9,6 +9,8 @@
   :class:`ScriptEstimate` (which steps ran, why it stopped, the writes skipped).
 - :func:`estimate_hf`: the same for a transformers model from its config alone (``forward``,
   ``generate`` with its KV cache, ``train``); no weights are read.
+- :class:`WhatIfRow`: one memory lever tried on the step (``estimate(..., what_if=True)``,
+  ``torchmem estimate --what-if``): ``Estimate.what_if`` and ``Estimate.what_if_best``.
 - :class:`Adam8bitStandIn`: what bitsandbytes' 8-bit Adam allocates, for builds that use it
   (bitsandbytes' CUDA kernels cannot run in an estimate).
 - :data:`GPUS` / :func:`gpu`: the catalog of GPUs (total and usable memory, compute
@@ -37,6 +39,7 @@ from torchmem.fit._estimate import Estimate, KVCache, OOMSite
 from torchmem.fit._hf import estimate_hf
 from torchmem.fit._script import ScriptEstimate, estimate_script
 from torchmem.fit._search import estimate
+from torchmem.fit._whatif import WhatIfRow
 
 __all__ = ["Adam8bitStandIn", "CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite",
-           "ScriptEstimate", "estimate", "estimate_hf", "estimate_script", "gpu"]
+           "ScriptEstimate", "WhatIfRow", "estimate", "estimate_hf", "estimate_script", "gpu"]

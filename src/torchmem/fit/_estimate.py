@@ -252,7 +252,8 @@ class Estimate:
         return f"largest {label} that fits: {answer} ({len(self.probes)} probes: {probes})"
 
     def _repr_html_(self) -> str:
-        """Jupyter's rich display: the verdict, the memory lines, what is live at the peak.
+        """Jupyter's rich display: the verdict, the memory lines, what is live at the peak, and
+        the what-if table when levers were tried (``estimate(..., what_if=True)``).
 
         Example:
             >>> "FITS (headroom 67 B" in Estimate("x", 4, True, 100, 30, 1, 2, 3)._repr_html_()

@@ -295,6 +295,9 @@ def estimate_hf(
     (``options``: its other keywords, such as ``search_range``, ``alloc_conf``, ``progress``,
     ``margin``, ``keep_snapshot``).
     ``steps``: default 1 for ``forward`` and ``generate`` (one call), 2 for ``train``.
+    ``what_if=True`` (or lever names) with ``task="train"`` tries the memory levers on the
+    model the config builds and its AdamW (see :func:`torchmem.estimate`); the inference
+    tasks take no levers (an error says so).
 
     The result is :func:`torchmem.estimate`'s :class:`~torchmem.fit.Estimate`, with the KV
     cache in ``by_category["kv_cache"]`` and ``kv_cache`` (bytes per token and per sequence);
@@ -319,6 +322,13 @@ def estimate_hf(
         raise InvalidInputError(
             f"unknown parameter {unknown[0]!r} for a model from its config: the parameters are "
             "seq_len, max_new_tokens, cache (dynamic or static) and batch_size"
+        )
+    if options.get("what_if", False) is not False and task != "train":
+        raise InvalidInputError(
+            f"what_if tries memory levers on a training step (checkpointing, gradient "
+            f"accumulation, the optimizer, LoRA, FSDP), got task {task!r}, which runs no "
+            "backward pass and makes no optimizer; fix: task='train' (--task train), or drop "
+            "what_if (--what-if)"
         )
     cfg = load_config(config)
     torch_dtype = _dtype(dtype, cfg)

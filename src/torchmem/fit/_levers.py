@@ -23,7 +23,13 @@ they are made and changes them the way a user would by hand:
   :class:`torchmem.fit.Adam8bitStandIn`); ``fsdp`` applies FSDP2's ``fully_shard`` to each
   repeated block and then to the root holding the optimizer's parameters, before the
   optimizer is made, and gives the optimizer the sharded parameters (as the FSDP2 tutorial's
-  code does); the estimate runs under the fake process group of that many ranks.
+  code does); the estimate runs under the fake process group of that many ranks; ``lora``
+  wraps each root holding the optimizer's parameters with peft's
+  ``get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=<its attention
+  projections>, lora_dropout=0.0))`` (``fan_in_fan_out=True`` for GPT-2's ``Conv1D``) before the optimizer is made (after ``bf16_weights``'
+  conversion), and gives the optimizer the trainable parameters (the adapters), in the
+  wrapped model's order, as ``AdamW(p for p in model.parameters() if p.requires_grad)``
+  written after ``get_peft_model`` would (:func:`attention_projections` finds the targets).
 - **the step**: ``accumulate=k`` builds the batch as ``batch_size // k`` and runs ``step()``
   ``k`` times per optimizer step, the optimizers' ``step()`` and ``zero_grad()`` skipped in
   all but the last (gradients accumulate, as a hand-written accumulation loop does); a
@@ -55,7 +61,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LeverRun", "repeated_blocks"]
+__all__ = ["LeverRun", "attention_projections", "repeated_blocks"]
 
 
 def repeated_blocks(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -92,6 +98,59 @@ def repeated_blocks(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
+def _linear_types() -> tuple[type, ...]:
+    import importlib.util
+
+    types: tuple[type, ...] = (torch.nn.Linear,)
+    if importlib.util.find_spec("transformers") is not None:
+        try:
+            from transformers.pytorch_utils import Conv1D
+        except Exception:  # noqa: BLE001 - a broken install: plain Linear layers only
+            return types
+        types += (Conv1D,)
+    return types
+
+
+def _is_attention(name: str, module: torch.nn.Module) -> bool:
+    attr = name.rsplit(".", 1)[-1].lower()
+    cls = type(module).__name__.lower().rstrip("0123456789")
+    return "attn" in attr or "attention" in attr or cls.endswith(("attention", "attn"))
+
+
+def attention_projections(root: torch.nn.Module) -> list[str]:
+    """The attention projections of ``root``, as peft's ``target_modules`` names them: the last
+    name of each ``Linear`` layer (or transformers' GPT-2 ``Conv1D``) whose parent is an
+    attention module (its attribute name has ``attn`` or ``attention`` in it, or its class
+    name ends with ``Attention``/``Attn``), leaving out names also used outside attention
+    (BERT's ``dense``, GPT-2's ``c_proj``, which the MLP has too).
+
+    Example:
+        >>> import torch
+        >>> class Attention(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.q_proj, self.v_proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        ...         self.dense = torch.nn.Linear(4, 4)
+        >>> class Block(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.mixer, self.dense = Attention(), torch.nn.Linear(4, 4)
+        >>> attention_projections(torch.nn.Sequential(Block(), Block()))
+        ['q_proj', 'v_proj']
+    """
+    linear = _linear_types()
+    mods = dict(root.named_modules())
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for name, m in mods.items():
+        if not name or not isinstance(m, linear):
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        attn = bool(parent) and _is_attention(parent, mods[parent])
+        (inside if attn else outside).add(name.rsplit(".", 1)[-1])
+    return sorted(inside - outside)
+
+
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     from torch.utils.checkpoint import checkpoint
 
@@ -126,11 +185,14 @@ class LeverRun:
     (``{"fused": True, "foreach": False}``); ``replace_optimizer``: a class to make instead
     (called with the parameter groups and ``lr``); ``fsdp``: shard with ``fully_shard`` (the
     estimate must run with ``world_size``; ``"offload"``: with ``CPUOffloadPolicy``); ``accumulate``: micro-batches per optimizer step;
+    ``lora``: the rank of LoRA adapters on the attention projections (0: none);
     ``count_flops``: count floating-point operations.
 
     After the run: ``wrapped`` (the blocks checkpointed), ``roots`` (class names of the
     modules called at top level), ``optimizers`` (class names made), ``optimizer_refused``
-    (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``.
+    (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``;
+    ``adapted`` (``(model class, target modules, adapted layers, trainable parameters,
+    all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not).
 
     Example:
         >>> import torch
@@ -151,6 +213,7 @@ class LeverRun:
         replace_optimizer: type | None = None,
         fsdp: bool | str = False,
         accumulate: int = 1,
+        lora: int = 0,
         count_flops: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
@@ -160,6 +223,7 @@ class LeverRun:
         self.replace_optimizer = replace_optimizer
         self.fsdp = fsdp
         self.accumulate = int(accumulate)
+        self.lora = int(lora)
         self.count_flops = count_flops
         self.flops = 0
         self.wrapped: list[str] = []
@@ -168,6 +232,8 @@ class LeverRun:
         self.optimizer_refused: list[str] = []
         self.converted: list[str] = []
         self.sharded: list[str] = []
+        self.adapted: list[tuple[str, list[str], int, int, int]] = []
+        self.lora_refused: list[str] = []
         self.trainer_accumulates = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -180,8 +246,9 @@ class LeverRun:
         """What a worker process hands back: the settings and what was changed (the patches,
         weak sets and thread state stay behind)."""
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
-                "fsdp", "accumulate", "count_flops", "flops", "wrapped", "roots", "optimizers",
-                "optimizer_refused", "converted", "sharded", "trainer_accumulates")
+                "fsdp", "accumulate", "lora", "count_flops", "flops", "wrapped", "roots",
+                "optimizers", "optimizer_refused", "converted", "sharded", "adapted",
+                "lora_refused", "trainer_accumulates")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -359,7 +426,7 @@ class LeverRun:
         params = list(params) if not isinstance(params, torch.Tensor) else [params]
         self.optimizers.append(type(opt).__name__)
         self._opts.add(opt)
-        if self.weights_dtype is not None or self.fsdp:
+        if self.weights_dtype is not None or self.fsdp or self.lora:
             params = self._model_changes(params)
         if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:
             new = self.replace_optimizer
@@ -384,7 +451,8 @@ class LeverRun:
         orig(opt, params, *args, **kwargs)
 
     def _model_changes(self, params: list[Any]) -> list[Any]:
-        """bf16 weights and FSDP at the optimizer's making: on the roots holding ``params``."""
+        """bf16 weights, LoRA and FSDP at the optimizer's making: on the roots holding
+        ``params``."""
         flat: list[Any] = []
         for p in params:
             if isinstance(p, dict):
@@ -397,6 +465,8 @@ class LeverRun:
         for root in roots:
             if self.weights_dtype is not None and root not in self._done:
                 self._convert(root)
+        if self.lora:
+            params = self._adapt(roots, params)
         if not self.fsdp:
             return params
         remap: dict[int, Any] = {}
@@ -422,6 +492,67 @@ class LeverRun:
                 out.append({**p, "params": [remap.get(id(q), q) for q in ps]})
             else:
                 out.append(remap.get(id(p), p))
+        return out
+
+
+    def _adapt(self, roots: list[torch.nn.Module], params: list[Any]) -> list[Any]:
+        """LoRA adapters on each root's attention projections (peft's ``get_peft_model``);
+        the parameters the optimizer gets instead of ``params``: each wrapped root's
+        trainable ones, in its order, where its first parameter was (frozen ones dropped)."""
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            self.lora_refused.append("peft is not installed (pip install peft)")
+            return params
+        from peft import LoraConfig, get_peft_model
+
+        owner: dict[int, int] = {}
+        trainable: dict[int, list[Any]] = {}
+        for i, root in enumerate(roots):
+            targets = attention_projections(root)
+            if not targets:
+                self.lora_refused.append(
+                    f"no attention projections in {type(root).__name__} (Linear layers inside "
+                    "a module named attn or attention)")
+                continue
+            before = {id(p) for p in root.parameters()}
+            # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
+            conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
+                       if n.rsplit(".", 1)[-1] in targets)
+            config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
+                                target_modules=targets, lora_dropout=0.0,
+                                fan_in_fan_out=conv)
+            with warnings.catch_warnings():  # transformers' deprecations, seen through peft
+                warnings.simplefilter("ignore", FutureWarning)
+                wrapped = get_peft_model(root, config)
+            mine = [p for p in wrapped.parameters() if p.requires_grad]
+            layers = sum(1 for n, _ in root.named_modules()
+                         if n.rsplit(".", 1)[-1] in targets and not n.endswith("base_layer"))
+            total = sum(p.numel() for p in wrapped.parameters())
+            self.adapted.append((type(root).__name__, targets, layers,
+                                 sum(p.numel() for p in mine), total))
+            owner.update(dict.fromkeys(before, i))
+            trainable[i] = mine
+
+        def remap(ps: list[Any]) -> list[Any]:
+            out: list[Any] = []
+            for p in ps:
+                i = owner.get(id(p))
+                if i is None:
+                    out.append(p)
+                elif i in trainable:
+                    out.extend(trainable.pop(i))
+            return out
+
+        out: list[Any] = []
+        for p in params:
+            if isinstance(p, dict):
+                ps = p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]]
+                kept = remap(list(ps))
+                if kept:
+                    out.append({**p, "params": kept})
+            else:
+                out.extend(remap([p]))
         return out
 
 

@@ -26,10 +26,17 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
                               2/4/8 GPUs (PyTorch's fake process group)
 ``cpu_offload``               FSDP2 on one GPU with ``CPUOffloadPolicy``: parameters, gradients
                               and optimizer state on the host, each block gathered in turn
+``lora``                      peft's ``get_peft_model`` with ``LoraConfig(r=8,
+                              lora_alpha=16, lora_dropout=0.0)`` on the model's attention
+                              projections (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
+                              ``query``/``key``/``value``, ``c_attn``, ...), the optimizer
+                              given the trainable (adapter) parameters
 ``allocator``                 the best ``PYTORCH_CUDA_ALLOC_CONF`` of ``--suggest``
 ==========================  ===============================================================
 
-``lora`` (peft) is listed as not available when peft is missing, and not built otherwise.
+``lora`` is listed as not available when peft is missing, and when the model has no
+attention projections (``Linear`` layers inside a module named ``attn``/``attention``); it
+combines with every lever but the sharding ones (FSDP, CPU offload).
 A lever the step cannot take is listed with the reason (``skipped``), never hidden.
 
 Costs (``WhatIfRow.cost``): ``recompute_flops_share`` (extra floating-point operations over
@@ -37,7 +44,8 @@ the step's own, ``torch.utils.flop_counter``'s formulas), ``micro_batches`` (for
 backward passes per optimizer step), ``communication_bytes_per_step`` (per rank: FSDP's
 all-gathers in forward and backward and its gradient reduce-scatter, 3 x (N-1)/N of the
 parameters' bytes), ``host_peak_bytes``, and ``changes`` (what else the lever changes: the
-numerics, the optimizer's maths).
+numerics, the optimizer's maths), ``trainable_share`` (``lora``: the share of the model's
+parameters that train).
 
 Example:
     >>> [lv.name for lv in LEVERS][:3]
@@ -110,7 +118,7 @@ def combine(levers: Sequence[Lever]) -> Lever:
     seen: dict[str, str] = {}
     settings: dict[str, Any] = {}
     for lv in levers:
-        if lv.name in ("allocator", "lora"):
+        if lv.name == "allocator":
             raise InvalidInputError(
                 f"the {lv.name} lever is tried alone (the best combination adds the allocator "
                 "settings itself); fix: list it apart, e.g. --what-if a+b,allocator"
@@ -119,6 +127,13 @@ def combine(levers: Sequence[Lever]) -> Lever:
             raise InvalidInputError(
                 f"levers {seen[lv.group]} and {lv.name} cannot be combined (both set the "
                 f"{lv.group}); fix: keep one of them"
+            )
+        clash = next((seen[g] for g in _EXCLUDES.get(lv.group, ()) if g in seen), None)
+        if clash is not None:
+            raise InvalidInputError(
+                f"levers {clash} and {lv.name} cannot be combined (LoRA adapters are added "
+                "before the optimizer, FSDP shards at that point too, and torchmem applies "
+                "them in one order only); fix: keep one of them"
             )
         seen[lv.group] = lv.name
         settings.update(lv.settings)
@@ -129,6 +144,8 @@ def combine(levers: Sequence[Lever]) -> Lever:
 
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
+#: groups of levers that do not combine beyond their own group (either way round)
+_EXCLUDES: dict[str, tuple[str, ...]] = {"lora": ("shard",), "shard": ("lora",)}
 
 #: every lever, in the order of the table before sorting (see the module's documentation)
 LEVERS: tuple[Lever, ...] = (
@@ -154,7 +171,9 @@ LEVERS: tuple[Lever, ...] = (
           changes="8-bit Adam state (bitsandbytes)"),
     Lever("adafactor", {"replace_optimizer": "adafactor"}, 2, "optimizer",
           changes="Adafactor's factored second moments instead of the optimizer's state"),
-    Lever("lora", {}, 2, "lora", changes="trains rank-8 adapters only"),
+    # tier 4: it changes what trains (adapters only), more than precision or the optimizer
+    Lever("lora", {"lora": 8}, 4, "lora",
+          changes="trains rank-8 adapters on the attention projections only"),
     Lever("fsdp_2", {"fsdp": True}, 5, "shard", 2, changes="2 GPUs"),
     Lever("fsdp_4", {"fsdp": True}, 5, "shard", 4, changes="4 GPUs"),
     Lever("fsdp_8", {"fsdp": True}, 5, "shard", 8, changes="8 GPUs"),
@@ -197,13 +216,34 @@ def check_levers(names: Sequence[str] | None) -> list[Lever]:
 
 @dataclass
 class WhatIfRow:
-    """One lever tried: what was changed, the three peaks, the verdict, the headroom and the
-    cost; ``skipped`` says why a lever could not be applied (then the figures are ``None``).
+    """One memory lever tried on the step (a row of ``Estimate.what_if``, or the recommended
+    combination ``Estimate.what_if_best``), from ``estimate(..., what_if=True)`` or
+    ``torchmem estimate --what-if``.
+
+    ``lever``: its name (``"a + b"`` for a combination; ``"as_written"`` for a best that needs
+    no lever); ``applied``: what torchmem changed, in words; the three peaks (bytes) of the step
+    with the lever applied; ``fits`` and ``headroom_bytes`` on the estimate's GPU; ``cost``:
+    what the saving costs (``changes``, ``recompute_flops_share``, ``micro_batches``,
+    ``communication_bytes_per_step``, ``host_peak_bytes``, ``trainable_share``, and with
+    ``maximize`` ``max_value``); ``skipped``: why the lever could not be applied (then the
+    figures are ``None``); ``estimate``: that run's full :class:`~torchmem.fit.Estimate`.
 
     Example:
-        >>> r = WhatIfRow("adafactor", "AdamW -> torch.optim.Adafactor", 10, 20, 30, True, 5)
-        >>> r.to_dict()["lever"], r.to_dict()["fits"]
-        ('adafactor', True)
+        >>> import torch, torchmem
+        >>> def build(batch):
+        ...     net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+        ...     opt = torch.optim.AdamW(net.parameters())
+        ...     x = torch.randn(batch, 256, device="cuda")
+        ...     return lambda: (net(x).sum().backward(), opt.step(), opt.zero_grad())
+        >>> e = torchmem.estimate(build, gpu="T4", batch_size=64,
+        ...                       what_if=["adafactor", "activation_checkpointing"])
+        >>> row = e.what_if[0]
+        >>> row.lever, row.applied, row.fits
+        ('adafactor', 'AdamW -> torch.optim.Adafactor', True)
+        >>> row.peak_reserved_bytes < e.peak_reserved_bytes
+        True
+        >>> row.to_dict()["lever"], e.what_if_best.lever   # it fits as written
+        ('adafactor', 'as_written')
     """
 
     lever: str
@@ -234,6 +274,16 @@ class WhatIfRow:
         if self.skipped is not None:
             d["skipped"] = self.skipped
         return d
+
+    def cost_words(self) -> str:
+        """The cost in a few words, as the report's table gives it.
+
+        Example:
+            >>> WhatIfRow("grad_accumulation_2", "", 1, 2, 3, True, 4,
+            ...           {"micro_batches": 2, "host_peak_bytes": 0}).cost_words()
+            '2 micro-batches/step'
+        """
+        return _cost_words(self.cost)
 
 
 def _row(lever: str, applied: str, e: Estimate, cost: dict[str, Any]) -> WhatIfRow:
@@ -289,6 +339,12 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         to = ("torchmem.fit.Adam8bitStandIn (bitsandbytes' Adam8bit)"
               if s["replace_optimizer"] == "adam8bit" else "torch.optim.Adafactor")
         return f"{_names(base_opts)} -> {to}"
+    if "lora" in s:
+        if not lr.adapted:
+            return None
+        return "; ".join(
+            f"LoRA r={s['lora']} on {', '.join(t)} ({n} layers) of {cls}: {k:,} of {tot:,} "
+            "parameters trainable" for cls, t, n, k, tot in lr.adapted)
     if "fsdp" in s:
         if not lr.sharded:
             return None
@@ -352,12 +408,10 @@ def what_if(
             why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
         if why is not None:
             rows.append(_skip(lv.name, why))
-        elif lv.name == "allocator":
-            say("what-if: allocator (the settings of --suggest) ...")
-            rows.append(_allocator_row(run, base, suggest))
-        else:
+        else:  # the allocator's replays run beside the levers' estimates, in the pool too
             jobs.append((len(rows), lv))
             rows.append(None)
+    jobs.sort(key=lambda job: job[1].name != "allocator")  # its replays first, beside levers
     count = [0]
 
     def done(i: int, result: Any) -> None:
@@ -367,9 +421,17 @@ def what_if(
     from torchmem.fit._pool import run_all
 
     say(f"what-if: {len(jobs)} levers to run ...")
-    results = run_all(lambda job: run([job[1]], world_size=job[1].world_size), jobs, workers,
-                      done)
+
+    def one(job: tuple[int, Lever]) -> Any:
+        if job[1].name == "allocator":
+            return _allocator_row(run, base, suggest)
+        return run([job[1]], world_size=job[1].world_size)
+
+    results = run_all(one, jobs, workers, done)
     for (at, lv), res in zip(jobs, results):
+        if isinstance(res, WhatIfRow):  # the allocator's
+            rows[at] = res
+            continue
         if isinstance(res, InvalidInputError):
             rows[at] = _skip(lv.name, f"the step failed with it: {str(res).splitlines()[0]}")
             continue
@@ -403,7 +465,8 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
     if name == "lora":
         if importlib.util.find_spec("peft") is None:
             return "peft is not installed (pip install peft)"
-        return "not built yet: torchmem does not apply LoRA adapters itself"
+        if not opts:
+            return "the step makes no optimizer (LoRA adapters are added when it is made)"
     if name == "bf16_autocast" and not bf16_ok:
         return f"the {base.gpu} has no bfloat16 (compute capability below 8.0): fp16_autocast"
     if name == "fp16_autocast" and bf16_ok:
@@ -445,6 +508,8 @@ def _why_unchanged(lv: Lever, lr: LeverRun) -> str:
                 f"class) in {_names(sorted(set(lr.roots))) or 'the model'}")
     if lv.name == "bf16_weights":
         return "no module with floating-point weights was called"
+    if lv.name == "lora":
+        return "; ".join(lr.lora_refused) or "no model held the optimizer's parameters"
     if lr.optimizer_refused:
         return "; ".join(lr.optimizer_refused)
     return "the lever found nothing to change in this step"
@@ -460,7 +525,13 @@ def _cost(lv: Lever, e: Estimate, lr: LeverRun, base_flops: int,
     cost["communication_bytes_per_step"] = (
         3 * param_bytes * (n - 1) // n if lv.settings.get("fsdp") is True else 0)
     cost["host_peak_bytes"] = e.host_peak_bytes
+    if lr.adapted:
+        cost["trainable_share"] = _trainable_share(lr)
     return cost
+
+
+def _trainable_share(lr: LeverRun) -> float:
+    return round(sum(a[3] for a in lr.adapted) / max(1, sum(a[4] for a in lr.adapted)), 6)
 
 
 def _allocator_row(run: Callable[..., tuple[Estimate, LeverRun]], base: Estimate,
@@ -513,6 +584,7 @@ def best_combination(
         groups = {lv.group for lv in chosen}
         cands = sorted((r for r in done if r.lever in _BY_NAME
                         and _BY_NAME[r.lever].group not in groups
+                        and not groups & set(_EXCLUDES.get(_BY_NAME[r.lever].group, ()))
                         and not (_BY_NAME[r.lever].world_size and any(
                             lv.world_size for lv in chosen))
                         and not (r.lever == "allocator" and conf)), key=key)[:tries]
@@ -538,6 +610,8 @@ def best_combination(
                                           "host_peak_bytes": e.host_peak_bytes})
             if this_conf:
                 row.cost["alloc_conf"] = this_conf
+            if lr.adapted:
+                row.cost["trainable_share"] = _trainable_share(lr)
             if e.fits:
                 return row
             tried.append(row)
@@ -606,6 +680,8 @@ def _cost_words(cost: Mapping[str, Any]) -> str:
         bits.append(f"{fb(cost['communication_bytes_per_step'])} comm/step")
     if cost.get("host_peak_bytes"):
         bits.append(f"host {fb(cost['host_peak_bytes'])}")
+    if cost.get("trainable_share") is not None:
+        bits.append(f"trains {cost['trainable_share']:.2%} of the parameters")
     if cost.get("maximized"):
         label = "batch" if cost["maximized"] == "batch_size" else cost["maximized"]
         bits.append(f"largest {label} {cost['max_value']}")

@@ -82,7 +82,9 @@ def html_block(title: str, *parts: str) -> str:
 
 def estimate_html(est: Any) -> str:
     """An :class:`~torchmem.fit.Estimate` as HTML: the verdict, the memory lines, what is live at
-    the peak (by category and module) and where it would run out of memory.
+    the peak (by category and module), where it would run out of memory and, after
+    ``estimate(..., what_if=...)``, the what-if table (each lever's peaks, verdict, headroom,
+    cost and change; the levers not applied with the reason; the best combination).
 
     Duck-typed (this module never imports the producer that defines ``Estimate``), so that
     ``Estimate._repr_html_`` can call it without breaking the layers.
@@ -127,5 +129,33 @@ def estimate_html(est: Any) -> str:
             f"{fmt_bytes(o.requested_bytes)} with {fmt_bytes(o.allocated_bytes)} allocated, "
             f"{fmt_bytes(o.reserved_bytes)} reserved</div>{stack}"
         )
+    parts.extend(_what_if_html(est))
     parts.extend(f"<div>note: {html.escape(n)}</div>" for n in est.notes)
     return html_block("torchmem estimate", *parts)
+
+
+def _what_if_html(est: Any) -> list[str]:
+    """The what-if table (``estimate(..., what_if=...)``): one row per lever, the skipped ones
+    with their reasons, and the recommended combination."""
+    rows = getattr(est, "what_if", None) or []
+    if not rows:
+        return []
+    done = [r for r in rows if r.skipped is None]
+    out = [html_table(
+        "what if (each lever alone, sorted by peak reserved)",
+        ["lever", "peak reserved", "peak allocated", "fits", "headroom", "cost", "applied"],
+        [[r.lever, fmt_bytes(r.peak_reserved_bytes or 0), fmt_bytes(r.peak_allocated_bytes or 0),
+          "yes" if r.fits else "no", fmt_bytes(r.headroom_bytes or 0), r.cost_words(),
+          r.applied] for r in done])]
+    out.extend(f"<div>not applied: <b>{html.escape(r.lever)}</b>: {html.escape(r.skipped)}</div>"
+               for r in rows if r.skipped is not None)
+    best = getattr(est, "what_if_best", None)
+    if best is None:
+        line = "nothing tried fits (try a larger GPU or more GPUs)"
+    elif best.lever == "as_written":
+        line = "as written (it fits; no lever needed)"
+    else:
+        line = (f"{best.lever} (fits, headroom {fmt_bytes(best.headroom_bytes or 0)}): "
+                f"{best.applied}")
+    out.append(f"<div><b>best:</b> {html.escape(line)}</div>")
+    return out
