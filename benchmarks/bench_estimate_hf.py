@@ -106,10 +106,11 @@ def main() -> int:
         best = est.max_value or 0
         cat = est.by_category
         kv = est.kv_cache
-        ran = sum(1 for line in est.probes) - len(getattr(est, "predicted_probes", ()))
+        guessed = len(getattr(est, "predicted_probes", ()))
         print(f"{name} ({fmt(card.total_bytes)} total) [{mode}]: longest context "
               f"{best:,} tokens (torchmem) vs {answer:,} (arithmetic); ratio "
-              f"{best / answer:.3f}; {len(est.probes)} probes ({ran} run) in {took:.1f} s")
+              f"{best / answer:.3f}; {len(est.probes)} probes ({guessed} predicted) in "
+              f"{took:.1f} s")
         print(f"  at {best:,} tokens: weights {fmt(cat['parameter'])} (arithmetic "
               f"{fmt(weights)}), KV cache {fmt(cat['kv_cache'])} "
               f"({fmt(kv.bytes_per_token) if kv else '?'} per token; arithmetic "
