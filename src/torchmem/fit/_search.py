@@ -543,8 +543,8 @@ def _stream_search(
     margin: Callable[[Estimate], Estimate],
     args: tuple[Any, ...],
 ) -> Estimate:
-    """:func:`_search` with probes predicted by :mod:`torchmem.fit._stream` once two probes ran
-    to the end: the answer and the value above it are then run for real, and the answer stands
+    """:func:`_search` with probes predicted by :mod:`torchmem.fit._stream` once two probes of
+    ``generate()`` (decode steps extrapolated) ran to the end: the answer and the value above it are then run for real, and the answer stands
     when their verdicts are the predicted ones (it fits, one more does not); otherwise the
     search runs again with those runs added (up to :data:`STREAM_ROUNDS` times, while they
     add a record), then with every probe run for real (the runs made so far are reused)."""
@@ -572,7 +572,9 @@ def _stream_search(
     def probe(v: int) -> Estimate:
         if v in real:
             return real[v]
-        events = model.predict(v)
+        # only generate()'s probes (decode steps extrapolated) are predicted: every other
+        # search runs as before, each probe real
+        events = model.predict(v) if all(_replayed(real[x]) for x in model.points) else None
         if events is None:
             return real_probe(v)
         predicted.add(v)
