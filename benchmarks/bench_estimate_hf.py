@@ -17,11 +17,17 @@ Methods, side by side:
                weights = parameters x 2 bytes and KV = 2 x layers x kv_heads x head_dim x 2
                bytes per token, GPU memory = the card's cudaMemGetInfo total
 
+Since issue 26 the search predicts most probes from the allocator requests of the probes that
+ran (``torchmem.fit._stream``) and runs the answer and one more for real; ``--all-real`` runs
+every probe instead (the search before), ``--compare`` both, side by side, with the answers
+and times.
+
 It prints each answer, the ratio torchmem / arithmetic, the breakdown at torchmem's answer,
 the probes and the wall time (the bar: both GPUs in under a minute on our 2 cores).
 
 Run:  python benchmarks/bench_estimate_hf.py
       python benchmarks/bench_estimate_hf.py --new-tokens 16
+      python benchmarks/bench_estimate_hf.py --new-tokens 16 --gpus "24 GiB" --compare
       python benchmarks/bench_estimate_hf.py --quick      (4 layers: a smoke run)
       python benchmarks/bench_estimate_hf.py --layers 1 --gpus RTX-4090   (the tests' smoke run)
 """
@@ -69,9 +75,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="this many layers instead of 32")
     ap.add_argument("--gpus", default=",".join(GPUS),
                     help=f"comma-separated (default {','.join(GPUS)})")
+    ap.add_argument("--all-real", action="store_true",
+                    help="run every probe (no predicted probes: the search before issue 26)")
+    ap.add_argument("--compare", action="store_true",
+                    help="both searches, predicted probes first, with the time ratio")
     args = ap.parse_args()
-
     import torchmem
+    import torchmem.fit._search as search_mod
     from torchmem.fit import gpu
     from torchmem.units import format_bytes as fmt
 
@@ -79,7 +89,11 @@ def main() -> int:
     cfg = dict(CONFIG, num_hidden_layers=layers)
     gpus = [g for g in args.gpus.split(",") if g]
     t_all = time.perf_counter()
-    for name in gpus:
+    modes = ["predicted", "all real"] if args.compare else [
+        "all real" if args.all_real else "predicted"]
+    rounds = search_mod.STREAM_ROUNDS
+    for name, mode in [(g, m) for g in gpus for m in modes]:
+        search_mod.STREAM_ROUNDS = rounds if mode == "predicted" else 0
         card = gpu(name)
         weights, per_token, answer = arithmetic(cfg, card.total_bytes)
         t0 = time.perf_counter()
@@ -92,9 +106,11 @@ def main() -> int:
         best = est.max_value or 0
         cat = est.by_category
         kv = est.kv_cache
-        print(f"{name} ({fmt(card.total_bytes)} total): longest context "
+        guessed = len(getattr(est, "predicted_probes", ()))
+        print(f"{name} ({fmt(card.total_bytes)} total) [{mode}]: longest context "
               f"{best:,} tokens (torchmem) vs {answer:,} (arithmetic); ratio "
-              f"{best / answer:.3f}; {len(est.probes)} probes in {took:.1f} s")
+              f"{best / answer:.3f}; {len(est.probes)} probes ({guessed} predicted) in "
+              f"{took:.1f} s")
         print(f"  at {best:,} tokens: weights {fmt(cat['parameter'])} (arithmetic "
               f"{fmt(weights)}), KV cache {fmt(cat['kv_cache'])} "
               f"({fmt(kv.bytes_per_token) if kv else '?'} per token; arithmetic "

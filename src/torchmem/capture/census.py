@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Mapping
+from itertools import compress
 from typing import Any
 
 import torch
@@ -280,9 +281,14 @@ def _add_live(c: Census) -> None:
     # One set lookup per gc object on its exact type (a comprehension, no per-object Python
     # call); type() rather than isinstance(), which consults __class__ and makes some lazy
     # objects (deprecated torch.distributed aliases) emit warnings.
+    # itertools.compress over map(type): the filter runs in C, not a Python frame per object
     types = _tensor_types()
-    found = [obj for obj in gc.get_objects() if type(obj) in types]
-    for n, obj in enumerate(t for t in found if t not in c):
+    objs = gc.get_objects()
+    found = list(compress(objs, map(types.__contains__, map(type, objs))))
+    del objs
+    if len(c):
+        found = [t for t in found if t not in c]
+    for n, obj in enumerate(found):
         c.add(f"live[{n}]", obj, "other", strict=False)
 
 

@@ -179,12 +179,20 @@ class MemReporter:
         for i, t in enumerate(rep.tensors):
             by_dev.setdefault(t.device, []).append(i)
         totals = rep.unique_bytes
+        sizes: dict[int, str] = {}  # one formatting per distinct size
+        lines: list[str] = []
         for dev in rep.devices:
-            print(f"Device {dev}", file=out)
-            print("=" * 20, file=out)
+            lines.append(f"Device {dev}")
+            lines.append("=" * 20)
             for i in by_dev.get(dev, []):
                 t = rep.tensors[i]
-                print(f"{t.name}\t{t.shape}\t\t{self._fmt(t.nbytes)}", file=out)
-            print(f"Total: {self._fmt(totals.get(dev, 0))}", file=out)
+                n = t.nbytes
+                size = sizes.get(n)
+                if size is None:
+                    size = sizes[n] = self._fmt(n)
+                lines.append(f"{t.name}\t{t.shape}\t\t{size}")
+            lines.append(f"Total: {self._fmt(totals.get(dev, 0))}")
+        if lines:  # one write: the same text as a print() per line
+            out.write("\n".join(lines) + "\n")
         self.last_report = rep
         return rep

@@ -57,6 +57,7 @@ from torchmem.fit._placement import Placement
 from torchmem.fit._readings import SimReadings
 from torchmem.fit._shapes import HANDLED as SHAPE_OPS
 from torchmem.fit._shapes import DataDependentShapes, check_routing
+from torchmem.fit._stream import StreamRecorder
 from torchmem.fit._values import ValueReads
 from torchmem.model.events import Category, EventKind
 from torchmem.sim import CachingAllocator
@@ -135,6 +136,8 @@ class _State:
         self.live_req = 0
         #: the decode-step record (:mod:`torchmem.fit._decode`), when extrapolating
         self.feed: Any = None
+        #: the record of every request (:mod:`torchmem.fit._stream`), when asked
+        self.stream: Any = None
         self.peak_req = 0
         self.peak_req_seq = -1
         self.ws_at_peak = 0
@@ -230,6 +233,8 @@ class _State:
             self.live_req += n
             if self.feed is not None:
                 self.feed.on_req(n)
+            if self.stream is not None:
+                self.stream.req(n)
             if self.live_req > self.peak_req:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
@@ -244,6 +249,8 @@ class _State:
                 self.live_req -= ev.nbytes
                 if self.feed is not None:
                     self.feed.on_req(-ev.nbytes)
+                if self.stream is not None:
+                    self.stream.req(-ev.nbytes)
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
@@ -286,6 +293,8 @@ class _State:
                     self.live_req -= t.untyped_storage().nbytes()
                     if self.feed is not None:
                         self.feed.on_req(-t.untyped_storage().nbytes())
+                    if self.stream is not None:
+                        self.stream.req(-t.untyped_storage().nbytes())
                     self.pl.host.add(sid)  # type: ignore[arg-type]
                     self.pl.host_ever.add(sid)  # type: ignore[arg-type]
                     self._host(t.untyped_storage().nbytes())
@@ -373,6 +382,8 @@ class _DecodeFeed:
     def req(self, delta: int) -> None:
         st = self.st
         st.live_req += delta
+        if st.stream is not None:
+            st.stream.req(delta)
         if st.live_req > st.peak_req:
             st.peak_req = st.live_req
             st.peak_req_seq = len(self.tracker) - 1
@@ -645,6 +656,7 @@ def run_once(
     routing: str = "balanced",
     levers: Any = None,
     stacks: bool = True,
+    stream: list[Any] | None = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -681,6 +693,9 @@ def run_once(
     (:mod:`torchmem.fit._decode`): the same peaks and verdict, in a fraction of the time;
     the result's ``decode_replayed`` attribute counts the iterations replayed (0: none), and
     when something after the replay cannot be reproduced the full run is made instead.
+
+    ``stream=[]`` fills that list with every request made to the simulator
+    (:mod:`torchmem.fit._stream`), the extrapolated ones included.
 
     Example:
         >>> import torch
@@ -723,6 +738,9 @@ def run_once(
     if extrapolate_decode and steps == 1 and not keep_snapshot and world is None:
         feed = _DecodeFeed(st, tracker)
         gen.on_check = feed.check
+    if stream is not None:
+        stream.clear()
+        st.stream = StreamRecorder(sim, stream)
     kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     st.levers = levers
@@ -796,7 +814,7 @@ def run_once(
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
                         strict_values=strict_values, default_device=default_device,
-                        routing=routing, levers=levers, stacks=stacks)
+                        routing=routing, levers=levers, stacks=stacks, stream=stream)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""

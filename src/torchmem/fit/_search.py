@@ -33,9 +33,10 @@ from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._dist import check_world_size
-from torchmem.fit._engine import BuildFn, run_once
-from torchmem.fit._estimate import Estimate
+from torchmem.fit._engine import BuildFn, _make_sim, run_once
+from torchmem.fit._estimate import Estimate, OOMSite
 from torchmem.fit._margin import MarginSpec, check_margin, describe_margin, margin_for
+from torchmem.fit._stream import StreamModel, replay
 from torchmem.units import format_bytes
 
 __all__ = ["estimate"]
@@ -297,14 +298,15 @@ def estimate(
     accepted = _check_params(build, [*kw, *searched], kw)
     lo, hi, step = _check_range(search_range, maximize)
 
-    def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False) -> Estimate:
+    def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False,
+            stream: list[Any] | None = None) -> Estimate:
         # a probe extrapolates generate()'s later decode steps (same peaks and verdict); the
         # answer is rerun in full for its per-category split and KV-cache figures
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
-                     routing=routing)
+                     routing=routing, stream=stream)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:
@@ -359,6 +361,15 @@ def estimate(
         r = max(0, int(reserved))
         return r + margin_for(margin, card, r) <= card.usable_bytes
 
+    if maximize != "batch_size" and world_size is None:
+        # probes predicted from the requests of earlier ones; the answer checked for real
+        return _stream_search(
+            maximize,
+            lambda v, s: run(fixed_batch, {maximize: v}, fast=True, stream=s),
+            lambda e: _apply_margin(e, margin, card),
+            (start, lo, hi, card, progress, keep_snapshot,
+             lambda v: run(fixed_batch, {maximize: v}, keep_snapshot), fits_at, step),
+        )
     return _search(maximize, probe_run, start, lo, hi, card, progress, keep_snapshot,
                    lambda v: run(v, {}, keep_snapshot) if maximize == "batch_size"
                    else run(batch_size or 1, {maximize: v}, keep_snapshot), fits_at, step)
@@ -390,6 +401,12 @@ def _check_range(
 
 
 def _describe(name: str, v: int, e: Estimate) -> str:
+    if getattr(e, "predicted", False):
+        return _describe_run(name, v, e) + " [predicted from earlier probes' requests]"
+    return _describe_run(name, v, e)
+
+
+def _describe_run(name: str, v: int, e: Estimate) -> str:
     if e.fits:
         return (f"{name} {v}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
                 f"{e.usable_bytes:,} B usable, margin {e.margin_bytes:,} B)")
@@ -497,7 +514,7 @@ def _search(
             warnings.warn(n, RuntimeWarning, stacklevel=3)
     if good == 0:
         best = cache[floor] if floor in cache else cache[order[-1]]
-    elif keep_snapshot or _replayed(cache[good]):
+    elif keep_snapshot or _replayed(cache[good]) or getattr(cache[good], "predicted", False):
         best = rerun(good * step)
     else:
         best = cache[good]
@@ -514,6 +531,100 @@ def _search(
     best.probes = [(v, vcache[v].fits) for v in vorder]
     best.notes.extend(notes)
     return best
+
+
+#: Searches on predicted probes before the search runs every probe for real.
+STREAM_ROUNDS = 3
+
+
+def _stream_search(
+    name: str,
+    run: Callable[[int, list[Any]], Estimate],
+    margin: Callable[[Estimate], Estimate],
+    args: tuple[Any, ...],
+) -> Estimate:
+    """:func:`_search` with probes predicted by :mod:`torchmem.fit._stream` once two probes of
+    ``generate()`` (decode steps extrapolated) ran to the end: the answer and the value above it are then run for real, and the answer stands
+    when their verdicts are the predicted ones (it fits, one more does not); otherwise the
+    search runs again with those runs added (up to :data:`STREAM_ROUNDS` times, while they
+    add a record), then with every probe run for real (the runs made so far are reused)."""
+    start, lo, hi, card, progress, keep_snapshot, rerun, fits_at, step = args  # _search's
+    real: dict[int, Estimate] = {}
+    model = StreamModel()
+    say = progress or (lambda msg: None)
+
+    def real_probe(v: int) -> Estimate:
+        if v not in real:
+            events: list[Any] = []
+            e = run(v, events)
+            real[v] = e
+            if e.oom is None:
+                model.add(v, events)
+        return real[v]
+
+    def answer(v: int) -> Estimate:
+        e = real_probe(v)  # a copy: the search writes its answer's fields
+        return rerun(v) if keep_snapshot or _replayed(e) else dataclasses.replace(
+            e, notes=list(e.notes))
+
+    predicted: set[int] = set()  # this round's
+
+    def probe(v: int) -> Estimate:
+        if v in real:
+            return real[v]
+        # only generate()'s probes (decode steps extrapolated) are predicted: every other
+        # search runs as before, each probe real
+        events = model.predict(v) if all(_replayed(real[x]) for x in model.points) else None
+        if events is None:
+            return real_probe(v)
+        predicted.add(v)
+        base = real[min(model.points, key=lambda x: abs(x - v))]
+        return margin(_predicted(base, replay(events, _make_sim(card.usable_bytes,
+                                                                base.alloc_conf)), name, v))
+
+    for _ in range(STREAM_ROUNDS):
+        predicted.clear()
+        known = len(model.points)
+        best = _search(name, probe, start, lo, hi, card, progress, keep_snapshot, answer,
+                       fits_at, step)
+        good = best.max_value or 0
+        if not predicted:
+            return best
+        checks = [good, good + step] if good else [(-(-lo // step) if lo else 1) * step]
+        top = hi if hi is not None else MAX_SEARCH_BATCH
+        wrong = [v for v in checks if v in predicted and v <= top
+                 and real_probe(v).fits != (v == good)]
+        if good and not best.fits:  # the answer's own run (rerun in full, when it is)
+            wrong.append(good)
+        if not wrong:
+            best.predicted_probes = sorted(predicted)  # type: ignore[attr-defined]
+            best.notes.append(
+                f"{len(predicted)} of the search's {len(best.probes)} probes were predicted from "
+                f"the allocator requests of the {len(real)} that ran; the answer and one more "
+                "ran, with the predicted verdicts")
+            return best
+        say(f"the prediction at {name} {wrong[0]} was wrong; searching again")
+        if len(model.points) == known:  # nothing learned: the next round would be the same
+            break
+    best = _search(name, real_probe, start, lo, hi, card, progress, keep_snapshot, answer,
+                   fits_at, step)
+    best.predicted_probes = []  # type: ignore[attr-defined]
+    return best
+
+
+def _predicted(base: Estimate, got: tuple[int, int, int, int, int | None], name: str,
+               v: int) -> Estimate:
+    """The estimate of a probe at ``v`` predicted from the requests replayed: ``base`` (a real
+    probe) with the replay's peaks and verdict."""
+    req, alloc, res, frag, oom = got
+    e = dataclasses.replace(base, notes=[], fits=oom is None, peak_requested_bytes=req,
+                            peak_allocated_bytes=alloc, peak_reserved_bytes=res,
+                            fragmentation_bytes=frag, params={**base.params, name: v})
+    e.oom = None if oom is None else OOMSite(oom, None, None, "predicted", (), alloc, res,
+                                             "predicted from earlier probes' requests")
+    e.predicted = True  # type: ignore[attr-defined]
+    e.decode_replayed = 0  # type: ignore[attr-defined]
+    return e
 
 
 def _replayed(e: Estimate) -> bool:

@@ -1,0 +1,99 @@
+"""Probes predicted from earlier probes' requests (:mod:`torchmem.fit._stream`) are the real runs.
+
+Ground truth: each value is also run for real (a fake run through the model); its record of
+requests and its peaks must equal the prediction's, event for event and byte for byte, and a
+search on predicted probes must give the all-real search's answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchmem.fit import GPU
+from torchmem.fit._engine import _make_sim, run_once
+from torchmem.fit._stream import StreamModel, replay
+
+pytest.importorskip("transformers")
+
+from torchmem.fit._hf import load_config, make_build  # noqa: E402
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 256, "max_position_embeddings": 8192}
+
+
+def _run(build, v, card="T4"):
+    events: list = []
+    e = run_once(build, 1, card, steps=1, extrapolate_decode=True, default_device="cuda",
+                 params={"seq_len": v}, stream=events)
+    return e, events
+
+
+@pytest.mark.parametrize("attn", [None, "eager"])   # eager: an N x N score matrix (a parabola)
+def test_predicted_records_and_peaks_are_the_real_runs(attn):
+    # a dynamic cache; a static one pads its mask to a multiple of 64 tokens, so its records
+    # are lines only piece by piece: a search on them is saved by its check of the answer
+    build = make_build(load_config(LLAMA), "generate", torch.float16, attn, 64, 12, "dynamic")
+    model = StreamModel()
+    for v in (100, 300, 1000):
+        model.add(v, _run(build, v)[1])
+    for v in (101, 999, 1001, 4000):
+        real, events = _run(build, v)
+        predicted = model.predict(v)
+        assert predicted == events
+        got = replay(predicted, _make_sim(real.usable_bytes, None))
+        assert got == (real.peak_requested_bytes, real.peak_allocated_bytes,
+                       real.peak_reserved_bytes, real.fragmentation_bytes, None)
+
+
+def test_a_predicted_out_of_memory_is_the_real_one():
+    build = make_build(load_config(LLAMA), "generate", torch.float16, "eager", 64, 12, "dynamic")
+    model = StreamModel()
+    big = GPU("64 GiB", 64 << 30, (9, 0), "test", context_override=0)   # the same kernels
+    for v in (100, 300, 1000):
+        model.add(v, _run(build, v, big)[1])
+    card = GPU("64 MiB", 64 << 20, (9, 0), "test", context_override=0)
+    for v in (1500, 2500, 4000):
+        real, _ = _run(build, v, card)
+        got = replay(model.predict(v), _make_sim(card.usable_bytes, None))
+        assert (got[4] is None) == real.fits
+        if not real.fits:
+            assert got[4] == real.oom.requested_bytes and got[2] == real.peak_reserved_bytes
+
+
+def test_two_records_of_different_sequences_predict_nothing():
+    m = StreamModel()
+    m.add(1, [("m", 10, -1), ("f", 0, 0)])
+    m.add(2, [("m", 20, -1), ("m", 5, -1)])
+    assert m.ready and m.predict(3) is None
+    m = StreamModel()
+    m.add(1, [("m", 10, -1)])
+    m.add(3, [("m", 11, -1)])      # one byte per two tokens: not whole at 2
+    assert m.predict(2) is None and m.predict(5) == [("m", 12, -1)]
+
+
+@pytest.mark.parametrize("attn", [None, "eager"])
+def test_a_search_on_predicted_probes_gives_the_all_real_answer(attn, monkeypatch):
+    import torchmem
+    import torchmem.fit._search as search
+
+    kw = dict(task="generate", max_new_tokens=12, dtype="float16", attn=attn, margin=0)
+    small = torchmem.estimate_hf(LLAMA, gpu="H100-80GB", seq_len=64, **kw)
+    card = GPU("test", small.peak_reserved_bytes + (6 << 20), (9, 0), "test",
+               context_override=0)
+    fast = torchmem.estimate_hf(LLAMA, gpu=card, maximize="seq_len", search_range=(64, 8192),
+                                **kw)
+    # eager attention's records are parabolas, which two records do not show: the check of
+    # the answer finds the prediction wrong, and the search ends with every probe real
+    assert (len(fast.predicted_probes) > 0) == (attn is None)
+    monkeypatch.setattr(search, "STREAM_ROUNDS", 0)
+    slow = torchmem.estimate_hf(LLAMA, gpu=card, maximize="seq_len", search_range=(64, 8192),
+                                **kw)
+    assert slow.predicted_probes == []
+    best = fast.max_value
+    assert best == slow.max_value and best is not None and 64 < best < 8192
+    assert (fast.peak_reserved_bytes, fast.fits) == (slow.peak_reserved_bytes, True)
+    assert [p for p in fast.probes if p[0] in dict(slow.probes)] == [
+        (v, ok) for v, ok in fast.probes if dict(slow.probes).get(v) == ok]
+    assert not torchmem.estimate_hf(LLAMA, gpu=card, seq_len=best + 1, **kw).fits
