@@ -54,7 +54,7 @@ import torch
 from torchmem.capture.census import inspect_memory
 from torchmem.capture.storage import resolve_device, same_storage, storage_id, tensor_span
 from torchmem.errors import InvalidInputError
-from torchmem.model.census import MemoryReport
+from torchmem.model.census import MemoryReport, TensorRecord
 from torchmem.units import format_bytes
 
 __all__ = [
@@ -175,22 +175,25 @@ class MemReporter:
         else:  # torchlinops collected garbage before scanning: keep that behaviour
             rep = inspect_memory(all_live=True, collect_garbage=True)
         out = sys.stdout if file is None else file
-        by_dev: dict[str, list[int]] = {}
-        for i, t in enumerate(rep.tensors):
-            by_dev.setdefault(t.device, []).append(i)
+        by_dev: dict[str, list[TensorRecord]] = {}
+        for t in rep.tensors:
+            rows = by_dev.get(t.device)
+            if rows is None:
+                rows = by_dev[t.device] = []
+            rows.append(t)
         totals = rep.unique_bytes
-        sizes: dict[int, str] = {}  # one formatting per distinct size
+        # one formatting per distinct (shape, element size): many tensors share a few shapes
+        tails: dict[tuple[tuple[int, ...], int], str] = {}
         lines: list[str] = []
         for dev in rep.devices:
             lines.append(f"Device {dev}")
             lines.append("=" * 20)
-            for i in by_dev.get(dev, []):
-                t = rep.tensors[i]
-                n = t.nbytes
-                size = sizes.get(n)
-                if size is None:
-                    size = sizes[n] = self._fmt(n)
-                lines.append(f"{t.name}\t{t.shape}\t\t{size}")
+            for t in by_dev.get(dev, ()):
+                key = (t.shape, t.element_size)
+                tail = tails.get(key)
+                if tail is None:
+                    tail = tails[key] = f"\t{t.shape}\t\t{self._fmt(t.nbytes)}"
+                lines.append(t.name + tail)
             lines.append(f"Total: {self._fmt(totals.get(dev, 0))}")
         if lines:  # one write: the same text as a print() per line
             out.write("\n".join(lines) + "\n")
