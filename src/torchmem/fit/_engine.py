@@ -200,6 +200,14 @@ class _State:
         self._peaks()
         return addr
 
+    def _requested(self, delta: int) -> None:
+        """Requested bytes change by ``delta``; the decode-step and request records are told."""
+        self.live_req += delta
+        if self.feed is not None:
+            self.feed.on_req(delta)
+        if self.stream is not None:
+            self.stream.req(delta)
+
     def _host(self, n: int) -> None:
         self.host_live += n
         if self.host_live > self.host_peak:
@@ -230,11 +238,7 @@ class _State:
                 if addr is None:
                     return
                 self.addr[ev.storage] = addr
-            self.live_req += n
-            if self.feed is not None:
-                self.feed.on_req(n)
-            if self.stream is not None:
-                self.stream.req(n)
+            self._requested(n)
             if self.live_req > self.peak_req:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
@@ -246,11 +250,7 @@ class _State:
                 self.pl.host.discard(ev.storage)
                 self._host(-ev.nbytes)
             else:
-                self.live_req -= ev.nbytes
-                if self.feed is not None:
-                    self.feed.on_req(-ev.nbytes)
-                if self.stream is not None:
-                    self.stream.req(-ev.nbytes)
+                self._requested(-ev.nbytes)
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
@@ -290,14 +290,11 @@ class _State:
                 addr = self.addr.pop(sid, None) if sid is not None else None
                 if addr is not None:
                     self.sim.free(addr)
-                    self.live_req -= t.untyped_storage().nbytes()
-                    if self.feed is not None:
-                        self.feed.on_req(-t.untyped_storage().nbytes())
-                    if self.stream is not None:
-                        self.stream.req(-t.untyped_storage().nbytes())
+                    nbytes = t.untyped_storage().nbytes()
+                    self._requested(-nbytes)
                     self.pl.host.add(sid)  # type: ignore[arg-type]
                     self.pl.host_ever.add(sid)  # type: ignore[arg-type]
-                    self._host(t.untyped_storage().nbytes())
+                    self._host(nbytes)
         if self.emu is not None and self.oom is None:
             # All of a kernel's scratch buffers are live together, freed in reverse order.
             # (an entry may name earlier ones the kernel frees right after allocating it)
