@@ -180,6 +180,76 @@ def test_skipped_safetensors_and_an_alias_imported_before(tmp_path, monkeypatch)
     assert mod.safe_save_file is st.save_file
 
 
+def test_other_writes_go_to_a_scratch_folder_and_real_files_stay(tmp_path, monkeypatch, capsys):
+    """Files and folders the script writes (open, pathlib, json, numpy, logging, makedirs) go to
+    a scratch folder: the script reads its own writes back, the disk is unchanged afterwards
+    (listing and contents compared with before), deletions and renames of existing files are
+    skipped, and each call is listed once per path."""
+    pytest.importorskip("numpy")
+    import tempfile
+
+    # the system's temporary folder is left alone: make it another folder than the script's
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systemp"))
+    (tmp_path / "systemp").mkdir()
+    work = tmp_path / "work"
+    (work / "old").mkdir(parents=True)
+    (work / "keep.txt").write_text("precious")
+    (work / "old" / "checkpoint-1.bin").write_bytes(b"weights")
+    (work / "log.txt").write_text("line 0\n")
+    monkeypatch.chdir(work)
+    path = _write(work, "writer.py", """
+        import json, logging, os, pathlib, shutil
+        import numpy as np, torch
+        os.makedirs("runs/exp1", exist_ok=True)
+        pathlib.Path("runs/exp1/config.json").write_text(json.dumps({"lr": 0.1}))
+        assert json.loads(open("runs/exp1/config.json").read()) == {"lr": 0.1}   # reads back
+        with open("log.txt", "a") as f:                                          # appends
+            f.write("line 1\\n")
+        assert open("log.txt").read() == "line 0\\nline 1\\n"
+        logging.basicConfig(filename="runs/train.log", level=logging.INFO, force=True)
+        np.save("runs/array.npy", np.zeros(4))
+        os.remove("keep.txt")
+        shutil.rmtree("old")
+        os.replace("runs/exp1/config.json", "runs/config.json")                  # a scratch copy
+        assert json.load(open("runs/config.json")) == {"lr": 0.1}                 # moved copy
+        net = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for i in range(3):
+            loss = net(torch.randn(8, 64, device="cuda")).sum()
+            loss.backward()
+            logging.info("step %d loss %.3f", i, loss.item())
+            opt.step()
+    """)
+    before = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+    assert main(["estimate", "--gpu", "T4", "--steps", "2", "--json", path]) == 0
+    d = json.loads(capsys.readouterr().out)
+    logging_root = __import__("logging").getLogger()
+    for h in list(logging_root.handlers):  # the script's basicConfig handler (on the scratch copy)
+        logging_root.removeHandler(h)
+        h.close()
+    assert d["script"]["stopped"] == "steps" and d["script"]["steps_run"] == 2
+    assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == before
+    assert (work / "keep.txt").read_text() == "precious"
+    assert (work / "old" / "checkpoint-1.bin").read_bytes() == b"weights"
+    assert (work / "log.txt").read_text() == "line 0\n"
+    got = {(w["what"], os.path.relpath(w["path"], work)) for w in d["script"]["skipped_writes"]}
+    assert got == {
+        ("os.makedirs", "runs/exp1"), ("open(mode='w')", "runs/exp1/config.json"),
+        ("open(mode='a')", "log.txt"), ("open(mode='a')", "runs/train.log"),
+        ("open(mode='wb')", "runs/array.npy"), ("os.remove (not done)", "keep.txt"),
+        ("shutil.rmtree (not done)", "old"),
+    }
+    assert len(d["script"]["skipped_writes"]) == len(got)  # once per call and path
+    wheres = {w["where"] for w in d["script"]["skipped_writes"]}
+    assert f"{path}:4" in wheres and f"{path}:12" in wheres
+    assert not [p for p in os.listdir(tmp_path / "systemp") if p.startswith("torchmem-scratch")]
+    import builtins
+    import io
+    import shutil
+    assert builtins.open is io.open and os.makedirs.__module__ == "os"
+    assert shutil.rmtree.__module__ == "shutil"
+
+
 def test_max_batch_size_equals_the_build_function_search(train, capsys):
     want = torchmem.estimate(build, "1 GiB", max_batch_size=True, margin=0)
     capsys.readouterr()
@@ -233,7 +303,8 @@ def _code_in(path: str, inner=None):
 
 
 def test_a_stop_is_never_raised_inside_torchmem_bookkeeping():
-    from torchmem.fit._script import _STDLIB_DIR, _TORCH_DIR, _TORCHMEM_DIR, _safe_to_stop
+    from torchmem.fit._sandbox import _STDLIB_DIR, _TORCH_DIR, _TORCHMEM_DIR
+    from torchmem.fit._script import _safe_to_stop
 
     tracker = os.path.join(_TORCHMEM_DIR, "capture", "tracker", "_hotpath.py")
     dispatch = os.path.join(_TORCH_DIR, "_subclasses", "fake_tensor.py")
@@ -281,10 +352,8 @@ def test_time_limit_stops_always_end_as_time_limit(tmp_path):
                for stopped, peak in runs), runs
 
 
-# off the main thread the stop is an asynchronous exception, delivered between a look at the
-# thread's frame and its next bytecode: it can still land in a tracker callback, which swallows
-# it ("Exception ignored"); it is then delivered again
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# off the main thread the stop is raised by the estimate's dispatch before the thread's next
+# operator; a thread that runs no operator gets an asynchronous exception instead
 def test_time_limit_in_another_thread_is_reported_as_the_time_limit(tmp_path):
     # it was reported as "end" (the reason was never recorded)
     forever = _write(tmp_path, "forever.py", """
@@ -304,6 +373,43 @@ def test_time_limit_in_another_thread_is_reported_as_the_time_limit(tmp_path):
     e = got[0]
     assert e.script.stopped == "time_limit" and e.peak_requested_bytes >= 4 << 20
     assert "the script was stopped at the time limit (0.5 s)" in e.notes
+
+
+def test_a_requested_stop_lands_before_the_next_operator(tmp_path):
+    """The stop asked for from another thread is raised before the thread's next operator
+    starts: the operator after the request allocates nothing (peak: the first tensor only)."""
+    script = _write(tmp_path, "asks.py", """
+        import threading, torch
+        from torchmem.fit._engine import request_stop
+        from torchmem.fit._script import _StopScript
+        keep = torch.ones(1 << 20, device="cuda")
+        request_stop(threading.get_ident(), _StopScript)
+        y = keep * 2
+        raise AssertionError("not stopped")
+    """)
+    e = estimate_script(script, [], "T4", time_limit=60)
+    assert e.peak_requested_bytes == 4 << 20
+    from torchmem.fit._engine import stop_pending
+    assert not stop_pending(__import__("threading").get_ident())
+
+
+def test_time_limit_in_another_thread_stops_a_loop_without_operators(tmp_path):
+    spin = _write(tmp_path, "spin.py", """
+        import torch
+        keep = torch.ones(1 << 20, device="cuda")
+        n = 0
+        while True:
+            n += 1
+    """)
+    import threading
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(estimate_script(spin, [], "T4",
+                                                                    time_limit=0.3)),
+                         daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and len(got) == 1
+    assert got[0].script.stopped == "time_limit" and got[0].peak_requested_bytes == 4 << 20
 
 
 @pytest.mark.parametrize("text,args,needle", [

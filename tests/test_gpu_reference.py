@@ -155,3 +155,32 @@ def test_the_recorder_refuses_to_run_without_a_gpu():
                           "--out", "/nonexistent"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "no CUDA GPU here" in out.stderr and "Traceback" not in out.stderr
+
+
+def _runs(snap: torchmem.Snapshot, pattern: list[tuple[str, int]]) -> int:
+    """How many times ``pattern`` (``(action, size)`` of allocs and completed frees, in a row)
+    occurs in the first device's trace."""
+    seq = [(e.action, e.size) for e in snap.trace(0) if e.action in ("alloc", "free_completed")]
+    n = len(pattern)
+    return sum(seq[i:i + n] == pattern for i in range(len(seq) - n + 1))
+
+
+def test_math_attention_softmax_temporaries_as_on_the_h100():
+    """SDPA's math path (fp32 with grouped KV heads, hf_trainer) calls ``_safe_softmax``, whose
+    composite CUDA kernel allocates a bool -inf mask, its masked rows and a zero scalar after
+    the softmax and frees them on return; the fake run's meta kernel allocates none of them.
+    The H100 trace shows the run (B=8, H=4, S=256: 2 MiB, 8 KiB, 4 B) once per layer and
+    forward; the estimate's trace must show it as often."""
+    pytest.importorskip("transformers")
+    name = "hf_trainer"
+    c, rec = gpu_cases.CASES[name], _record(name)
+    est = torchmem.estimate(lambda bs: c.build(bs, **c.params), gpu=gpu_cases.recorded_gpu(name),
+                            batch_size=rec["batch_size"], steps=rec["steps"], margin=0,
+                            keep_snapshot=True)
+    b, h, s = rec["batch_size"], gpu_cases.HF_LLAMA["num_attention_heads"], 256
+    mask, rows = b * h * s * s, b * h * s
+    pattern = [("alloc", mask), ("alloc", rows), ("alloc", 4), ("free_completed", 4),
+               ("free_completed", rows), ("free_completed", mask)]
+    real = _runs(_snapshot(name), pattern)
+    assert real == gpu_cases.HF_LLAMA["num_hidden_layers"] * 3  # 2 layers, 3 optimizer steps
+    assert _runs(est.snapshot, pattern) == real

@@ -281,7 +281,7 @@ def script_lines(est: Any, top: int = 10) -> list[str]:
         >>> from types import SimpleNamespace
         >>> for line in script_lines(SimpleNamespace(script=run)): print(line)
         script: train.py: stopped after 2 optimizer steps (steps=2)
-        skipped writes (the fake run's saves; files written otherwise are not intercepted):
+        skipped writes (none reached the disk; files and folders went to a scratch folder):
             train.py:9  torch.save(dict) -> c.pt
     """
     run = getattr(est, "script", None)
@@ -289,8 +289,8 @@ def script_lines(est: Any, top: int = 10) -> list[str]:
         return []
     lines = [run.line()]
     if run.skipped_writes:
-        lines.append("skipped writes (the fake run's saves; files written otherwise are not "
-                     "intercepted):")
+        lines.append("skipped writes (none reached the disk; files and folders went to a "
+                     "scratch folder):")
         for w in run.skipped_writes[:top]:
             lines.append(f"    {w.where}  {w.what} -> {w.path}")
         if len(run.skipped_writes) > top:

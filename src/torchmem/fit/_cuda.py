@@ -213,6 +213,16 @@ MODELLED: list[tuple[str, str, str]] = [
         "transpose come from cuDNN's closed heuristics and are not modelled",
     ),
     (
+        "the math attention's softmax (aten::_safe_softmax)",
+        "a composite kernel: on CUDA it allocates the softmax, then a bool -inf mask (1 B per "
+        "element), its all-masked rows (1 B per row) and a zero scalar, and writes the result "
+        "into the softmax's storage; a fake run calls its meta kernel, which allocates only "
+        "the output",
+        "CudaEmulation.transients(): the mask, the rows and the scalar after the output, freed "
+        "in reverse order when the call returns (allocation sizes as on the recorded H100's "
+        "hf_trainer run)",
+    ),
+    (
         "cuDNN RNN workspace and reserve (nn.LSTM/GRU/RNN)",
         "cuDNN allocates a workspace and a reserve space whose size comes from cuDNN at run time",
         "not modelled: the estimate shows the CPU implementation's memory for these modules",
@@ -993,6 +1003,32 @@ def _efficient_forward_transients(args: Sequence[Any], out: Any) -> list[Transie
 
 
 _CONVOLUTION = getattr(torch.ops.aten.convolution, "default", None)
+_SAFE_SOFTMAX = getattr(getattr(torch.ops.aten, "_safe_softmax", None), "default", None)
+
+
+def _safe_softmax_transients(args: Sequence[Any], out: Any) -> list[Transient]:
+    """The temporaries of ``aten::_safe_softmax``'s composite kernel (the math attention's
+    softmax, ``attention.cpp``): after the softmax (the output, written in place by
+    ``where_out``) come ``self.isneginf()`` (1 B per element), ``all`` of it along ``dim``
+    (1 B per row) and a zero scalar of the output's dtype; all freed when the call returns.
+
+    Example:
+        >>> import torch
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     x = torch.empty(8, 4, 256, 256)
+        ...     y = torch.ops.aten._safe_softmax(x, -1)
+        >>> _safe_softmax_transients((x, -1), y)
+        [(2097152, 'safe softmax: -inf mask'), (8192, 'safe softmax: masked rows'), (4, 'safe softmax: zero')]
+    """
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() == 0:
+        return []
+    dim = int(args[1]) if len(args) > 1 else -1
+    numel = x.numel()
+    rows = numel // max(int(x.shape[dim]), 1)
+    return [(numel, "safe softmax: -inf mask"), (rows, "safe softmax: masked rows"),
+            (out.element_size(), "safe softmax: zero")]
 _CONVOLUTION_BACKWARD = getattr(torch.ops.aten.convolution_backward, "default", None)
 
 
@@ -1329,7 +1365,8 @@ class CudaEmulation:
         (:func:`_efficient_backward_transients`: its backward's ``delta`` and, when the kernel
         does not compute it, the fp32 product and row sums it comes from, then the kernel's
         fp32 workspace for the dQ (and dK/dV) accumulation; the forward's fp32 output
-        accumulator for head dims over 128 in half precision); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
+        accumulator for head dims over 128 in half precision); the math attention's
+        ``_safe_softmax`` (:func:`_safe_softmax_transients`); and reductions (``sum``, ``mean``, ``prod``, ``nansum``, ``max``/``min`` along a
         dim, ``argmax``/``argmin``, ``linalg_vector_norm``) whose CUDA launch splits each
         output over several thread blocks. ``Reduce.cuh`` (``setReduceConfig``) then allocates
         a staging buffer for the blocks' partial results and an ``int`` semaphore per output
@@ -1355,6 +1392,8 @@ class CudaEmulation:
             return _efficient_forward_transients(args, out)
         if func is _CONVOLUTION or func is _CONVOLUTION_BACKWARD:
             return _cudnn_conv_transients(func, args, self.compute_capability)
+        if func is _SAFE_SOFTMAX:
+            return _safe_softmax_transients(args, out)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
         if spec is None or not args or not isinstance(args[0], torch.Tensor):
             return []

@@ -469,6 +469,42 @@ def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[A
     return head + ([True, False, False],), head + ([False, mask[1], mask[2]],)
 
 
+#: thread ident -> the exception (a class) to raise in that thread before its next operator
+#: starts: a stop asked for from another thread (the time limit of a script run off the main
+#: thread) lands there, where no bookkeeping is half done (:func:`request_stop`)
+_STOPS: dict[int, Callable[[], BaseException]] = {}
+
+
+def request_stop(ident: int, exc: Callable[[], BaseException] | None) -> None:
+    """Raise ``exc()`` in thread ``ident`` before the next operator it runs under an estimate
+    starts (``None`` withdraws the request); :func:`stop_pending` says whether it is still
+    waiting.
+
+    Example:
+        >>> import threading
+        >>> me = threading.get_ident()
+        >>> request_stop(me, KeyboardInterrupt); stop_pending(me)
+        True
+        >>> request_stop(me, None); stop_pending(me)
+        False
+    """
+    if exc is None:
+        _STOPS.pop(ident, None)
+    else:
+        _STOPS[ident] = exc
+
+
+def stop_pending(ident: int) -> bool:
+    """Whether a stop asked for with :func:`request_stop` still waits for thread ``ident``'s
+    next operator.
+
+    Example:
+        >>> stop_pending(-1)
+        False
+    """
+    return ident in _STOPS
+
+
 class _SimMode(TorchDispatchMode):
     """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
     backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
@@ -485,6 +521,10 @@ class _SimMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         pl = self.state.pl
+        if _STOPS and pl.depth == 0:
+            stop = _STOPS.pop(threading.get_ident(), None)
+            if stop is not None:
+                raise stop()  # before this operator: nothing of it is recorded yet
         pl.depth += 1
         saved = pl.current
         pl.current = pl.for_op(args, kwargs)

@@ -21,14 +21,16 @@ When the run stops:
 The result is a :class:`ScriptEstimate`: an :class:`~torchmem.fit.Estimate` whose ``script``
 (:class:`ScriptRun`) says which steps ran, why the run stopped and which writes were skipped.
 
-Nothing the fake run writes lands on disk by surprise: while the script runs, ``torch.save``
+Nothing the fake run writes lands on disk: while the script runs, ``torch.save``
 (``torch.serialization.save``) and safetensors' ``save_file`` / ``save_model`` (also where a
-library imported them under another name, such as transformers' ``safe_save_file``) are skipped
-and listed (``ScriptRun.skipped_writes``: where, what, the path). Not intercepted: files the
-script writes itself (``open(...).write``, ``json.dump``, ``numpy.save``, ``pickle.dump``, logs,
-TensorBoard event files), folders it creates (``os.makedirs``; transformers' ``output_dir``), and
-configuration files written by ``save_pretrained`` (its weights go through safetensors and are
-skipped). A script that writes those on its own should be pointed at a scratch folder.
+library imported them under another name, such as transformers' ``safe_save_file``) are skipped;
+other files it writes (``open(...).write``, ``json.dump``, ``numpy.save``, logs, TensorBoard
+event files) and folders it makes (``os.makedirs``, transformers' ``output_dir``) go to a scratch
+folder deleted after the run (reads of them in the same run see the scratch copies), and
+deletions or renames of existing files (a trainer rotating old checkpoints) are skipped
+(:mod:`torchmem.fit._sandbox`). Each is listed once per path (``ScriptRun.skipped_writes``:
+where, what, the path). Left alone: the system's temporary folder and functions a library bound
+under another name before the run (``from os import makedirs``).
 
 Bad input raises :class:`~torchmem.errors.InvalidInputError` (a missing script:
 :class:`~torchmem.errors.MissingFileError`) with one line saying what was expected and how to fix
@@ -82,9 +84,11 @@ from torchmem._scripts import script_file
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
-from torchmem.fit._engine import _Abort, _hint, _user_frame, run_once
+from torchmem.fit._engine import _Abort, _hint, _user_frame, request_stop, run_once, stop_pending
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._margin import check_margin, margin_for
+from torchmem.fit._sandbox import ScratchFiles
+from torchmem.fit._sandbox import owner as _owner
 from torchmem.fit._search import _apply_margin, _check_range, _search
 from torchmem.fit._values import _where
 from torchmem.units import format_bytes
@@ -473,9 +477,6 @@ class _Writes:
         self.stand_ins.clear()
 
 
-_TORCHMEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_STDLIB_DIR = os.path.dirname(os.path.abspath(contextlib.__file__))
 #: Seconds between two tries of a stop that landed in torchmem's own bookkeeping.
 _RETRY_S = 0.005
 #: Off the main thread, seconds after a stop before it is delivered again if the run goes on.
@@ -500,28 +501,16 @@ def _safe_to_stop(frame: Any) -> bool:
         >>> _safe_to_stop(None)   # no frame (a thread that ended)
         True
     """
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if path.startswith(_TORCHMEM_DIR + os.sep):
-            return False
-        if path.startswith("<") or (path.startswith(_STDLIB_DIR + os.sep)
-                                    and "-packages" + os.sep not in path):
-            frame = frame.f_back
-            continue
-        if path.startswith(_TORCH_DIR + os.sep):
-            rel = path[len(_TORCH_DIR) + 1:]
-            if any(part.startswith("_") for part in rel.split(os.sep)):
-                frame = frame.f_back  # torch's internals: dispatch, fake tensors, decompositions
-                continue
-        return True
-    return True
+    return _owner(frame, True) != "torchmem"
 
 
 @contextlib.contextmanager
 def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[None]:
     """Raise ``stop()`` in this thread after ``seconds``, where it is safe (:func:`_safe_to_stop`):
-    a timer signal on the main thread, an asynchronous exception on another; a stop that would
-    land in torchmem's bookkeeping is tried again :data:`_RETRY_S` later."""
+    a timer signal on the main thread (a stop that would land in torchmem's bookkeeping is tried
+    again :data:`_RETRY_S` later); on another thread, the estimate's dispatch raises it before
+    the thread's next operator (:func:`~torchmem.fit._engine.request_stop`), and only a thread
+    that runs no operator for :data:`_REFIRE_S` gets an asynchronous exception."""
     if seconds <= 0 or seconds == float("inf"):
         yield
         return
@@ -543,18 +532,31 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
     ident = threading.get_ident()
     done = threading.Event()
     lock = threading.Lock()
+    asked: list[float] = []  # when the stop was last asked of the engine
 
     def fire() -> None:
         with lock:
             if done.is_set():
                 return
+            if not asked:
+                stop()  # its side effects (the reason recorded)
+            if not asked or not stop_pending(ident):
+                # the estimate's dispatch raises it before the thread's next operator starts,
+                # where nothing is half-recorded (asked again while the run goes on: a script
+                # may catch it)
+                request_stop(ident, _StopScript)
+                asked[:] = [time.monotonic()]
+                start(_REFIRE_S)
+                return
+            if time.monotonic() - asked[0] < _REFIRE_S * 0.9:
+                start(_REFIRE_S)
+                return
+            # no operator ran since: the thread loops in Python; deliver it between two
+            # bytecodes, where that is safe (the look and the delivery can race, hence last)
             frame = sys._current_frames().get(ident)
             if _safe_to_stop(frame) or time.monotonic() > give_up:
-                stop()  # its side effects (the reason recorded); the thread gets the class
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
                                                            ctypes.py_object(_StopScript))
-                # the thread may have moved on between the look and the delivery (into a
-                # callback that swallows it): until the run has ended, look again later
                 start(_REFIRE_S)
                 return
             start(_RETRY_S)
@@ -574,6 +576,7 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
         with lock:
             done.set()
             timers[0].cancel()
+            request_stop(ident, None)
 
 
 class _ArgparseRejected(SystemExit):
@@ -628,6 +631,9 @@ class _Run:
             rec.stopped = "steps"
             raise _StopScript()
 
+    def _skipped(self, where: str, what: str, path: str) -> None:
+        self.record.skipped_writes.append(SkippedWrite(where, what, path))
+
     def _timeout(self) -> BaseException:
         self.record.stopped = "time_limit"
         return _StopScript()
@@ -641,8 +647,8 @@ class _Run:
         hook = register_optimizer_step_post_hook(self._on_step)
         start = time.perf_counter()
         try:
-            with _Writes(rec.skipped_writes), _argparse_errors(), \
-                    _time_limit(rec.time_limit_s, self._timeout):
+            with ScratchFiles(self._skipped), _Writes(rec.skipped_writes), \
+                    _argparse_errors(), _time_limit(rec.time_limit_s, self._timeout):
                 if t.module:
                     runpy.run_module(t.name, run_name="__main__", alter_sys=True)
                 else:
