@@ -352,6 +352,19 @@ def test_time_limit_stops_always_end_as_time_limit(tmp_path):
                for stopped, peak in runs), runs
 
 
+def _estimate_in_a_thread(script: str, time_limit: float):
+    """``estimate_script(script)`` on T4 run off the main thread (which must end in 120 s)."""
+    import threading
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(estimate_script(script, [], "T4",
+                                                                    time_limit=time_limit)),
+                         daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and len(got) == 1
+    return got[0]
+
+
 # off the main thread the stop is raised by the estimate's dispatch before the thread's next
 # operator; a thread that runs no operator gets an asynchronous exception instead
 def test_time_limit_in_another_thread_is_reported_as_the_time_limit(tmp_path):
@@ -362,15 +375,7 @@ def test_time_limit_in_another_thread_is_reported_as_the_time_limit(tmp_path):
         while True:
             y = keep * 2
     """)
-    import threading
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(estimate_script(forever, [], "T4",
-                                                                    time_limit=0.5)),
-                         daemon=True)
-    t.start()
-    t.join(120)
-    assert not t.is_alive() and len(got) == 1
-    e = got[0]
+    e = _estimate_in_a_thread(forever, 0.5)
     assert e.script.stopped == "time_limit" and e.peak_requested_bytes >= 4 << 20
     assert "the script was stopped at the time limit (0.5 s)" in e.notes
 
@@ -401,15 +406,8 @@ def test_time_limit_in_another_thread_stops_a_loop_without_operators(tmp_path):
         while True:
             n += 1
     """)
-    import threading
-    got: list = []
-    t = threading.Thread(target=lambda: got.append(estimate_script(spin, [], "T4",
-                                                                    time_limit=0.3)),
-                         daemon=True)
-    t.start()
-    t.join(120)
-    assert not t.is_alive() and len(got) == 1
-    assert got[0].script.stopped == "time_limit" and got[0].peak_requested_bytes == 4 << 20
+    e = _estimate_in_a_thread(spin, 0.3)
+    assert e.script.stopped == "time_limit" and e.peak_requested_bytes == 4 << 20
 
 
 @pytest.mark.parametrize("text,args,needle", [
