@@ -352,6 +352,45 @@ def test_time_limit_stops_always_end_as_time_limit(tmp_path):
                for stopped, peak in runs), runs
 
 
+def _fsdp_build(batch):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl")
+    net = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
+    for m in net:
+        fully_shard(m)
+    fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters())
+
+    def step():
+        net(torch.randn(batch, 512, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def test_world_size_runs_a_distributed_script_as_rank_0(tmp_path, capsys):
+    """``--world-size N`` on a script that shards its own model (init_process_group,
+    fully_shard): rank 0 of N, equal to the same code as a build function."""
+    import inspect
+
+    # the script: the build function's own source, then its step in a loop
+    path = _write(tmp_path, "fsdp_train.py", "import torch\n" + inspect.getsource(_fsdp_build)
+                  + "step = _fsdp_build(8)\nfor i in range(10):\n    step()\n")
+    assert main(["estimate", "--gpu", "T4", "--world-size", "4", "--margin", "0", "--json",
+                 path]) == 0
+    d = json.loads(capsys.readouterr().out)
+    want = torchmem.estimate(_fsdp_build, "T4", 8, world_size=4, margin=0)
+    assert d["world_size"] == 4 and d["script"]["steps_run"] == 2
+    assert (d["peak_requested_bytes"], d["peak_allocated_bytes"], d["peak_reserved_bytes"]) == (
+        want.peak_requested_bytes, want.peak_allocated_bytes, want.peak_reserved_bytes)
+    two = estimate_script(path, [], "T4", world_size=2, margin=0)
+    assert two.peak_requested_bytes > d["peak_requested_bytes"]  # a shard of 2 is larger
+    with pytest.raises(InvalidInputError, match="world_size"):
+        estimate_script(path, [], "T4", world_size=0)
+
+
 def _estimate_in_a_thread(script: str, time_limit: float):
     """``estimate_script(script)`` on T4 run off the main thread (which must end in 120 s)."""
     import threading

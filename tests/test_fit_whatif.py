@@ -306,7 +306,6 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
     rows = {r.lever: r for r in e.what_if}
     assert rows["activation_checkpointing"].applied.startswith("checkpointed 3 blocks: 0, 1, 2")
     assert "script's batch is its own" in rows["grad_accumulation_2"].skipped
-    assert "build function" in rows["fsdp_2"].skipped
     assert e.script.steps_run == 2
     by_hand = tmp_path / "train_adafactor.py"
     by_hand.write_text(SCRIPT.replace("torch.optim.AdamW(", "torch.optim.Adafactor("))
@@ -314,6 +313,23 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
     r = rows["adafactor"]
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    # FSDP: the script runs as rank 0 of 2; the same script with fully_shard written into it
+    # (each block, then the model), run as rank 0 of 2
+    from torchmem.fit._script import _find, _Run
+
+    sharded = tmp_path / "train_fsdp.py"
+    made = "net = torch.nn.Sequential(*[Block() for _ in range(3)]).cuda()\n"
+    assert made in SCRIPT
+    sharded.write_text(SCRIPT.replace(made, made + "from torch.distributed.fsdp import "
+                                      "fully_shard\nfor b in net: fully_shard(b)\n"
+                                      "fully_shard(net)\n"))
+    run = _Run(_find(str(sharded), False), ["--batch-size", "8"], 2, 600)
+    h = run.finish(run_once(run.build, 1, "A100-80GB", steps=1, world_size=2))
+    r = rows["fsdp_2"]
+    assert r.skipped is None and r.applied.startswith("fully_shard over 2 GPUs")
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert h.peak_requested_bytes < e.peak_requested_bytes  # sharding saved memory
 
 
 def test_largest_batch_per_lever_equals_the_search_on_the_change_written_by_hand() -> None:

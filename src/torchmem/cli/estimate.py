@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
                              "state and cached blocks; --hf-config forward/generate: 1 call; "
                              "a script is stopped after N optimizer steps)")
     parser.add_argument("--world-size", type=_world_size, default=None, metavar="N",
-                        help="estimate one rank (rank 0) of an N-rank job: build runs with a "
+                        help="estimate one rank (rank 0) of an N-rank job: build (or the script) runs with a "
                              "fake process group of N ranks, so it may call fully_shard (FSDP2) "
                              "or wrap in DistributedDataParallel; shards, all-gathers, "
                              "reduce-scatters and DDP buckets get their per-rank sizes and the "
@@ -612,8 +612,7 @@ def _check_script_options(args: argparse.Namespace) -> None:
             "--set passes keywords to build(); a script takes its own arguments after its name "
             f"('torchmem estimate {name} --seq-len 4096'); fix: move them there"
         )
-    for option, value in (("--world-size", "world_size"), ("--hf-config", "hf_config"),
-                          ("--kv-cache-attr", "kv_cache_attr")):
+    for option, value in (("--hf-config", "hf_config"), ("--kv-cache-attr", "kv_cache_attr")):
         if getattr(args, value, None):
             raise InvalidInputError(
                 f"{option} is not available for scripts (yet); fix: drop it, or write a "
@@ -636,7 +635,8 @@ def _estimate(args: argparse.Namespace, card: Any, params: dict[str, Any], maxim
             options["time_limit"] = args.time_limit
         return estimate_script(name, argv, card, module=as_module,
                                steps=2 if args.steps is None else args.steps, progress=say,
-                               maximize=maximize, **options)
+                               maximize=maximize, world_size=getattr(args, "world_size", None),
+                               **options)
     if getattr(args, "hf_config", None):
         from torchmem.cli._estimate_hf import estimate_from_args
 

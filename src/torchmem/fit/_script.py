@@ -84,6 +84,7 @@ from torchmem._scripts import script_file
 from torchmem.errors import InvalidInputError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
+from torchmem.fit._dist import check_world_size
 from torchmem.fit._engine import _Abort, _hint, _user_frame, request_stop, run_once, stop_pending
 from torchmem.fit._estimate import Estimate
 from torchmem.fit._margin import check_margin, margin_for
@@ -825,6 +826,7 @@ def estimate_script(
     default_device: str | None = None,
     routing: str = "balanced",
     what_if: bool | Sequence[str] = False,
+    world_size: int | None = None,
 ) -> ScriptEstimate:
     """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
     ``python -m script args`` with ``module=True``) under the estimate (see the module
@@ -839,6 +841,9 @@ def estimate_script(
     probe) for the largest value that fits, with the search of :func:`torchmem.estimate`
     (``search_range=(lo, hi[, step])``, ``progress(message)`` told each probe); the answer is
     ``max_value`` (and ``max_batch_size`` for ``batch-size``), its option in ``params``.
+    ``world_size=N`` runs the script as rank 0 of an ``N``-rank job (a fake process group:
+    ``init_process_group``, device meshes and FSDP2 work as on ``N`` GPUs), as for a build
+    function.
 
     Returns a :class:`ScriptEstimate`; ``.script`` (:class:`ScriptRun`) says how many optimizer
     steps ran, why the run stopped and which writes (``torch.save``, safetensors) were skipped.
@@ -869,6 +874,7 @@ def estimate_script(
             f"args must be a list of strings (the script's command line), got {args!r}")
     card = _gpu(gpu)
     spec = check_margin(margin)
+    world_size = check_world_size(world_size)
     target = _find(os.fspath(script), module)
     lo, hi, step = _check_range(search_range, maximize)
 
@@ -876,13 +882,14 @@ def estimate_script(
         return _script_what_if(target, list(args), card, steps, float(time_limit), what_if,
                                maximize, spec, progress, keep_snapshot,
                                dict(alloc_conf=alloc_conf, strict_values=strict_values,
-                                    default_device=default_device, routing=routing))
+                                    default_device=default_device, routing=routing,
+                                    world_size=world_size))
 
     def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
         e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
                      strict_values=strict_values, default_device=default_device,
-                     routing=routing)
+                     routing=routing, world_size=world_size)
         out = r.finish(_apply_margin(e, spec, card))
         out.params = dict(shown or {})
         return out
@@ -912,8 +919,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                     progress: Callable[[str], None] | None, keep_snapshot: bool,
                     opts: dict[str, Any]) -> ScriptEstimate:
     """``estimate_script(..., what_if=...)``: the script as written, then each lever applied to
-    the model and optimizer it makes (:mod:`torchmem.fit._whatif`; accumulation and FSDP are
-    listed as not available for scripts)."""
+    the model and optimizer it makes (:mod:`torchmem.fit._whatif`; FSDP levers run the script
+    as rank 0 of the sharded job; accumulation is listed as not available for scripts)."""
     from torchmem.fit._search import what_if_runs
     from torchmem.fit._whatif import check_levers
 
@@ -930,6 +937,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
         o = dict(opts)
         if alloc_conf is not None:
             o["alloc_conf"] = alloc_conf
+        if world_size is not None:
+            o["world_size"] = world_size  # FSDP levers: rank 0 of the sharded job
         e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks, **o)
         return r.finish(e)
 

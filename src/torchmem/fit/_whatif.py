@@ -494,8 +494,6 @@ def _not_for_scripts(lv: Lever) -> str | None:
         if "accumulate" in p.settings:
             return ("a script's batch is its own: estimate it with a smaller batch (its "
                     "--batch-size) and its own accumulation, or write a build(batch_size)")
-        if "fsdp" in p.settings:
-            return "FSDP levers take a build function (FILE:build) for now, not a script"
     return None
 
 
