@@ -273,7 +273,9 @@ def test_cli_what_if(tmp_path, capsys) -> None:  # noqa: ANN001
     d = json.loads(capsys.readouterr().out)
     rows = {r["lever"]: r for r in d["what_if"]}
     assert code == 0 and rows["adafactor"]["applied"] == "AdamW -> torch.optim.Adafactor"
-    assert "script's batch" in rows["grad_accumulation_2"]["skipped"]
+    assert rows["grad_accumulation_2"]["applied"] == ("batch as 2 micro-batches, gradients "
+                                                      "accumulated")
+    assert rows["grad_accumulation_2"]["peak_requested_bytes"] < d["peak_requested_bytes"]
 
 
 SCRIPT = """
@@ -305,7 +307,22 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
                                           "grad_accumulation_2", "fsdp_2"])
     rows = {r.lever: r for r in e.what_if}
     assert rows["activation_checkpointing"].applied.startswith("checkpointed 3 blocks: 0, 1, 2")
-    assert "script's batch is its own" in rows["grad_accumulation_2"].skipped
+    # accumulation: the script's --batch-size halved, every second optimizer step made; equal
+    # to the script with the accumulation loop written into it, run with --batch-size 4
+    loop = "    loss.backward(); opt.step(); opt.zero_grad()\n"
+    assert loop in SCRIPT
+    accum = tmp_path / "train_accum.py"
+    accum.write_text(SCRIPT.replace(loop, "    loss.backward()\n    if (i + 1) % 2 == 0:\n"
+                                          "        opt.step(); opt.zero_grad()\n"))
+    h = torchmem.estimate_script(str(accum), ["--batch-size", "4"], "A100-80GB")
+    r = rows["grad_accumulation_2"]
+    assert r.skipped is None and h.script.steps_run == 2
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert r.peak_requested_bytes < e.peak_requested_bytes
+    # without the batch option in its arguments the script's batch is unknown: listed, not run
+    bare = torchmem.estimate_script(str(f), [], "A100-80GB", what_if=["grad_accumulation_2"])
+    assert "no batch option in the script's arguments" in bare.what_if[0].skipped
     assert e.script.steps_run == 2
     by_hand = tmp_path / "train_adafactor.py"
     by_hand.write_text(SCRIPT.replace("torch.optim.AdamW(", "torch.optim.Adafactor("))
@@ -562,3 +579,39 @@ def test_best_prefers_precision_and_optimizer_levers_to_lora() -> None:
                                                                    True, 60)]
     assert best_combination(None, None, rows).lever == "adafactor"
     assert best_combination(None, None, rows[:1]).lever == "lora"
+
+
+TRAINER_SCRIPT = """
+import argparse, torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+p = argparse.ArgumentParser()
+p.add_argument("--per_device_train_batch_size", type=int, default=8)
+p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+a = p.parse_args()
+cfg = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=256, vocab_size=1000)
+model = BertForSequenceClassification(cfg).to("cuda")
+rows = [{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.tensor(0)} for _ in range(64)]
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=a.per_device_train_batch_size,
+                         gradient_accumulation_steps=a.gradient_accumulation_steps, max_steps=4,
+                         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_accumulation_on_an_unmodified_trainer_script(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A `Trainer` script's accumulation row: its per-device batch halved and the Trainer's own
+    gradient_accumulation_steps doubled, equal to the script run that way by hand."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "trainer_script.py"
+    f.write_text(TRAINER_SCRIPT)
+    e = torchmem.estimate_script(str(f), ["--per_device_train_batch_size", "8"], "T4",
+                                 what_if=["grad_accumulation_2"])
+    h = torchmem.estimate_script(str(f), ["--per_device_train_batch_size", "4",
+                                          "--gradient_accumulation_steps", "2"], "T4")
+    r = e.what_if[0]
+    assert r.skipped is None and h.script.steps_run == 2
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert r.peak_requested_bytes < e.peak_requested_bytes

@@ -235,6 +235,9 @@ class LeverRun:
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
         self.lora_refused: list[str] = []
         self.trainer_accumulates = False
+        #: a script's run: it is one run of the whole script (its own loop); its batch option is
+        #: divided by the caller, and every ``accumulate``-th optimizer step is made
+        self.script_accumulates = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -248,7 +251,7 @@ class LeverRun:
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
                 "fsdp", "accumulate", "lora", "count_flops", "flops", "wrapped", "roots",
                 "optimizers", "optimizer_refused", "converted", "sharded", "adapted",
-                "lora_refused", "trainer_accumulates")
+                "lora_refused", "trainer_accumulates", "script_accumulates")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -264,6 +267,8 @@ class LeverRun:
             >>> LeverRun(accumulate=4).batch(16)
             4
         """
+        if self.script_accumulates:
+            return batch_size  # the script's own batch option is divided instead
         return batch_size // self.accumulate if self.accumulate > 1 else batch_size
 
     def run_step(self, step: Callable[[], Any]) -> None:
@@ -275,8 +280,8 @@ class LeverRun:
             >>> LeverRun(accumulate=2).run_step(lambda: calls.append(1)); calls
             [1, 1]
         """
-        if self.trainer_accumulates:
-            step()  # the Trainer accumulates (gradient_accumulation_steps)
+        if self.trainer_accumulates or self.script_accumulates:
+            step()  # the Trainer (gradient_accumulation_steps) or the script's loop accumulates
             return
         for i in range(self.accumulate):
             if i < self.accumulate - 1:
@@ -300,6 +305,31 @@ class LeverRun:
             for o in opts:
                 o.__dict__.pop("step", None)
                 o.__dict__.pop("zero_grad", None)
+
+    def _every_kth_step(self, opt: Any) -> None:
+        """A script's loop steps every iteration: ``opt.step`` is made every ``accumulate``-th
+        call only, and ``opt.zero_grad`` only where the count of steps is a multiple of
+        ``accumulate`` (before the first step, and after each step made), so gradients
+        accumulate over ``accumulate`` iterations whether the loop zeroes before its forward
+        or after its step (transformers' Trainer, which accumulates itself, is left alone)."""
+        calls = [0]
+        lever = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if lever.trainer_accumulates:
+                return type(opt).step(opt, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] % lever.accumulate:
+                return None  # a micro-batch: its gradients accumulate
+            return type(opt).step(opt, *args, **kwargs)
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if lever.trainer_accumulates or calls[0] % lever.accumulate == 0:
+                return type(opt).zero_grad(opt, *args, **kwargs)
+            return None
+
+        opt.step = step
+        opt.zero_grad = zero_grad
 
     # -- installation --------------------------------------------------------------------------
 
@@ -426,6 +456,8 @@ class LeverRun:
         params = list(params) if not isinstance(params, torch.Tensor) else [params]
         self.optimizers.append(type(opt).__name__)
         self._opts.add(opt)
+        if self.script_accumulates and self.accumulate > 1:
+            self._every_kth_step(opt)
         if self.weights_dtype is not None or self.fsdp or self.lora:
             params = self._model_changes(params)
         if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:

@@ -781,6 +781,33 @@ def _current(flag: str, args: Sequence[str]) -> int | None:
         ) from None
 
 
+#: the batch options the accumulation levers divide, in the order they are looked for
+BATCH_OPTIONS = ("--batch-size", "--batch_size", "--per_device_train_batch_size",
+                 "--per-device-train-batch-size", "--train-batch-size", "--train_batch_size",
+                 "--bs")
+
+
+def _batch_option(args: Sequence[str]) -> tuple[str, int] | None:
+    """The script's batch option as given in ``args`` (one of :data:`BATCH_OPTIONS` with an
+    int value): ``(flag, value)``, or ``None``.
+
+    Example:
+        >>> _batch_option(["--lr", "1e-3", "--batch-size=16"]), _batch_option(["--lr", "1"])
+        (('--batch-size', 16), None)
+        >>> _batch_option(["--per_device_train_batch_size", "4"])
+        ('--per_device_train_batch_size', 4)
+    """
+    for flag in BATCH_OPTIONS:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            try:
+                value = _current(flag, args)
+            except InvalidInputError:
+                continue
+            if value is not None and value > 0:
+                return flag, value
+    return None
+
+
 def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
     """``args`` with ``flag value`` replaced (every occurrence) or appended.
 
@@ -920,7 +947,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                     opts: dict[str, Any]) -> ScriptEstimate:
     """``estimate_script(..., what_if=...)``: the script as written, then each lever applied to
     the model and optimizer it makes (:mod:`torchmem.fit._whatif`; FSDP levers run the script
-    as rank 0 of the sharded job; accumulation is listed as not available for scripts)."""
+    as rank 0 of the sharded job; accumulation runs it with its batch option divided
+    (:func:`_batch_option`) and makes every k-th optimizer step)."""
     from torchmem.fit._search import what_if_runs
     from torchmem.fit._whatif import check_levers
 
@@ -930,10 +958,16 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
             "script at the batch you want to check (its own --batch-size), or drop --max"
         )
     chosen = check_levers(None if isinstance(what_if, bool) else what_if)
+    batch = _batch_option(argv)
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
-        r = _Run(target, argv, steps, time_limit)
+        run_argv = argv
+        if lr.accumulate > 1 and batch is not None:
+            # micro-batches: the script's batch divided, every k-th optimizer step made
+            lr.script_accumulates = True
+            run_argv = with_option(argv, batch[0], batch[1] // lr.accumulate)
+        r = _Run(target, run_argv, steps, time_limit)
         o = dict(opts)
         if alloc_conf is not None:
             o["alloc_conf"] = alloc_conf
@@ -942,7 +976,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
         e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks, **o)
         return r.finish(e)
 
-    out = what_if_runs(one, card, 1, chosen, None, spec, progress, keep_snapshot, None,
-                       script=True)
+    out = what_if_runs(one, card, 1 if batch is None else batch[1], chosen, None, spec,
+                       progress, keep_snapshot, None,
+                       script=True if batch is None else batch[0])
     assert isinstance(out, ScriptEstimate)
     return out

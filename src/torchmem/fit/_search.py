@@ -732,10 +732,11 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
 def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: list[Any],
                  maximize: str | None, margin: MarginSpec,
                  progress: Callable[[str], None] | None, keep_snapshot: bool,
-                 search_range: tuple[int, ...] | None, script: bool = False) -> Estimate:
+                 search_range: tuple[int, ...] | None, script: bool | str = False) -> Estimate:
     """The what-if of a step that ``one(card, lever_run, batch, extra_params, keep_snapshot,
     stacks, world_size, alloc_conf)`` estimates once (a build function's, or a script's with
-    ``script=True``): the step as written (returned, with ``what_if`` and ``what_if_best``
+    ``script=True``, or the flag of the script's batch option, which accumulation divides):
+    the step as written (returned, with ``what_if`` and ``what_if_best``
     set), each lever, the best combination, the largest value with ``maximize``."""
     from torchmem.fit._whatif import _lever_run, what_if
 

@@ -369,7 +369,7 @@ def what_if(
     progress: Callable[[str], None] | None = None,
     suggest: Callable[[Estimate], str | None] | None = None,
     workers: int | None = 1,
-    script: bool = False,
+    script: bool | str = False,
 ) -> tuple[list[WhatIfRow], WhatIfRow | None]:
     """Try each of ``levers`` with ``run(levers, world_size=, alloc_conf=)`` (one estimate of
     the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
@@ -403,7 +403,8 @@ def what_if(
     bf16_ok = card.compute_capability >= (8, 0)
     jobs: list[tuple[int, Lever]] = []
     for lv in levers:
-        why = _not_for_scripts(lv) if script else None
+        why = _not_for_scripts(lv, script if isinstance(script, str) else None) \
+            if script is not False else None
         if why is None:
             why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
         if why is not None:
@@ -489,11 +490,12 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
     return None
 
 
-def _not_for_scripts(lv: Lever) -> str | None:
+def _not_for_scripts(lv: Lever, batch_option: str | None) -> str | None:
     for p in lv.singles:
-        if "accumulate" in p.settings:
-            return ("a script's batch is its own: estimate it with a smaller batch (its "
-                    "--batch-size) and its own accumulation, or write a build(batch_size)")
+        if "accumulate" in p.settings and batch_option is None:
+            return ("no batch option in the script's arguments: give it explicitly (e.g. "
+                    "--batch-size 16, or --per_device_train_batch_size 16 for a Trainer "
+                    "script): each micro-batch runs with it divided by the micro-batch count")
     return None
 
 
