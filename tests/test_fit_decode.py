@@ -103,3 +103,31 @@ def test_a_search_with_extrapolated_probes_is_a_true_boundary():
            "by_module", "kv_cache")
     assert [getattr(est, k) for k in key] == [getattr(full, k) for k in key]
     assert not torchmem.estimate_hf(cfg, gpu=card, seq_len=best + 1, **kw).fits
+
+
+def test_an_answer_whose_split_cannot_follow_the_replay_is_rerun_in_full(monkeypatch):
+    """Where the labels or the cache's figures do not repeat, the run says so and the search
+    runs its answer again with every step (as every answer was before)."""
+    import torchmem
+    import torchmem.fit._engine as engine
+    from torchmem.fit import GPU
+
+    start = engine._DecodeFeed._start_split
+
+    def not_repeating(self):
+        start(self)
+        self.exact = False
+
+    cfg = CONFIGS["llama"]
+    kw = dict(task="generate", max_new_tokens=12, dtype="float16", margin=0)
+    build = make_build(load_config(cfg), "generate", torch.float16, None, 40, 12, "dynamic")
+    small = torchmem.estimate_hf(cfg, gpu="H100-80GB", seq_len=40, **kw)
+    card = GPU("test", small.peak_reserved_bytes + (4 << 20), (9, 0), "test",
+               context_override=0)
+    monkeypatch.setattr(engine._DecodeFeed, "_start_split", not_repeating)
+    fast = run_once(build, 1, card, steps=1, extrapolate_decode=True, default_device="cuda")
+    assert fast.decode_replayed > 0 and not fast.decode_split_exact
+    assert fast.kv_cache is not None and fast.kv_cache.tokens < 40 + 11   # the steps that ran
+    est = torchmem.estimate_hf(cfg, gpu=card, maximize="seq_len", search_range=(40, 4096), **kw)
+    assert est.decode_replayed == 0                                       # rerun in full
+    assert est.kv_cache is not None and est.kv_cache.tokens == est.max_value + 11

@@ -436,8 +436,8 @@ class _DecodeFeed:
 
     def kv_figures(self) -> tuple[int, int] | None:
         """The KV cache's ``(max_bytes, tokens)`` after the replayed iterations (``None``:
-        nothing replayed)."""
-        if not self.rec.replayed or len(self.kv_marks) < 2:
+        nothing replayed, or the figures do not follow the replay)."""
+        if not self.rec.replayed or not self.exact or len(self.kv_marks) < 2:
             return None
         (m0, t0, _, _), (m1, t1, _, _) = self.kv_marks[-2], self.kv_marks[-1]
         r = self.rec.replayed
@@ -998,7 +998,7 @@ def _result(
     kv_ids = kv.ids if kv is not None else set()
     by_mod: dict[str, int] = {}
     replayed = feed.rec.replayed if feed is not None else 0
-    if feed is not None and feed.peak_split is not None:  # the peak is in the replay
+    if feed is not None and feed.exact and feed.peak_split is not None:  # peak in the replay
         for key, n in feed.peak_split[1].items():
             by_cat[key] += n
         by_mod = dict(feed.peak_split[2])
