@@ -18,15 +18,20 @@ Methods, side by side:
                bytes per token, GPU memory = the card's cudaMemGetInfo total
 
 Since issue 26 the search predicts most probes from the allocator requests of the probes that
-ran (``torchmem.fit._stream``) and runs the answer and one more for real; ``--all-real`` runs
-every probe instead (the search before), ``--compare`` both, side by side, with the answers
-and times.
+ran (``torchmem.fit._stream``) and runs the answer and one more for real (their decode steps
+after the first few replayed through the simulator, ``torchmem.fit._decode``); since session
+11 the answer's per-category split and KV-cache figures come from that replay too, where
+before the answer was run a third time with every decode step through the model.
+``--rerun-answer`` restores that third run (the path before), ``--all-real`` runs every probe
+(the search before issue 26), ``--compare`` runs the search as now and with the answer rerun,
+side by side, with the answers, the time ratio and whether the split and KV figures agree.
 
 It prints each answer, the ratio torchmem / arithmetic, the breakdown at torchmem's answer,
 the probes and the wall time (the bar: both GPUs in under a minute on our 2 cores).
 
 Run:  python benchmarks/bench_estimate_hf.py
       python benchmarks/bench_estimate_hf.py --new-tokens 16
+      python benchmarks/bench_estimate_hf.py --new-tokens 16 --gpus "24 GiB"
       python benchmarks/bench_estimate_hf.py --new-tokens 16 --gpus "24 GiB" --compare
       python benchmarks/bench_estimate_hf.py --quick      (4 layers: a smoke run)
       python benchmarks/bench_estimate_hf.py --layers 1 --gpus RTX-4090   (the tests' smoke run)
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 CONFIG = {
     "model_type": "llama",
@@ -77,8 +83,11 @@ def main() -> int:
                     help=f"comma-separated (default {','.join(GPUS)})")
     ap.add_argument("--all-real", action="store_true",
                     help="run every probe (no predicted probes: the search before issue 26)")
+    ap.add_argument("--rerun-answer", action="store_true",
+                    help="run the answer a third time in full for its split (the path before "
+                    "session 11)")
     ap.add_argument("--compare", action="store_true",
-                    help="both searches, predicted probes first, with the time ratio")
+                    help="the search as now, then with --rerun-answer, with the time ratio")
     args = ap.parse_args()
     import torchmem
     import torchmem.fit._search as search_mod
@@ -88,12 +97,20 @@ def main() -> int:
     layers = args.layers or (4 if args.quick else CONFIG["num_hidden_layers"])
     cfg = dict(CONFIG, num_hidden_layers=layers)
     gpus = [g for g in args.gpus.split(",") if g]
+    # warm-up, untimed: imports and first-call costs would go to whichever mode runs first
+    torchmem.estimate_hf(dict(cfg, num_hidden_layers=1), task="generate", gpu=gpus[0],
+                         seq_len=8, max_new_tokens=4)
     t_all = time.perf_counter()
-    modes = ["predicted", "all real"] if args.compare else [
-        "all real" if args.all_real else "predicted"]
+    modes = ["predicted", "answer rerun"] if args.compare else [
+        "all real" if args.all_real else "answer rerun" if args.rerun_answer else "predicted"]
     rounds = search_mod.STREAM_ROUNDS
+    inexact = search_mod._inexact
+    seen: dict[str, tuple[float, Any]] = {}
     for name, mode in [(g, m) for g in gpus for m in modes]:
-        search_mod.STREAM_ROUNDS = rounds if mode == "predicted" else 0
+        search_mod.STREAM_ROUNDS = rounds if mode != "all real" else 0
+        # the path before session 11: an answer with decode steps replayed is run in full
+        search_mod._inexact = ((lambda e: e.decode_replayed > 0) if mode == "answer rerun"
+                               else inexact)
         card = gpu(name)
         weights, per_token, answer = arithmetic(cfg, card.total_bytes)
         t0 = time.perf_counter()
@@ -106,7 +123,7 @@ def main() -> int:
         best = est.max_value or 0
         cat = est.by_category
         kv = est.kv_cache
-        guessed = len(getattr(est, "predicted_probes", ()))
+        guessed = len(est.predicted_probes)
         print(f"{name} ({fmt(card.total_bytes)} total) [{mode}]: longest context "
               f"{best:,} tokens (torchmem) vs {answer:,} (arithmetic); ratio "
               f"{best / answer:.3f}; {len(est.probes)} probes ({guessed} predicted) in "
@@ -117,7 +134,17 @@ def main() -> int:
               f"{fmt(per_token)}), activations {fmt(cat['activation'])}, workspace "
               f"{fmt(cat['workspace'])}, CUDA context {fmt(est.overhead_bytes)}, peak "
               f"reserved {fmt(est.peak_reserved_bytes)}, margin {fmt(est.margin_bytes)}, "
-              f"kernel {est.attention_kernel}")
+              f"kernel {est.attention_kernel}; decode steps replayed in the answer's run: "
+              f"{est.decode_replayed}")
+        if name in seen:
+            t_first, first = seen[name]
+            same = [k for k in ("max_value", "peak_requested_bytes", "peak_allocated_bytes",
+                                "peak_reserved_bytes", "by_category", "by_module", "kv_cache")
+                    if getattr(first, k) != getattr(est, k)]
+            print(f"  {modes[0]} / {mode} time: {t_first / took:.3f}; answer, peaks, split, "
+                  f"by_module and KV figures {'equal' if not same else 'DIFFER: ' + str(same)}")
+        else:
+            seen[name] = (took, est)
     total = time.perf_counter() - t_all
     what = "both GPUs" if gpus == list(GPUS) else ", ".join(gpus)
     print(f"total {total:.1f} s for {what} (bar: under 60 s)")

@@ -16,9 +16,11 @@ which the same requests give the same simulator.
 What it cannot reproduce makes the result :attr:`~DecodeExtrapolation.valid` false (the caller
 then runs the full loop): any allocation after the replay (code after the loop, a second
 ``generate()``) other than what the replay ended. The estimate of an extrapolated run keeps
-exact peaks and verdict; its per-category split and KV-cache figures come from the iterations
-that ran, so a caller needing them reruns the full loop (``estimate``'s search does, for its
-answer).
+exact peaks and verdict, and (:class:`torchmem.fit._engine._DecodeFeed`) its per-category split
+and KV-cache figures: each replayed change of the requested bytes carries the tag of the request
+it repeats (the storage), so the replay knows what category and module each byte is, and the
+cache's length and size grow by their per-iteration step. Where those do not repeat, the
+estimate says so (``decode_split_exact`` false) and ``estimate``'s search reruns its answer.
 
 Example:
     >>> from torchmem.sim import CachingAllocator
@@ -61,6 +63,8 @@ class DecodeExtrapolation:
         self.sim = sim
         #: (kind, value, segment of the block freed or -1, index in it) per request
         self.events: list[tuple[str, int, int, int]] = []
+        #: the caller's tag of each request (``on_req``'s, the storage; -1: none)
+        self.tags: list[int] = []
         #: handle -> (segment, index within it)
         self.where: list[tuple[int, int]] = []
         self.starts: list[int] = []
@@ -84,21 +88,25 @@ class DecodeExtrapolation:
             self.valid = False
         self.where.append((self._segment(), self._index()))
         self.events.append(("m", size, -1, 0))
+        self.tags.append(-1)
         return len(self.where) - 1
 
     def on_free(self, handle: int) -> None:
         """Record a free of the block ``handle``."""
         seg, idx = self.where[handle]
         self.events.append(("f", 0, seg, idx))
+        self.tags.append(-1)
 
-    def on_req(self, delta: int) -> None:
-        """Record a change of the requested bytes."""
+    def on_req(self, delta: int, tag: int = -1) -> None:
+        """Record a change of the requested bytes (``tag``: the caller's, e.g. the storage)."""
         if delta:
             self.events.append(("r", delta, -1, 0))
+            self.tags.append(tag)
 
     def on_empty(self) -> None:
         """Record an ``empty_cache()``."""
         self.events.append(("e", 0, -1, 0))
+        self.tags.append(-1)
 
     def mark(self) -> None:
         """A loop check: a new iteration starts."""
@@ -109,6 +117,19 @@ class DecodeExtrapolation:
     def _seg(self, s: int) -> list[tuple[str, int, int, int]]:
         end = self.starts[s + 1] if s + 1 < len(self.starts) else len(self.events)
         return self.events[self.starts[s]:end]
+
+    def segment_tags(self, back: int) -> list[int]:
+        """The tags of the requests of the complete iteration ``back`` before the one now
+        starting (1: the last), in order.
+
+        Example:
+            >>> d = DecodeExtrapolation(None)
+            >>> d.mark(); d.on_req(8, tag=3); d.mark(); d.segment_tags(1)
+            [3]
+        """
+        s = len(self.starts) - 1 - back
+        end = self.starts[s + 1] if s + 1 < len(self.starts) else len(self.events)
+        return self.tags[self.starts[s]:end]
 
     def pattern(self) -> list[tuple[str, int, int, int, int]] | None:
         """The last iteration and its step per token: ``(kind, value, step, back, index)``
@@ -150,8 +171,9 @@ class DecodeExtrapolation:
 
     def replay(self, count: int, sink: Any) -> bool:
         """Feed ``count`` more iterations of :meth:`pattern` to ``sink`` (``malloc(size) ->
-        handle or None`` (out of memory: stop), ``free(handle)``, ``req(delta)``,
-        ``empty()``); whether a pattern was found. The handles are the sink's."""
+        handle or None`` (out of memory: stop), ``free(handle, own)``, ``req(delta, tag)``
+        (``tag``: that of the request it repeats in the last iteration), ``empty()``); whether
+        a pattern was found. The handles are the sink's."""
         pat = self.pattern()
         if pat is None:
             return False
@@ -159,6 +181,7 @@ class DecodeExtrapolation:
         last = len(self.starts) - 1
         mine: dict[tuple[int, int], Any] = {}
         known = {h: w for h, w in enumerate(self.where) if w[0] >= last - PATTERN}
+        tags = self.segment_tags(1)
         for h, w in known.items():
             mine[w] = ("own", h)
         self.recording = False
@@ -175,7 +198,7 @@ class DecodeExtrapolation:
                         tag, h = mine.pop((seg - back, ref))
                         sink.free(h, tag == "own")
                     elif kind == "r":
-                        sink.req(value + k * step)
+                        sink.req(value + k * step, tags[idx])
                     else:
                         sink.empty()
                 self.replayed += 1

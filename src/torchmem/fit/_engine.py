@@ -47,7 +47,7 @@ from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, Torchm
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
 from torchmem.fit._cuda import CudaEmulation
-from torchmem.fit._decode import DecodeExtrapolation
+from torchmem.fit._decode import PATTERN, DecodeExtrapolation
 from torchmem.fit._dist import DistWatch, FakeWorld, check_world_size
 from torchmem.fit._env import fake_cuda
 from torchmem.fit._estimate import Estimate, KVCache, OOMSite
@@ -200,11 +200,12 @@ class _State:
         self._peaks()
         return addr
 
-    def _requested(self, delta: int) -> None:
-        """Requested bytes change by ``delta``; the decode-step and request records are told."""
+    def _requested(self, delta: int, sid: int = -1) -> None:
+        """Requested bytes change by ``delta`` (storage ``sid``'s); the decode-step and request
+        records are told."""
         self.live_req += delta
         if self.feed is not None:
-            self.feed.on_req(delta)
+            self.feed.on_req(delta, sid)
         if self.stream is not None:
             self.stream.req(delta)
 
@@ -238,7 +239,7 @@ class _State:
                 if addr is None:
                     return
                 self.addr[ev.storage] = addr
-            self._requested(n)
+            self._requested(n, ev.storage)
             if self.live_req > self.peak_req:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
@@ -250,7 +251,7 @@ class _State:
                 self.pl.host.discard(ev.storage)
                 self._host(-ev.nbytes)
             else:
-                self._requested(-ev.nbytes)
+                self._requested(-ev.nbytes, ev.storage)
             key = self.key_of.pop(ev.storage, None)
             if key is not None and self.sid_of.get(key) == ev.storage:
                 del self.sid_of[key]
@@ -291,7 +292,7 @@ class _State:
                 if addr is not None:
                     self.sim.free(addr)
                     nbytes = t.untyped_storage().nbytes()
-                    self._requested(-nbytes)
+                    self._requested(-nbytes, -1 if sid is None else sid)
                     self.pl.host.add(sid)  # type: ignore[arg-type]
                     self.pl.host_ever.add(sid)  # type: ignore[arg-type]
                     self._host(nbytes)
@@ -313,10 +314,17 @@ class _State:
 
 class _DecodeFeed:
     """Feeds the simulator's requests to a :class:`DecodeExtrapolation` (the record) and
-    replays its extrapolated iterations into the simulator (the sink)."""
+    replays its extrapolated iterations into the simulator (the sink).
 
-    def __init__(self, st: _State, tracker: Any) -> None:
-        self.st, self.tracker = st, tracker
+    The replay also keeps the run's per-category split: each replayed change of the requested
+    bytes is labelled with the category and module of the storage it repeats (the last real
+    iteration's), so the live bytes by category and module are known at a peak inside the
+    replay (:attr:`peak_split`); the KV cache's figures are carried on by their per-iteration
+    step (:meth:`kv_figures`). :attr:`exact` is false when the labels or the cache's figures
+    do not repeat from iteration to iteration (the split is then the iterations that ran)."""
+
+    def __init__(self, st: _State, tracker: Any, kv: KVWatch) -> None:
+        self.st, self.tracker, self.kv = st, tracker, kv
         self.rec = DecodeExtrapolation(st.sim)
         self.handle: dict[int, int] = {}  # address -> record handle
         self.addr_of: dict[int, int] = {}  # record handle -> address
@@ -346,17 +354,106 @@ class _DecodeFeed:
         sim.malloc, sim.free, sim.empty_cache = rec_malloc, rec_free, rec_empty  # type: ignore[method-assign,assignment]
         st.feed = self.rec
         self.sid_of_addr: dict[int, int] = {}
+        #: the KV cache's (max_bytes, tokens, batch, bytes_per_token) at each loop check
+        self.kv_marks: list[tuple[int, int, int, int]] = []
+        #: whether the split and KV figures follow the replay (see the class docstring)
+        self.exact = True
+        #: storage id -> (category key, module) or None (not counted), for the replay's labels
+        self.labels: dict[int, tuple[str, str] | None] = {}
+        #: live bytes by category and by module (and live storages by module) in the replay
+        self.cat: dict[str, int] = {}
+        self.mod: dict[str, int] = {}
+        self.mod_n: dict[str, int] = {}
+        #: (requested bytes, by category, by module) at the replay's highest peak, if any
+        self.peak_split: tuple[int, dict[str, int], dict[str, int]] | None = None
+        self.start_live: dict[int, tuple[int, str, str]] = {}
+        self.gone: set[int] = set()
 
     def check(self, gen: GenerationPatches) -> bool:
         """At a loop check: replay the remaining iterations when they repeat; True if so."""
         self.rec.mark()
+        kv = self.kv
+        self.kv_marks.append((kv.max_bytes, kv.tokens, kv.batch, kv.bytes_per_token))
         if self.rec.replayed or gen.length is None or gen.max_length is None:
             return False
         remaining = gen.max_length - gen.length
         if remaining < 1 or self.rec.pattern() is None:
             return False
         self.sid_of_addr = {a: sid for sid, a in self.st.addr.items()}
-        return self.rec.replay(remaining, self)
+        self._start_split()
+        done = self.rec.replay(remaining, self)
+        self.gone = set(self.st.gone)
+        if self.st.oom is not None:
+            self.exact = False  # a partial iteration: its cache figures are not the step's
+        return done
+
+    # -- the split --------------------------------------------------------------------------------
+
+    def _start_split(self) -> None:
+        """The live bytes by category and module now, and the labels of the last iteration's
+        storages; :attr:`exact` false when the labels or the cache's figures do not repeat.
+
+        A storage's category is settled when it is freed (one freed in the region it was made
+        in is a temporary), so the last iteration's storages, some still live, take the labels
+        of the iteration before it (each of whose storages is freed by now, as the pattern
+        frees each block within the next iteration), checked against the one before that."""
+        st, kv_ids = self.st, self.kv.ids
+        last, prev, first = (self.rec.segment_tags(k) for k in range(1, PATTERN + 1))
+        wanted = {t for t in (*prev, *first) if t >= 0}
+        over: dict[int, str] = st.dist.cat if st.dist is not None else {}
+        host = st.pl.host_ever
+        known: dict[int, tuple[str, str] | None] = {}
+        for ev in self.tracker.events():
+            sid = ev.storage
+            if ev.kind == _ALLOC and sid in wanted:
+                key = "kv_cache" if sid in kv_ids else over.get(sid) or _KEYS.get(
+                    ev.category, "other")
+                known[sid] = None if sid in host else (key, ev.module or "")
+        if any(known.get(a) != known.get(b) for a, b in zip(prev, first)):
+            self.exact = False
+        for t, model in zip(last, prev):
+            if t >= 0:
+                if self.labels.get(t, known.get(model)) != known.get(model):
+                    self.exact = False
+                self.labels[t] = known.get(model)
+        self.start_live = _live_at(self.tracker, len(self.tracker) - 1, st, kv_ids)
+        for sid, (n, key, mod) in self.start_live.items():
+            label = self.labels.get(sid, (key, mod))
+            if label is None:
+                continue
+            key, name = label[0], label[1] or "(outside any module)"
+            self.cat[key] = self.cat.get(key, 0) + n
+            self.mod[name] = self.mod.get(name, 0) + n
+            self.mod_n[name] = self.mod_n.get(name, 0) + 1
+        marks = self.kv_marks[-PATTERN - 1:]
+        steps = {tuple(b - a for a, b in zip(m0, m1)) for m0, m1 in zip(marks, marks[1:])}
+        if len(marks) < PATTERN + 1 or len(steps) != 1:
+            self.exact = False
+        else:
+            d_max, d_tokens, d_batch, d_bpt = steps.pop()
+            if d_max < 0 or d_tokens < 0 or d_batch or d_bpt:
+                self.exact = False
+
+    def kv_figures(self) -> tuple[int, int] | None:
+        """The KV cache's ``(max_bytes, tokens)`` after the replayed iterations (``None``:
+        nothing replayed, or the figures do not follow the replay)."""
+        if not self.rec.replayed or not self.exact or len(self.kv_marks) < 2:
+            return None
+        (m0, t0, _, _), (m1, t1, _, _) = self.kv_marks[-2], self.kv_marks[-1]
+        r = self.rec.replayed
+        return m1 + r * (m1 - m0), t1 + r * (t1 - t0)
+
+    def kv_end_bytes(self, end_seq: int) -> int:
+        """The cache's bytes live at ``end_seq``: the real storages', and the replay's own
+        while the real ones it freed in the replay live on (the objects holding them do)."""
+        kv_ids = self.kv.ids
+        gone = self.gone & kv_ids
+        real, held = kv_live_bytes(self.tracker.events(), kv_ids - gone, [end_seq])[0], 0
+        if gone and kv_live_bytes(self.tracker.events(), gone, [end_seq])[0]:
+            start = sum(n for sid, (n, key, _) in self.start_live.items() if key == "kv_cache")
+            freed = sum(self.start_live[sid][0] for sid in gone if sid in self.start_live)
+            held = self.cat.get("kv_cache", 0) - (start - freed)
+        return real + held
 
     # -- the sink ---------------------------------------------------------------------------------
 
@@ -376,15 +473,24 @@ class _DecodeFeed:
             addr = h
         st.sim.free(addr)
 
-    def req(self, delta: int) -> None:
+    def req(self, delta: int, tag: int = -1) -> None:
         st = self.st
         st.live_req += delta
         if st.stream is not None:
             st.stream.req(delta)
+        label = self.labels.get(tag)
+        if label is not None:
+            key, mod = label
+            name = mod or "(outside any module)"
+            self.cat[key] = self.cat.get(key, 0) + delta
+            self.mod[name] = self.mod.get(name, 0) + delta
+            self.mod_n[name] = self.mod_n.get(name, 0) + (1 if delta > 0 else -1)
         if st.live_req > st.peak_req:
             st.peak_req = st.live_req
             st.peak_req_seq = len(self.tracker) - 1
             st.ws_at_peak = st.ws_bytes
+            mods = {m: n for m, n in self.mod.items() if self.mod_n.get(m, 0) > 0}
+            self.peak_split = (st.peak_req, dict(self.cat), mods)
 
     def empty(self) -> None:
         self.st.sim.empty_cache()
@@ -727,9 +833,11 @@ def run_once(
 
     ``extrapolate_decode=True`` (one step, no snapshot) runs only the first iterations of
     ``generate()``'s loop through the model and replays the rest into the simulator
-    (:mod:`torchmem.fit._decode`): the same peaks and verdict, in a fraction of the time;
-    the result's ``decode_replayed`` attribute counts the iterations replayed (0: none), and
-    when something after the replay cannot be reproduced the full run is made instead.
+    (:mod:`torchmem.fit._decode`): the same peaks and verdict, per-category split
+    (``by_category``, ``by_module``) and ``kv_cache`` figures, in a fraction of the time;
+    ``Estimate.decode_replayed`` counts the iterations replayed (0: none) and
+    ``Estimate.decode_split_exact`` is false when the split could not follow them; when
+    something after the replay cannot be reproduced the full run is made instead.
 
     ``stream=[]`` fills that list with every request made to the simulator
     (:mod:`torchmem.fit._stream`), the extrapolated ones included.
@@ -771,14 +879,14 @@ def run_once(
     failure: InvalidInputError | None = None
     values = ValueReads(strict=strict_values)
     gen = GenerationPatches(values)
+    kv = KVWatch(attrs, st.sid_of.get)
     feed = None
     if extrapolate_decode and steps == 1 and not keep_snapshot and world is None:
-        feed = _DecodeFeed(st, tracker)
+        feed = _DecodeFeed(st, tracker, kv)
         gen.on_check = feed.check
     if stream is not None:
         stream.clear()
         st.stream = StreamRecorder(sim, stream)
-    kv = KVWatch(attrs, st.sid_of.get)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     st.levers = levers
     lever_ctx = levers if levers is not None else _Null()
@@ -863,8 +971,7 @@ def run_once(
             "pass default_device='cuda' (CLI: --default-device cuda) to put tensors created "
             "without a device on the GPU"
         )
-    est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv)
-    est.decode_replayed = feed.rec.replayed if feed is not None else 0  # type: ignore[attr-defined]
+    est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv, feed)
     est.params = kw
     est.assumed_values = [r.to_dict() for r in values.reads]
     if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)
@@ -925,11 +1032,17 @@ def _result(
     card: GPU, batch_size: int, steps: int, alloc_conf: str | None, st: _State, tracker: Any,
     keep_snapshot: bool,
     kv: KVWatch | None = None,
+    feed: _DecodeFeed | None = None,
 ) -> Estimate:
     by_cat = dict.fromkeys(_REPORT_KEYS, 0)
     kv_ids = kv.ids if kv is not None else set()
     by_mod: dict[str, int] = {}
-    if st.peak_req_seq >= 0:
+    replayed = feed.rec.replayed if feed is not None else 0
+    if feed is not None and feed.exact and feed.peak_split is not None:  # peak in the replay
+        for key, n in feed.peak_split[1].items():
+            by_cat[key] += n
+        by_mod = dict(feed.peak_split[2])
+    elif st.peak_req_seq >= 0:
         for n, key, mod in _live_at(tracker, st.peak_req_seq, st, kv_ids).values():
             by_cat[key] += n
             name = mod or "(outside any module)"
@@ -955,8 +1068,10 @@ def _result(
         alloc_conf=alloc_conf,
         compute_capability=card.compute_capability,
         snapshot=st.snapshot,
-        kv_cache=_kv_cache(kv, by_cat["kv_cache"], st, tracker),
+        kv_cache=_kv_cache(kv, by_cat["kv_cache"], st, tracker, feed),
         host_peak_bytes=st.host_peak,
+        decode_replayed=replayed,
+        decode_split_exact=not replayed or feed is None or feed.exact,
     )
 
 
@@ -1002,18 +1117,26 @@ def _dist_result(est: Estimate, world: int, st: _State, tracker: Any) -> None:
     )
 
 
-def _kv_cache(kv: KVWatch | None, at_peak: int, st: _State, tracker: Any) -> KVCache | None:
-    """The KV cache's figures, ``None`` when the run had no cache."""
+def _kv_cache(kv: KVWatch | None, at_peak: int, st: _State, tracker: Any,
+              feed: _DecodeFeed | None = None) -> KVCache | None:
+    """The KV cache's figures, ``None`` when the run had no cache; with decode steps
+    replayed (``feed``), carried on over the replayed iterations."""
     if kv is None or not kv.ids:
         return None
-    (end,) = kv_live_bytes(tracker.events(), kv.ids, [st.end_seq])
+    grown = feed.kv_figures() if feed is not None else None
+    if grown is not None and feed is not None:
+        end = feed.kv_end_bytes(st.end_seq)
+        max_bytes, tokens = grown
+    else:
+        (end,) = kv_live_bytes(tracker.events(), kv.ids, [st.end_seq])
+        max_bytes, tokens = kv.max_bytes, kv.tokens
     return KVCache(
         peak_bytes=at_peak,
         end_bytes=end,
-        max_bytes=kv.max_bytes,
+        max_bytes=max_bytes,
         bytes_per_token=kv.bytes_per_token,
-        bytes_per_sequence=kv.bytes_per_sequence,
-        tokens=kv.tokens,
+        bytes_per_sequence=max_bytes // kv.batch if kv.batch else 0,
+        tokens=tokens,
         batch=kv.batch,
         source=", ".join(sorted(kv.sources)),
     )

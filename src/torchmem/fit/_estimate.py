@@ -137,11 +137,21 @@ class Estimate:
     end of the last ``optimizer.step()`` (empty when the step never calls one);
     ``collectives`` gives each collective operator's calls and largest buffer.
 
+    ``decode_replayed`` counts the iterations of ``generate()``'s loop that were replayed
+    into the simulator instead of run through the model (:mod:`torchmem.fit._decode`; 0:
+    none): the peaks and verdict are the full run's, and so are ``by_category``,
+    ``by_module`` and ``kv_cache`` unless ``decode_split_exact`` is false (they are then the
+    iterations that ran). ``predicted`` marks a search probe predicted from earlier probes'
+    allocator requests (:mod:`torchmem.fit._stream`), not run; a search's answer lists those
+    values in ``predicted_probes``.
+
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
         ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
         >>> e.usable_bytes, e.to_dict()["oom"]
         (8, None)
+        >>> e.decode_replayed, e.decode_split_exact, e.predicted, e.predicted_probes
+        (0, True, False, [])
     """
 
     gpu: str
@@ -181,6 +191,10 @@ class Estimate:
     host_peak_bytes: int = 0
     what_if: list[Any] = field(default_factory=list)
     what_if_best: Any = None
+    decode_replayed: int = 0
+    decode_split_exact: bool = True
+    predicted: bool = False
+    predicted_probes: list[int] = field(default_factory=list)
 
     @property
     def usable_bytes(self) -> int:

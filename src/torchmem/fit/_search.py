@@ -300,8 +300,8 @@ def estimate(
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False,
             stream: list[Any] | None = None) -> Estimate:
-        # a probe extrapolates generate()'s later decode steps (same peaks and verdict); the
-        # answer is rerun in full for its per-category split and KV-cache figures
+        # a probe extrapolates generate()'s later decode steps (same peaks, verdict, split and
+        # KV figures; an answer whose split could not follow the replay is rerun in full)
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
@@ -401,7 +401,7 @@ def _check_range(
 
 
 def _describe(name: str, v: int, e: Estimate) -> str:
-    if getattr(e, "predicted", False):
+    if e.predicted:
         return _describe_run(name, v, e) + " [predicted from earlier probes' requests]"
     return _describe_run(name, v, e)
 
@@ -514,7 +514,7 @@ def _search(
             warnings.warn(n, RuntimeWarning, stacklevel=3)
     if good == 0:
         best = cache[floor] if floor in cache else cache[order[-1]]
-    elif keep_snapshot or _replayed(cache[good]) or getattr(cache[good], "predicted", False):
+    elif keep_snapshot or _inexact(cache[good]) or cache[good].predicted:
         best = rerun(good * step)
     else:
         best = cache[good]
@@ -544,7 +544,10 @@ def _stream_search(
     args: tuple[Any, ...],
 ) -> Estimate:
     """:func:`_search` with probes predicted by :mod:`torchmem.fit._stream` once two probes of
-    ``generate()`` (decode steps extrapolated) ran to the end: the answer and the value above it are then run for real, and the answer stands
+    ``generate()`` (decode steps extrapolated) ran to the end: the answer and the value above
+    it are then run for real (decode steps extrapolated: the answer's split and KV figures
+    are those of the full run, which is made only when they could not follow the replay), and
+    the answer stands
     when their verdicts are the predicted ones (it fits, one more does not); otherwise the
     search runs again with those runs added (up to :data:`STREAM_ROUNDS` times, while they
     add a record), then with every probe run for real (the runs made so far are reused)."""
@@ -564,7 +567,7 @@ def _stream_search(
 
     def answer(v: int) -> Estimate:
         e = real_probe(v)  # a copy: the search writes its answer's fields
-        return rerun(v) if keep_snapshot or _replayed(e) else dataclasses.replace(
+        return rerun(v) if keep_snapshot or _inexact(e) else dataclasses.replace(
             e, notes=list(e.notes))
 
     predicted: set[int] = set()  # this round's
@@ -597,7 +600,7 @@ def _stream_search(
         if good and not best.fits:  # the answer's own run (rerun in full, when it is)
             wrong.append(good)
         if not wrong:
-            best.predicted_probes = sorted(predicted)  # type: ignore[attr-defined]
+            best.predicted_probes = sorted(predicted)
             best.notes.append(
                 f"{len(predicted)} of the search's {len(best.probes)} probes were predicted from "
                 f"the allocator requests of the {len(real)} that ran; the answer and one more "
@@ -608,7 +611,7 @@ def _stream_search(
             break
     best = _search(name, real_probe, start, lo, hi, card, progress, keep_snapshot, answer,
                    fits_at, step)
-    best.predicted_probes = []  # type: ignore[attr-defined]
+    best.predicted_probes = []
     return best
 
 
@@ -622,15 +625,19 @@ def _predicted(base: Estimate, got: tuple[int, int, int, int, int | None], name:
                             fragmentation_bytes=frag, params={**base.params, name: v})
     e.oom = None if oom is None else OOMSite(oom, None, None, "predicted", (), alloc, res,
                                              "predicted from earlier probes' requests")
-    e.predicted = True  # type: ignore[attr-defined]
-    e.decode_replayed = 0  # type: ignore[attr-defined]
+    e.predicted, e.decode_replayed = True, 0
     return e
 
 
 def _replayed(e: Estimate) -> bool:
     """Whether the probe ``e`` extrapolated decode steps (:mod:`torchmem.fit._decode`)."""
-    n: int = getattr(e, "decode_replayed", 0)
-    return n > 0
+    return e.decode_replayed > 0
+
+
+def _inexact(e: Estimate) -> bool:
+    """Whether ``e``'s per-category split and KV figures are not the full run's (decode
+    steps replayed without them following): an answer so is rerun in full."""
+    return e.decode_replayed > 0 and not e.decode_split_exact
 
 
 def _predict(
