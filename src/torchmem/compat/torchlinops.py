@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import sys
 from math import prod
 from operator import add, attrgetter
@@ -176,6 +177,19 @@ class MemReporter:
             >>> MemReporter().report(torch.nn.Sequential(emb, lin), file=out).unique_bytes
             {'cpu': 400}
         """
+        # the cyclic collector stays paused until the report is printed: its rows are tens of
+        # thousands of new objects that a collection would only scan (gc.collect() still runs)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            rep = self._report(module, file)
+        finally:
+            if was_enabled:
+                gc.enable()
+        self.last_report = rep
+        return rep
+
+    def _report(self, module: torch.nn.Module | None, file: IO[str] | None) -> MemoryReport:
         if module is not None:
             rep = inspect_memory(module)
         else:  # torchlinops collected garbage before scanning: keep that behaviour
@@ -206,5 +220,4 @@ class MemReporter:
             lines.append(f"Total: {self._fmt(totals.get(dev, 0))}")
         if lines:  # one write: the same text as a print() per line
             out.write("\n".join(lines) + "\n")
-        self.last_report = rep
         return rep
