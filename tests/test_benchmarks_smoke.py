@@ -53,6 +53,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_growth.py": ["--events", "5000", "--repeats", "1"],
     "bench_ledger.py": ["--smoke"],
     "bench_live.py": ["--smoke"],
+    "bench_memreporter.py": ["--tensors", "500", "--repeats", "2", "--runs", "1"],
     "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
     "bench_public_truth.py": ["adam8bit", "--max-steps", "1"],
     "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
@@ -224,6 +225,13 @@ def test_bench_live() -> None:
         rf"^transformer: untracked {NUM} ms",
         rf"--live / torchmem run \(default\) +{R()}x",
         rf"meter / track\(model, opt, stacks=False\) +{R()}x")
+
+
+def test_bench_memreporter() -> None:
+    out = smoke("bench_memreporter.py")
+    has(out, r"^torch .*, 500 live tensors, \d+ gc objects, load average",
+        rf"^run 1: gc.collect {NUM} ms, MemReporter {NUM} ms \(minima of 2\); ratio of minima "
+        rf"(?P<fig_min>{NUM}), of medians (?P<fig_med>{NUM}) \(goal <= 2\)")
 
 
 def test_bench_merge() -> None:

@@ -238,3 +238,46 @@ def test_collect_garbage_drops_unreachable_cycles_only_when_asked() -> None:
     finally:
         if was:
             gc.enable()
+
+
+def _odd_tensors() -> list[torch.Tensor]:
+    """Each its own storage: dense, transposed, strided slices, empty, expanded, 0-d, meta."""
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    return [x.clone(), x.clone().transpose(0, 2), x.clone()[:, 1:, ::3], torch.zeros(0, 3),
+            torch.zeros(3).expand(5, 3), torch.tensor(2, dtype=torch.int16),
+            torch.ones(6, dtype=torch.float16)[1:5], torch.empty(4, 4, device="meta")[:, 2],
+            torch.nn.Parameter(torch.ones(3, 1))]
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_each_row_spans_the_bytes_tensor_span_gives(bulk: bool) -> None:
+    # the census reads its columns in bulk; every span equals torchmem.tensor_span's (the
+    # corners of each dimension), used bytes its length, whichever path added them
+    from torchmem.capture.storage import tensor_span
+
+    ts = _odd_tensors()
+    names = [f"t{i}" for i in range(len(ts))]
+    c = Census()
+    if bulk:
+        assert c.add_distinct(names, ts, "other")
+    else:
+        for n, t in zip(names, ts):
+            c.add(n, t, "other")
+    r = c.report()
+    spans = [tensor_span(t) for t in ts]
+    assert [(t.span_start, t.span_end) for t in r.tensors] == [(s.start, s.end) for s in spans]
+    assert [s.used_bytes for s in r.storages] == [s.nbytes for s in spans]
+    assert [s.nbytes for s in r.storages] == [t.untyped_storage().nbytes() for t in ts]
+    assert [(t.shape, t.stride, t.storage_offset, t.element_size, t.type_name) for t in r.tensors] == [
+        (tuple(t.shape), t.stride(), t.storage_offset(), t.element_size(), type(t).__name__)
+        for t in ts]
+    assert r.unique_bytes == {"cpu": sum(s.nbytes for s, t in zip(spans, ts) if not t.is_meta),
+                              "meta": 4 * (3 * 4 + 1)}  # elements 2, 6, 10, 14
+
+
+def test_the_bulk_add_leaves_unmeasurable_tensors_to_add() -> None:
+    c = Census()
+    assert not c.add_distinct(["d", "s"], [torch.zeros(2), torch.eye(2).to_sparse()], "other")
+    assert len(c) == 0
+    c.add("x", torch.zeros(1), "other")
+    assert not c.add_distinct(["y"], [torch.zeros(1)], "other")  # only into an empty census

@@ -136,6 +136,55 @@ def test_other_streams_and_pending_frees_are_split_out() -> None:
     assert "12.00 MiB are cached for other streams only" in e.text
 
 
+def _simulated_oom(conf: str | None, last: int) -> tuple[dict[str, Any], list[tuple[str, int, int, int]]]:
+    """By hand on a 100 MiB device: two 30 MiB tensors, the first freed, then ``last`` bytes;
+    the simulator runs out of memory. Returns the snapshot dict and the allocator's events."""
+    from torchmem.errors import SimulatedOutOfMemoryError
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+    from torchmem.sim import CachingAllocator
+
+    a = CachingAllocator(capacity=100 * MiB, config=conf)
+    x = a.malloc(30 * MiB)
+    a.malloc(30 * MiB)
+    a.free(x)
+    with pytest.raises(SimulatedOutOfMemoryError):
+        a.malloc(last)
+    return to_pytorch_dict(a.snapshot()), list(a.events)
+
+
+@pytest.mark.parametrize("settings", [True, False])
+def test_an_expandable_oom_speaks_of_mapping_and_unmapping_pages(settings: bool) -> None:
+    # 20 MiB pages: 30 MiB maps 2 pages, the second 30 MiB one more; the first tensor freed
+    # leaves page 0 free (unmapped by the retry) and 10 MiB free on page 1. 70 MiB needs 4
+    # pages (80 MiB) at the end of the range, but only 100 - 40 = 60 MiB are left.
+    raw, events = _simulated_oom("expandable_segments:True", 70 * MiB)
+    unmapped = [size for act, _, size, _ in events[:-1] if act == "segment_unmap"]
+    assert [act for act, *_ in events[-2:]] == ["segment_unmap", "oom"] and unmapped == [20 * MiB]
+    if not settings:  # no settings: the expandable segments alone tell it
+        del raw["allocator_settings"]
+    (e,) = explain_oom(from_pytorch(raw))
+    assert e.expandable and e.alloc_bytes == 4 * 20 * MiB
+    assert (e.released_segments, e.released_bytes) == (1, sum(unmapped))
+    assert "the expandable segment was asked to map up to 80.00 MiB of pages" in e.text
+    assert ("mapping up to 80.00 MiB of pages (cuMemMap) failed; unmapped 20.00 MiB of pages "
+            "(cuMemUnmap, 1 free range) and retried; failed again with 60.00 MiB free") in e.text
+    assert "cudaMalloc" not in e.text and "cached segment" not in e.text
+
+
+def test_a_normal_oom_speaks_of_cudamalloc_and_cached_segments() -> None:
+    # the same program without expandable segments: two 30 MiB segments; the retry frees the
+    # first, then 72 MiB does not fit in the 70 MiB left
+    raw, events = _simulated_oom(None, 72 * MiB)
+    freed = [size for act, _, size, _ in events[:-1] if act == "segment_free"]
+    assert [act for act, *_ in events[-2:]] == ["segment_free", "oom"] and freed == [30 * MiB]
+    (e,) = explain_oom(from_pytorch(raw))
+    assert not e.expandable and e.alloc_bytes == 72 * MiB
+    assert "cudaMalloc was asked for 72.00 MiB" in e.text
+    assert ("cudaMalloc(72.00 MiB) failed; released 1 cached segment (30.00 MiB) and retried; "
+            "failed again with 70.00 MiB free") in e.text
+    assert "pages" not in e.text
+
+
 @pytest.mark.parametrize("name", ["LLM-inference__oom_snapshot_41810ba.pickle",
                                   "SketchKV2__my_snapshot.pickle"])
 def test_a_state_only_snapshot_is_analysed_at_its_state(name: str) -> None:

@@ -45,7 +45,9 @@ class OomExplanation:
 
     The first eleven fields are ``torchmem oom --json``'s keys. ``request_bytes`` is the failed
     request after rounding (PyTorch records the rounded size in the ``oom`` entry) and
-    ``alloc_bytes`` the segment cudaMalloc was asked for (the size in PyTorch's error message);
+    ``alloc_bytes`` the segment cudaMalloc was asked for (the size in PyTorch's error message;
+    with expandable segments, ``expandable`` true, the most bytes of pages it had to map: the
+    request rounded up to whole pages, less when a free block ends the stream's mapped range);
     ``largest_free_block_bytes`` is the largest cached free block the request could have used
     (its stream and pool). ``verdict`` is ``"fragmentation"`` (the device's free bytes plus the
     bytes reserved but not allocated would have covered the request, or a what-if configuration
@@ -55,7 +57,8 @@ class OomExplanation:
     stream and pool; ``other_streams_bytes`` are free bytes that only other streams can use and
     ``pending_free_bytes`` blocks freed by the program that another stream still uses.
     ``released_segments``/``released_bytes``: what the allocator's retry freed (the
-    ``segment_free`` entries just before the ``oom``). ``exact`` is false when the state at the
+    ``segment_free`` entries just before the ``oom``; with expandable segments the mapped ranges
+    unmapped, ``segment_unmap``). ``exact`` is false when the state at the
     entry is an approximation (the simulator did not reproduce the trace).
 
     Example:
@@ -92,6 +95,8 @@ class OomExplanation:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     #: built by torchmem's tracker (no caching allocator behind the snapshot)
     torchmem_trace: bool = False
+    #: the device used expandable segments (pages mapped and unmapped, no cudaMalloc per segment)
+    expandable: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict, the issue's keys first.
@@ -183,18 +188,31 @@ def _released_before(snap: Snapshot, dev: int, i: int) -> tuple[int, int]:
     return n, size
 
 
+def _uses_expandable(snap: Snapshot, dev: int, cfg: AllocatorConfig) -> bool:
+    """Whether device ``dev`` used expandable segments: the settings say so, a segment is one,
+    or the trace maps or unmaps pages."""
+    if cfg.expandable_segments or any(s.is_expandable for s in snap.segments_of(dev)):
+        return True
+    t = snap.trace(dev)
+    return any(t.count(a) for a in ("segment_map", "segment_unmap"))
+
+
 def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:
-    from torchmem.sim.allocator import segment_size
+    from torchmem.sim.allocator import SMALL_BUFFER, segment_size
 
     dev, i, size = ev.device, ev.index, ev.requested_bytes
     t = snap.trace(dev)
     stream = t.streams[i]
     pool = "small" if size <= _SMALL else "large"
     cfg = AllocatorConfig.from_settings(snap.allocator_settings)
+    expandable = _uses_expandable(snap, dev, cfg)
     try:
         alloc = segment_size(size, cfg) if size else 0
     except TorchmemError:
         alloc = size
+    if expandable:  # whole pages: 2 MiB in the small pool, large_segment_size in the large one
+        page = SMALL_BUFFER if size <= _SMALL else cfg.large_segment_size
+        alloc = -(-size // page) * page
     sim = ev.simulated
     if sim is not None and sim["exact"]:
         state: dict[str, Any] | None = sim
@@ -223,7 +241,7 @@ def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:
         missing_bytes=missing if verdict == "exhaustion" else 0, fix=fix, text="",
         name=ev.name, index=i, alloc_bytes=alloc, pool=pool, stack=_stack(snap, dev, i),
         released_segments=released[0], released_bytes=released[1], exact=state is not None,
-        alternatives=ev.alternatives, **parts,
+        alternatives=ev.alternatives, expandable=expandable, **parts,
     )
     e.text = _oom_text(e, cfg, fits, sim)
     return e
@@ -367,20 +385,31 @@ def _oom_text(
     size, free = e.request_bytes or 0, e.device_free_bytes or 0
     lines = [
         f"OOM on {e.name} at trace entry {e.index}: a request of {_fb(size)} ({size} B after "
-        f"rounding) on stream {e.stream}, {e.pool} pool; cudaMalloc was asked for "
-        f"{_fb(e.alloc_bytes or 0)}",
+        f"rounding) on stream {e.stream}, {e.pool} pool; "
+        + (f"the expandable segment was asked to map up to {_fb(e.alloc_bytes or 0)} of pages"
+           if e.expandable else f"cudaMalloc was asked for {_fb(e.alloc_bytes or 0)}"),
     ]
     lines.append(f"  device free   {_fb(free)} (cudaMemGetInfo at the OOM)")
     lines.extend(_where(e))
     largest = e.largest_free_block_bytes
     tried = f"  tried         no cached block of {_fb(size)} on stream {e.stream}'s {e.pool} pool"
     tried += f" (largest {_fb(largest)})" if largest is not None else ""
-    tried += f"; cudaMalloc({_fb(e.alloc_bytes or 0)}) failed; "
+    if e.expandable:
+        tried += f"; mapping up to {_fb(e.alloc_bytes or 0)} of pages (cuMemMap) failed; "
+    else:
+        tried += f"; cudaMalloc({_fb(e.alloc_bytes or 0)}) failed; "
     if cfg.max_split_size_mb is not None:
         tried += "released cached blocks over max_split_size, then "
-    if e.released_segments:
+    if e.released_segments and e.expandable:
+        tried += (f"unmapped {_fb(e.released_bytes)} of pages (cuMemUnmap, "
+                  f"{_n(e.released_segments, 'free range')}) and retried; failed again with "
+                  f"{_fb(free)} free")
+    elif e.released_segments:
         tried += (f"released {_n(e.released_segments, 'cached segment')} ({_fb(e.released_bytes)}) "
                   f"and retried; failed again with {_fb(free)} free")
+    elif e.expandable:
+        tried += ("found no free whole page to unmap (every free block lies on pages partly in "
+                  f"use), so the retry failed too, with {_fb(free)} free")
     else:
         tried += ("found no whole cached segment to release (every free block lies in a segment "
                   f"partly in use), so the retry failed too, with {_fb(free)} free")

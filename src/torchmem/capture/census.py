@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable, Mapping
 from itertools import compress
+from operator import add, attrgetter, itemgetter, methodcaller, mul, not_, sub
 from typing import Any
 
 import torch
@@ -36,6 +37,44 @@ from torchmem.errors import InvalidInputError, UnsupportedTensorError
 from torchmem.model.census import MemoryReport, StorageRecord, TensorRecord
 
 __all__ = ["inspect_memory", "Census", "param_names"]
+
+
+_DEVICE = attrgetter("device")
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_LAYOUT = attrgetter("layout")
+_IS_NESTED = attrgetter("is_nested")
+_STORAGE = methodcaller("untyped_storage")
+_STRIDE = methodcaller("stride")
+_OFFSET = methodcaller("storage_offset")
+_CONTIGUOUS = methodcaller("is_contiguous")
+_NUMEL = methodcaller("numel")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_type_name = attrgetter("__name__")
+_CDATA = attrgetter("_cdata")
+_NBYTES = methodcaller("nbytes")
+_FIRST = itemgetter(0)
+_REST = itemgetter(slice(1, None))
+
+
+def _one(x: str) -> list[str]:
+    return [x]
+
+
+def _device_names(devices: list[torch.device]) -> list[str]:
+    """``device_str`` of each device, computed once per distinct device."""
+    names = {d: device_str(d) for d in set(devices)}
+    return list(map(names.__getitem__, devices))
+
+
+def _dtype_info(tensors: list[torch.Tensor]) -> tuple[list[str], list[int]]:
+    """The dtype names (without ``torch.``) and element sizes of ``tensors``, each computed
+    once per distinct dtype."""
+    dtypes = list(map(_DTYPE, tensors))
+    one = dict(zip(dtypes, tensors))  # a tensor of each dtype
+    names = {d: str(d)[6:] for d in one}
+    sizes = {d: t.element_size() for d, t in one.items()}
+    return list(map(names.__getitem__, dtypes)), list(map(sizes.__getitem__, dtypes))
 
 
 def param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -138,6 +177,39 @@ class Census:
         self._names.append([name])
         self._cats.append(category)
 
+    def add_distinct(self, names: list[str], tensors: list[torch.Tensor], category: str) -> bool:
+        """Add distinct tensor objects, none added before, in one pass; ``False`` (nothing added)
+        when one of them is not a plain strided tensor with a storage (then use :meth:`add`).
+
+        The bulk path of a scan of every live tensor: the checks of :meth:`add` are read for
+        all tensors at once.
+
+        Example:
+            >>> import torch
+            >>> c = Census(); x = torch.zeros(2)
+            >>> c.add_distinct(["a", "b"], [x, x[1:]], "other"), c.report().unique_bytes
+            (True, {'cpu': 8})
+            >>> Census().add_distinct(["s"], [torch.eye(2).to_sparse()], "other")
+            False
+        """
+        if len(self):
+            return False
+        strided = torch.strided
+        try:
+            if any(lay is not strided for lay in map(_LAYOUT, tensors)) or any(
+                map(_IS_NESTED, tensors)
+            ):
+                return False
+            storages = list(map(_STORAGE, tensors))
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+            return False
+        self._index = dict(zip(map(id, tensors), range(len(tensors))))
+        self._keep = list(tensors)
+        self._storages = storages
+        self._names = [[n] for n in names]
+        self._cats = [category] * len(tensors)
+        return True
+
     def _skip(self, kind: str) -> None:
         self.skipped += 1
         self.skipped_kinds[kind] = self.skipped_kinds.get(kind, 0) + 1
@@ -152,55 +224,62 @@ class Census:
             >>> Census().report().tensors
             []
         """
-        dev_cache: dict[torch.device, str] = {}
-        dtype_cache: dict[torch.dtype, tuple[str, int]] = {}
-        storage_row: dict[int, int] = {}  # storage _cdata -> index (storages held in _storages)
-        storages: list[StorageRecord] = []
-        spans: list[list[tuple[int, int]]] = []
-        tensors: list[TensorRecord] = []
-        for t, s, names, cat in zip(self._keep, self._storages, self._names, self._cats):
-            key = s._cdata
-            device = t.device
-            dev = dev_cache.get(device)
-            if dev is None:
-                dev = dev_cache[device] = device_str(device)
-            dt = dtype_cache.get(t.dtype)
-            if dt is None:
-                dt = dtype_cache[t.dtype] = (str(t.dtype)[6:], t.element_size())
-            si = storage_row.get(key)
-            if si is None:
-                si = storage_row[key] = len(storages)
-                storages.append(StorageRecord(si, dev, int(s.nbytes()), 0, [], [cat]))
-                spans.append([])
-            rec = storages[si]
-            rec.names.extend(names)
-            if cat not in rec.categories:
-                rec.categories.append(cat)
-            # byte span, as torchmem.capture.storage.tensor_span (inlined: this loop is the hot path)
-            es = dt[1]
-            shape = tuple(t.shape)
-            stride = t.stride()
-            offset = int(t.storage_offset())
-            start = end = offset * es
-            if t.numel():
+        # Column by column: each attribute read and each record built by map() in C, no Python
+        # frame per tensor (a scan of every live tensor has tens of thousands of rows).
+        keep, names, cats = self._keep, self._names, self._cats
+        n = len(keep)
+        devs = _device_names(list(map(_DEVICE, keep)))
+        dtype_names, sizes = _dtype_info(keep)
+        shapes = list(map(tuple, map(_SHAPE, keep)))
+        strides = list(map(_STRIDE, keep))
+        offsets = list(map(_OFFSET, keep))
+        numels = list(map(_NUMEL, keep))
+        # byte spans, as torchmem.capture.storage.tensor_span: a dense row-major tensor views
+        # its numel elements from its offset (an empty one views nothing); others are fixed up
+        starts = list(map(mul, offsets, sizes))
+        ends = list(map(mul, map(add, offsets, numels), sizes))
+        for i in compress(range(n), map(not_, map(_CONTIGUOUS, keep))):
+            if numels[i]:
                 lo = hi = 0
-                for size, st in zip(shape, stride):
+                for size, st in zip(shapes[i], strides[i]):
                     reach = (size - 1) * st
                     if reach < 0:
                         lo += reach
                     else:
                         hi += reach
-                start, end = (offset + lo) * es, (offset + hi + 1) * es
-            spans[si].append((start, end))
-            tensors.append(TensorRecord(
-                names[0], cat, dev, dt[0], shape, stride, offset, es, start, end, si,
-                names[1:], t.requires_grad, type(t).__name__,
-            ))
-        for rec, sp in zip(storages, spans):
-            if len(sp) == 1:
-                rec.used_bytes = sp[0][1] - sp[0][0]
-            else:
-                rec.used_bytes = sum(m.nbytes for m in merge_spans(sp))
+                es, offset = sizes[i], offsets[i]
+                starts[i], ends[i] = (offset + lo) * es, (offset + hi + 1) * es
+        storage_row: dict[int, int] = {}  # storage _cdata -> index (storages held in _storages)
+        sids = [storage_row.setdefault(k, len(storage_row)) for k in map(_CDATA, self._storages)]
+        storages: list[StorageRecord]
+        if len(storage_row) == n:  # each tensor its own storage: the bytes its span covers
+            storages = list(map(StorageRecord, range(n), devs, map(_NBYTES, self._storages),
+                                map(sub, ends, starts), map(list, names), map(_one, cats)))
+        else:
+            storages = []
+            spans: list[list[tuple[int, int]]] = []
+            for i, si in enumerate(sids):
+                cat = cats[i]
+                if si == len(storages):
+                    storages.append(StorageRecord(si, devs[i], self._storages[i].nbytes(), 0,
+                                                  list(names[i]), [cat]))
+                    spans.append([])
+                else:
+                    rec = storages[si]
+                    rec.names.extend(names[i])
+                    if cat not in rec.categories:
+                        rec.categories.append(cat)
+                spans[si].append((starts[i], ends[i]))
+            for rec, sp in zip(storages, spans):
+                if len(sp) == 1:
+                    rec.used_bytes = sp[0][1] - sp[0][0]
+                else:
+                    rec.used_bytes = sum(m.nbytes for m in merge_spans(sp))
+        tensors = list(map(
+            TensorRecord, map(_FIRST, names), cats, devs, dtype_names, shapes, strides,
+            offsets, sizes, starts, ends, sids, map(_REST, names), map(_REQUIRES_GRAD, keep),
+            map(_type_name, map(type, keep)),
+        ))
         return MemoryReport(tensors=tensors, storages=storages, source=source,
                             skipped=self.skipped, skipped_kinds=dict(self.skipped_kinds))
 
@@ -288,6 +367,8 @@ def _add_live(c: Census) -> None:
     del objs
     if len(c):
         found = [t for t in found if t not in c]
+    elif c.add_distinct([f"live[{n}]" for n in range(len(found))], found, "other"):
+        return
     for n, obj in enumerate(found):
         c.add(f"live[{n}]", obj, "other", strict=False)
 

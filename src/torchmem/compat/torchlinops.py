@@ -46,7 +46,10 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import sys
+from math import prod
+from operator import add, attrgetter
 from typing import IO
 
 import torch
@@ -54,8 +57,12 @@ import torch
 from torchmem.capture.census import inspect_memory
 from torchmem.capture.storage import resolve_device, same_storage, storage_id, tensor_span
 from torchmem.errors import InvalidInputError
-from torchmem.model.census import MemoryReport, TensorRecord
+from torchmem.model.census import MemoryReport
 from torchmem.units import format_bytes
+
+_NAME = attrgetter("name")
+_SHAPE = attrgetter("shape")
+_ELEMENT_SIZE = attrgetter("element_size")
 
 __all__ = [
     "MemReporter",
@@ -170,32 +177,47 @@ class MemReporter:
             >>> MemReporter().report(torch.nn.Sequential(emb, lin), file=out).unique_bytes
             {'cpu': 400}
         """
+        # the cyclic collector stays paused until the report is printed: its rows are tens of
+        # thousands of new objects that a collection would only scan (gc.collect() still runs)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            rep = self._report(module, file)
+        finally:
+            if was_enabled:
+                gc.enable()
+        self.last_report = rep
+        return rep
+
+    def _report(self, module: torch.nn.Module | None, file: IO[str] | None) -> MemoryReport:
         if module is not None:
             rep = inspect_memory(module)
         else:  # torchlinops collected garbage before scanning: keep that behaviour
             rep = inspect_memory(all_live=True, collect_garbage=True)
         out = sys.stdout if file is None else file
-        by_dev: dict[str, list[TensorRecord]] = {}
-        for t in rep.tensors:
-            rows = by_dev.get(t.device)
-            if rows is None:
-                rows = by_dev[t.device] = []
-            rows.append(t)
+        devices = rep.devices
+        tensors = rep.tensors
+        if len(devices) == 1:  # the common case: every row is the one device's
+            by_dev = {devices[0]: tensors}
+        else:
+            by_dev = {}
+            for t in tensors:
+                rows = by_dev.get(t.device)
+                if rows is None:
+                    rows = by_dev[t.device] = []
+                rows.append(t)
         totals = rep.unique_bytes
         # one formatting per distinct (shape, element size): many tensors share a few shapes
-        tails: dict[tuple[tuple[int, ...], int], str] = {}
+        tails = {key: f"\t{key[0]}\t\t{self._fmt(prod(key[0]) * key[1])}"
+                 for key in set(zip(map(_SHAPE, tensors), map(_ELEMENT_SIZE, tensors)))}
         lines: list[str] = []
-        for dev in rep.devices:
+        for dev in devices:
             lines.append(f"Device {dev}")
             lines.append("=" * 20)
-            for t in by_dev.get(dev, ()):
-                key = (t.shape, t.element_size)
-                tail = tails.get(key)
-                if tail is None:
-                    tail = tails[key] = f"\t{t.shape}\t\t{self._fmt(t.nbytes)}"
-                lines.append(t.name + tail)
+            rows = by_dev.get(dev, [])
+            keys = zip(map(_SHAPE, rows), map(_ELEMENT_SIZE, rows))
+            lines.extend(map(add, map(_NAME, rows), map(tails.__getitem__, keys)))
             lines.append(f"Total: {self._fmt(totals.get(dev, 0))}")
         if lines:  # one write: the same text as a print() per line
             out.write("\n".join(lines) + "\n")
-        self.last_report = rep
         return rep
