@@ -267,6 +267,8 @@ def command_folder(tmp_path_factory: pytest.TempPathFactory, torchmem_cli: WarmT
         pickle.dump(_decomfl_oom(800 << 20, 700 << 20)[0], f)
     code, _, err = torchmem_cli.run(["run", "--example", "-o", "run.tmtrace", "--quiet"], base)
     assert code == 0, err
+    code, _, err = torchmem_cli.run(["stats", "no-such.pickle"], base)  # a failure is seen
+    assert code == 2 and "no-such.pickle" in err, (code, err)
     shutil.copyfile(base / "run.tmtrace", base / "small.tmtrace")
     (base / ".torchmem-stdout").unlink()
     (base / ".torchmem-stderr").unlink()
