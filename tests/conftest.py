@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
+# the stand-ins of the documented command lines are scripts, not tests (test_docs_examples.py)
+collect_ignore = ["docs_commands"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,6 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_cuda)
         if "browser" in item.keywords and not have_chromium:
             item.add_marker(no_browser)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """A headless Debian chromium driven by Playwright; skips without either."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from test_viewer_browser import ARGS, CHROMIUM
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip("needs Debian's chromium at /usr/bin/chromium")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
 
 
 @pytest.fixture

@@ -1,14 +1,21 @@
 """Every example of the README and the guides runs (issue 27: docs that cannot rot).
 
 Each page's ```python blocks run in order in one namespace (later blocks build on earlier ones),
-in a fresh working folder. Shell blocks are not run, but every ``torchmem ...`` command line in
-them is parsed by that subcommand's own parser, so an option that no longer exists fails here.
+in a fresh working folder. Every ``torchmem ...`` command line of a shell block is parsed by that
+subcommand's own parser (fast: an option that no longer exists fails here) and run, page by page
+in one folder, as ``python -m torchmem ...``: it must exit 0. The files the lines name are real:
+the stand-ins of ``tests/docs_commands`` (``train.py``, ``mypkg``...), the snapshots of
+``tests/data`` under the names the guides use (``SNAPSHOTS``), a trace of the built-in example,
+the page's ``file:`` blocks and what earlier lines wrote; ``WORDS`` maps the reader's words
+(``NAME``, a pid) to real ones.
 
 What a page may say to this test, in an HTML comment right before a block (invisible on the
 site; docs/contributing.md documents them):
 
 - ``<!-- skip: REASON -->``: the block is not run; the reason is required (a CUDA GPU, a
-  fragment with ``...`` for your own arguments).
+  fragment with ``...`` for your own arguments; for a shell block, a download).
+- ``<!-- exit: N -->`` (shell blocks): its command lines must exit N, an error shown on purpose;
+  ``<!-- exit: N without a CUDA GPU -->``: N here, 0 on a machine with one.
 - ``<!-- raises: ExceptionName -->``: the block must raise that exception (an OOM shown on
   purpose).
 - ``<!-- file: NAME.py -->``: the block is also written to NAME.py in the working folder (a
@@ -21,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
                     re.M | re.S)
-_MARK = re.compile(r"<!--\s*(?P<kind>skip|raises|file|setup):?(?P<arg>.*?)-->\s*$", re.S)
+_MARK = re.compile(r"<!--\s*(?P<kind>skip|raises|file|setup|exit):?(?P<arg>.*?)-->\s*$", re.S)
 
 
 @dataclass
@@ -85,9 +96,19 @@ def test_blocks_are_found_and_marks_are_well_formed() -> None:
             assert len(b.marks["skip"]) >= 10, f"{where}: a skip needs its reason"
         if "raises" in b.marks:
             assert re.fullmatch(r"\w+", b.marks["raises"]), f"{where}: raises names one exception"
-        assert b.lang == "python" or not b.marks, f"{where}: marks apply to python blocks"
+        if b.lang == "python":
+            assert "exit" not in b.marks, f"{where}: exit applies to shell blocks"
+        else:
+            assert set(b.marks) <= {"skip", "exit"}, f"{where}: shell blocks take skip and exit"
+            assert not b.marks or _commands(b.code), f"{where}: a mark on a block without commands"
+        if "exit" in b.marks:
+            assert re.fullmatch(r"\d+( without a CUDA GPU)?", b.marks["exit"]), f"{where}: {b.marks}"
     skipped = [b for b in python if "skip" in b.marks]
     assert len(skipped) <= len(python) // 4, [f"{b.page}:{b.line}" for b in skipped]
+    # the command lines run too: few are left out, each with its reason
+    lines = [(b, c) for b in ALL if b.lang != "python" for c in _commands(b.code)]
+    left_out = [f"{b.page}:{b.line}: {c}" for b, c in lines if "skip" in b.marks]
+    assert len(left_out) <= len(lines) // 20, left_out
 
 
 @contextlib.contextmanager
@@ -173,3 +194,134 @@ def test_every_documented_command_line_parses(capsys: pytest.CaptureFixture[str]
             failures.append(f"{where}: {e}")
     capsys.readouterr()
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command lines run: every ``torchmem ...`` line of a shell block, page by page in one
+# folder (a later line reads what an earlier one wrote), as ``python -m torchmem``.
+
+COMMAND_FILES = ROOT / "tests" / "docs_commands"  # train.py, mypkg, infer.py...: its README.md
+DATA = ROOT / "tests" / "data"
+# The snapshot files the guides name, and the real snapshot (tests/data) each one is.
+SNAPSHOTS = {
+    "mem.pickle": "MAGMA27_a2__memory_snapshot.pickle",
+    "memory.pickle": "DeComFL__memory.pickle",  # a complete trace: whatif, trace and replay need one
+    "before.pickle": "SketchKV2__my_snapshot.pickle",
+    "after.pickle": "MAGMA27_a2__memory_snapshot.pickle",
+    "oom.pickle": "LLM-inference__oom_snapshot_41810ba.pickle",
+    "DeComFL__memory.pickle": "DeComFL__memory.pickle",
+}
+# Words of a command line that stand for something of the reader's, and what they become here.
+WORDS = {
+    "NAME.rank*": "job.rank*",  # many-ranks.md: the `-o job` run of its first block
+    "--pid 4242": "--pid {pid}",  # a process that exists: this one
+}
+
+
+class WarmTorchmem:
+    """``python -m torchmem ARGS`` in a fresh process per command, forked from one that has
+    imported torch already (tests/_warm_torchmem.py: the import is most of a short command)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_warm_torchmem.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(),
+                                     text=True, cwd=ROOT)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+
+    def run(self, argv: list[str], cwd: Path) -> tuple[int, str, str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        out, err = cwd / ".torchmem-stdout", cwd / ".torchmem-stderr"
+        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out),
+                                          "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        code = int(self.proc.stdout.readline())
+        return code, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def torchmem_cli() -> Iterator[WarmTorchmem]:
+    warm = WarmTorchmem()
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="module")
+def command_folder(tmp_path_factory: pytest.TempPathFactory, torchmem_cli: WarmTorchmem) -> Path:
+    """The files every page's command lines start from (copied per page)."""
+    import pickle
+
+    from test_oom_explain import _decomfl_oom
+
+    base = tmp_path_factory.mktemp("commands")
+    shutil.copytree(COMMAND_FILES, base, dirs_exist_ok=True, ignore=shutil.ignore_patterns("README.md"))
+    for name, real in SNAPSHOTS.items():
+        shutil.copyfile(DATA / real, base / name)
+    (base / "tests").mkdir()
+    (base / "tests" / "data").symlink_to(DATA)
+    with open(base / "decomfl_oom.pickle", "wb") as f:  # oom.md: DeComFL's trace ended by an OOM
+        pickle.dump(_decomfl_oom(800 << 20, 700 << 20)[0], f)
+    code, _, err = torchmem_cli.run(["run", "--example", "-o", "run.tmtrace", "--quiet"], base)
+    assert code == 0, err
+    code, _, err = torchmem_cli.run(["stats", "no-such.pickle"], base)  # a failure is seen
+    assert code == 2 and "no-such.pickle" in err, (code, err)
+    shutil.copyfile(base / "run.tmtrace", base / "small.tmtrace")
+    (base / ".torchmem-stdout").unlink()
+    (base / ".torchmem-stderr").unlink()
+    return base
+
+
+def _env() -> dict[str, str]:
+    src = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": src, "MPLBACKEND": "Agg"}
+
+
+def _argv(command: str, cwd: Path) -> list[str]:
+    """The words after ``torchmem``, as a shell gives them: the reader's words replaced
+    (WORDS), comments dropped, ``*`` patterns expanded in ``cwd``."""
+    for word, real in WORDS.items():
+        command = command.replace(word, real.format(pid=os.getpid()))
+    words = shlex.split(command, comments=True)
+    assert words[0] == "torchmem", command
+    out = []
+    for w in words[1:]:
+        out += sorted(p.name for p in cwd.glob(w)) or [w] if "*" in w else [w]
+    return out
+
+
+def _expected_exit(b: Block) -> int:
+    mark = b.marks.get("exit", "0")
+    if mark.endswith("without a CUDA GPU"):
+        import torch
+
+        return 0 if torch.cuda.is_available() else int(mark.split()[0])
+    return int(mark)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", sorted({b.page for b in ALL if b.lang != "python" and _commands(b.code)}))
+def test_command_lines_run(page: str, command_folder: Path, torchmem_cli: WarmTorchmem,
+                           tmp_path: Path) -> None:
+    import time
+
+    shutil.copytree(command_folder, tmp_path, dirs_exist_ok=True, symlinks=True)
+    failures = []
+    for b in [b for b in ALL if b.page == page]:
+        if b.lang == "python":
+            if "file" in b.marks:  # written where the page's python runs; its commands use it too
+                (tmp_path / b.marks["file"]).write_text(b.code)
+            continue
+        if "skip" in b.marks:
+            continue
+        for command in _commands(b.code):
+            t0 = time.perf_counter()
+            code, out, err = torchmem_cli.run(_argv(command, tmp_path), tmp_path)
+            print(f"{page}:{b.line} {time.perf_counter() - t0:5.1f}s exit {code}: {command}")
+            if code != _expected_exit(b):
+                failures.append(f"{page}:{b.line}: `{command}` exited {code}, not "
+                                f"{_expected_exit(b)}:\n{out[-1500:]}\n{err[-1500:]}")
+    assert not failures, "\n\n".join(failures)

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,4 +100,73 @@ def test_no_page_fetches_from_the_network(site: Path) -> None:
         fetched += [f"{page.name}: {u}" for u in
                     re.findall(r'<link[^>]*\shref="(https?://[^"]+)', html)]
         assert "fonts.googleapis" not in html and "fonts.gstatic" not in html, page
+    for sheet in site.rglob("*.css"):  # fonts and imports of the stylesheets
+        fetched += [f"{sheet.name}: {u}" for u in
+                    re.findall(r'(?:url\(\s*["\']?|@import\s+["\'])(https?://[^"\')\s]+)', sheet.read_text())]
     assert not fetched, fetched
+
+
+# `browser`: conftest.py's headless Chromium (skips without chromium or Playwright)
+def _open(browser: Any, url: str) -> tuple[Any, list[str], list[str]]:
+    """A page at ``url`` with every request and script error it makes recorded."""
+    page = browser.new_page()
+    requests: list[str] = []
+    errors: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+    page.goto(url)
+    return page, requests, errors
+
+
+def _pages_with(site: Path, term: str) -> set[str]:
+    """The pages whose indexed text holds ``term`` (from the built search index, not the browser)."""
+    import json
+
+    docs = json.loads((site / "search" / "search_index.json").read_text())["docs"]
+    return {d["location"].split("#")[0] for d in docs
+            if term in (d["title"] + " " + d["text"]).lower()}
+
+
+@pytest.mark.browser
+def test_search_works_opened_from_disk(site: Path, browser: Any) -> None:
+    """Search on a page opened as a file (file://, no server), and nothing fetched from the web."""
+    word = "fsdpmemtracker"  # PyTorch's FSDPMemTracker: named in the fit guide, not on index.html
+    assert word not in (site / "index.html").read_text().lower()  # results come from the index
+    expected = _pages_with(site, word)
+    assert "guides/fit.html" in expected, expected
+    page, requests, errors = _open(browser, (site / "index.html").as_uri() + "?q=" + word)
+    page.wait_for_selector(".md-search-result__item", timeout=30000)
+    found = page.evaluate("Array.from(document.querySelectorAll('.md-search-result__item > a'))"
+                          ".map(a => a.getAttribute('href'))")
+    found = {h.split("?")[0].split("#")[0].removeprefix(site.as_uri() + "/") for h in found}
+    assert found and found <= expected, (found, expected)
+    assert "guides/fit.html" in found
+    meta = page.evaluate("document.querySelector('.md-search-result__meta').textContent")
+    assert re.fullmatch(r"\d+ matching documents?", meta.strip()), meta
+    page.close()
+    # a word on no page: the search ran and says so
+    page, more, more_errors = _open(browser, (site / "index.html").as_uri() + "?q=zzqxwv")
+    page.wait_for_function("document.querySelector('.md-search-result__meta').textContent"
+                           ".includes('No matching')", timeout=30000)
+    page.close()
+    assert not [u for u in requests + more if not u.startswith(("file:", "data:", "blob:", "about:"))]
+    assert not errors + more_errors, errors + more_errors
+
+
+@pytest.mark.browser
+def test_no_page_fetches_from_the_network_when_viewed(site: Path, browser: Any) -> None:
+    """Every built page in Chromium, from disk: all it loads (scripts, fonts, styles) is local."""
+    foreign = []
+    pages = sorted(p for p in site.rglob("*.html") if "generated" not in p.parts)
+    assert len(pages) >= 14, pages
+    for html in pages:
+        page, requests, errors = _open(browser, html.as_uri())
+        page.wait_for_load_state("load")
+        page.evaluate("document.fonts.ready.then(() => 0)")
+        page.close()
+        foreign += [f"{html.name}: {u}" for u in requests
+                    if not u.startswith(("file:", "data:", "blob:", "about:"))]
+        if html.name != "404.html":  # the server's page for a missing one: site-root links
+            foreign += [f"{html.name}: {e}" for e in errors]
+    assert not foreign, foreign

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from test_viewer_browser import browser as browser  # the shared Chromium fixture
 from torchmem.units import format_bytes
 
 nbformat = pytest.importorskip("nbformat")

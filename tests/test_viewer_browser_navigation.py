@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from test_viewer_browser import DATA, Page, _replay, cpu_training
-from test_viewer_browser import browser as browser  # the shared Chromium fixture
 from torchmem.cli import main
 from torchmem.io.snapshot_file import load_snapshot
 from torchmem.render.viewer.html import write_viewer
