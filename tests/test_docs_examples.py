@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -139,7 +140,8 @@ def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
             if "skip" in b.marks:
                 continue
             if "setup" in b.marks:
-                exec(compile(b.marks["setup"], f"{where} (setup)", "exec"), ns)  # noqa: S102
+                setup = textwrap.dedent(b.marks["setup"]).strip()  # one line or several
+                exec(compile(setup, f"{where} (setup)", "exec"), ns)  # noqa: S102
             if "file" in b.marks:
                 Path(b.marks["file"]).write_text(b.code)
             code = compile(b.code, where, "exec")
