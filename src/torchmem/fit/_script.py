@@ -508,18 +508,32 @@ def _safe_to_stop(frame: Any) -> bool:
 @contextlib.contextmanager
 def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[None]:
     """Raise ``stop()`` in this thread after ``seconds``, where it is safe (:func:`_safe_to_stop`):
-    a timer signal on the main thread (a stop that would land in torchmem's bookkeeping is tried
-    again :data:`_RETRY_S` later); on another thread, the estimate's dispatch raises it before
-    the thread's next operator (:func:`~torchmem.fit._engine.request_stop`), and only a thread
-    that runs no operator for :data:`_REFIRE_S` gets an asynchronous exception."""
+    on the main thread a timer signal raises it when it lands in the script's (or a library's)
+    code; when it lands in torchmem's bookkeeping, the estimate's dispatch raises it before the
+    thread's next operator (:func:`~torchmem.fit._engine.request_stop`) and the signal tries
+    again :data:`_RETRY_S` later (a loop without operators). On another thread the dispatch
+    raises it, and only a thread that runs no operator for :data:`_REFIRE_S` gets an
+    asynchronous exception."""
     if seconds <= 0 or seconds == float("inf"):
         yield
         return
     give_up = time.monotonic() + seconds + _RETRY_FOR_S
+    ident = threading.get_ident()
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        recorded: list[bool] = []
+
         def on_alarm(signum: int, frame: Any) -> None:
-            if _safe_to_stop(frame) or time.monotonic() > give_up:
-                raise stop()
+            if not recorded:
+                recorded.append(True)
+                exc = stop()  # its side effects (the reason recorded)
+            else:
+                exc = _StopScript()
+            if _safe_to_stop(frame):
+                request_stop(ident, None)
+                raise exc
+            # in torchmem's bookkeeping: the estimate's dispatch raises it before the next
+            # operator; a loop without operators is caught here at a later try
+            request_stop(ident, _StopScript)
             signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
 
         old = signal.signal(signal.SIGALRM, on_alarm)
@@ -529,8 +543,8 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+            request_stop(ident, None)
         return
-    ident = threading.get_ident()
     done = threading.Event()
     lock = threading.Lock()
     asked: list[float] = []  # when the stop was last asked of the engine
