@@ -61,8 +61,9 @@ def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
 
 def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, micro: int = 1,
             autocast: torch.dtype | None = None, opt_cls: type | None = None,
-            shard: str | None = None):  # noqa: ANN201
-    """The same step with one change written by hand."""
+            shard: str | None = None, scaler: bool = False):  # noqa: ANN201
+    """The same step with one change written by hand (``scaler``: fp16's gradient scaler
+    loop, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, ``scaler.update()``)."""
     def build(batch: int) -> object:
         net = Net(ckpt=ckpt).cuda()
         if bf16:
@@ -76,6 +77,7 @@ def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, 
             fully_shard(net, **kw)
         opt = (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {}))
         x = torch.randn(batch, SEQ, D, device="cuda")
+        grad_scaler = torch.amp.GradScaler("cuda") if scaler else None
 
         def fwd() -> torch.Tensor:
             if autocast is not None:
@@ -84,12 +86,17 @@ def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, 
             return net(x.to(torch.bfloat16) if bf16 else x)
 
         def micro_step() -> None:
-            fwd().float().sum().backward()
+            loss = fwd().float().sum()
+            (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
 
         def step() -> None:
             for _ in range(micro):
                 micro_step()
-            opt.step()
+            if grad_scaler is not None:
+                grad_scaler.step(opt)
+                grad_scaler.update()
+            else:
+                opt.step()
             opt.zero_grad()
 
         return step
@@ -107,7 +114,7 @@ CASES = {
     "grad_accumulation_2": (by_hand(micro=2), BATCH // 2, None),
     "grad_accumulation_4": (by_hand(micro=4), BATCH // 4, None),
     "bf16_autocast": (by_hand(autocast=torch.bfloat16), BATCH, None),
-    "fp16_autocast": (by_hand(autocast=torch.float16), BATCH, None),
+    "fp16_autocast": (by_hand(autocast=torch.float16, scaler=True), BATCH, None),
     "bf16_weights": (by_hand(bf16=True), BATCH, None),
     "optimizer_fused": (by_hand(opt_kw={"fused": True, "foreach": False}), BATCH, None),
     "optimizer_foreach": (by_hand(opt_kw={"foreach": True}), BATCH, None),
@@ -132,6 +139,25 @@ def test_each_lever_equals_the_change_written_by_hand(name: str) -> None:
         assert figures(lever) == figures(plain)
     elif name != "optimizer_per_parameter":
         assert figures(lever) != figures(plain)  # the lever changed something
+
+
+def test_fp16_lever_runs_the_gradient_scaler_loop_written_by_hand() -> None:
+    """fp16_autocast (a T4: no bf16) also scales the loss and steps through a GradScaler; it
+    equals the hand-written scaler loop, alone and under accumulation, and holds the scaler's
+    own GPU scalars at the peak: its scale (fp32), growth tracker (int32) and unscale's
+    found_inf (fp32), 4 bytes each, each in its own 512-byte block."""
+    lr = _lever_run([BY_NAME["fp16_autocast"]])
+    lever = run_once(as_written, BATCH, "T4", levers=lr)
+    assert figures(lever) == figures(run_once(by_hand(autocast=torch.float16, scaler=True),
+                                              BATCH, "T4"))
+    assert lr.scaled == ["AdamW"]
+    no_scaler = run_once(by_hand(autocast=torch.float16), BATCH, "T4")
+    assert lever.peak_requested_bytes - no_scaler.peak_requested_bytes == 3 * 4
+    assert lever.peak_allocated_bytes - no_scaler.peak_allocated_bytes == 3 * 512
+    combo = run_once(as_written, BATCH, "T4",
+                     levers=_lever_run(check_levers(["fp16_autocast+grad_accumulation_2"])))
+    assert figures(combo) == figures(run_once(
+        by_hand(autocast=torch.float16, scaler=True, micro=2), BATCH // 2, "T4"))
 
 
 def test_checkpointing_names_the_blocks_and_counts_the_recomputed_flops() -> None:

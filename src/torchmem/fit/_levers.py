@@ -11,7 +11,10 @@ they are made and changes them the way a user would by hand:
   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, as
   ``x = checkpoint(block, x, use_reentrant=False)`` written in the parent's forward would;
   ``autocast`` runs every call of a root under ``torch.autocast("cuda", dtype)``, as
-  ``with torch.autocast("cuda", dtype): out = model(x)`` would; ``bf16_weights`` converts the
+  ``with torch.autocast("cuda", dtype): out = model(x)`` would (with ``scaler``, fp16's
+  gradient scaler: one ``torch.amp.GradScaler("cuda")``, made with the first optimizer; a
+  one-element tensor's ``backward()`` runs as ``scaler.scale(loss).backward()`` and each
+  optimizer's ``step()`` as ``scaler.step(opt); scaler.update()``); ``bf16_weights`` converts the
   roots holding the optimizer's parameters with ``.to(torch.bfloat16)`` when the optimizer is
   made (before it, as ``model.to(torch.bfloat16)`` written before the optimizer would; roots
   first called without an optimizer are converted at that call) and casts the floating-point
@@ -186,13 +189,15 @@ class LeverRun:
     (called with the parameter groups and ``lr``); ``fsdp``: shard with ``fully_shard`` (the
     estimate must run with ``world_size``; ``"offload"``: with ``CPUOffloadPolicy``); ``accumulate``: micro-batches per optimizer step;
     ``lora``: the rank of LoRA adapters on the attention projections (0: none);
+    ``scaler``: fp16's gradient scaler loop around backward and the optimizer's step;
     ``count_flops``: count floating-point operations.
 
     After the run: ``wrapped`` (the blocks checkpointed), ``roots`` (class names of the
     modules called at top level), ``optimizers`` (class names made), ``optimizer_refused``
     (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``;
     ``adapted`` (``(model class, target modules, adapted layers, trainable parameters,
-    all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not).
+    all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not);
+    ``scaled`` (optimizers stepped through the gradient scaler).
 
     Example:
         >>> import torch
@@ -214,6 +219,7 @@ class LeverRun:
         fsdp: bool | str = False,
         accumulate: int = 1,
         lora: int = 0,
+        scaler: bool = False,
         count_flops: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
@@ -224,6 +230,7 @@ class LeverRun:
         self.fsdp = fsdp
         self.accumulate = int(accumulate)
         self.lora = int(lora)
+        self.scaler = scaler
         self.count_flops = count_flops
         self.flops = 0
         self.wrapped: list[str] = []
@@ -234,7 +241,9 @@ class LeverRun:
         self.sharded: list[str] = []
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
         self.lora_refused: list[str] = []
+        self.scaled: list[str] = []
         self.trainer_accumulates = False
+        self._grad_scaler: Any = None
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -246,9 +255,10 @@ class LeverRun:
         """What a worker process hands back: the settings and what was changed (the patches,
         weak sets and thread state stay behind)."""
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
-                "fsdp", "accumulate", "lora", "count_flops", "flops", "wrapped", "roots",
-                "optimizers", "optimizer_refused", "converted", "sharded", "adapted",
-                "lora_refused", "trainer_accumulates")
+                "fsdp", "accumulate", "lora", "scaler", "count_flops",
+                "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
+                "sharded", "adapted", "lora_refused", "scaled",
+                "trainer_accumulates")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -291,21 +301,27 @@ class LeverRun:
             return None
 
         opts: list[Any] = list(self._opts)
+        # the levers' own step/zero_grad (the scaler's) are instance attributes too
+        saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
+                 for o in opts]
         for o in opts:
             o.step = noop
             o.zero_grad = noop
         try:
             yield
         finally:
-            for o in opts:
+            for o, before in zip(opts, saved):
                 o.__dict__.pop("step", None)
                 o.__dict__.pop("zero_grad", None)
+                o.__dict__.update(before)
 
     # -- installation --------------------------------------------------------------------------
 
     def __enter__(self) -> LeverRun:
         self._patch_call()
         self._patch_optimizers()
+        if self.scaler:
+            self._patch_backward()
         if self.accumulate > 1:
             self._patch_trainer()
         return self
@@ -421,13 +437,19 @@ class LeverRun:
 
     def _make_optimizer(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> None:
-        import inspect
-
         params = list(params) if not isinstance(params, torch.Tensor) else [params]
         self.optimizers.append(type(opt).__name__)
         self._opts.add(opt)
         if self.weights_dtype is not None or self.fsdp or self.lora:
             params = self._model_changes(params)
+        self._make(opt, cls, orig, params, args, kwargs)
+        if self.scaler:
+            self._scale(opt)
+
+    def _make(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+        import inspect
+
         if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:
             new = self.replace_optimizer
             lr = kwargs.get("lr", args[0] if args else None)
@@ -449,6 +471,54 @@ class LeverRun:
             else:
                 kwargs = {**kwargs, **self.optimizer}
         orig(opt, params, *args, **kwargs)
+
+    # -- the optimizer's step: gradient scaler ----------------------------------
+
+    def _scale(self, opt: Any) -> None:
+        """``fp16_autocast``'s gradient scaler: one ``torch.amp.GradScaler("cuda")`` for the
+        run; the optimizer's ``step()`` becomes ``scaler.step(opt); scaler.update()`` (and
+        ``loss.backward()`` is ``scaler.scale(loss).backward()``, :meth:`_patch_backward`)."""
+        if self._grad_scaler is None:
+            self._grad_scaler = torch.amp.GradScaler("cuda")
+        scaler = self._grad_scaler
+        inner = opt.step
+        lever = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            tls = lever._tls
+            if getattr(tls, "in_step", False):  # scaler.step calls optimizer.step()
+                return inner(*args, **kwargs)
+            tls.in_step = True
+            try:
+                out = scaler.step(opt, *args, **kwargs)
+                scaler.update()
+                return out
+            finally:
+                tls.in_step = False
+
+        opt.step = step
+        self.scaled.append(type(opt).__name__)
+
+    def _patch_backward(self) -> None:
+        """``loss.backward()`` of a one-element tensor, once an optimizer is made, runs as
+        ``scaler.scale(loss).backward()``."""
+        orig = torch.Tensor.backward
+        lever = self
+
+        def backward(t: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+            tls = lever._tls
+            scaler = lever._grad_scaler
+            if (scaler is None or gradient is not None or t.numel() != 1
+                    or getattr(tls, "in_backward", False)):
+                return orig(t, gradient, *args, **kwargs)
+            tls.in_backward = True
+            try:
+                return orig(scaler.scale(t), None, *args, **kwargs)
+            finally:
+                tls.in_backward = False
+
+        torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
+        self._undo.append(lambda: setattr(torch.Tensor, "backward", orig))
 
     def _model_changes(self, params: list[Any]) -> list[Any]:
         """bf16 weights, LoRA and FSDP at the optimizer's making: on the roots holding

@@ -13,7 +13,9 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
 ``grad_accumulation_2``/``4`` the batch as 2 (4) micro-batches, one optimizer step after them
 ``bf16_autocast``             the model's calls under ``torch.autocast("cuda", bfloat16)``
                               (``fp16_autocast`` instead on GPUs without bf16: compute
-                              capability below 8.0; its gradient scaler's few scalars aside)
+                              capability below 8.0, with ``torch.amp.GradScaler("cuda")``:
+                              ``scaler.scale(loss).backward()``, ``scaler.step(opt)``,
+                              ``scaler.update()``)
 ``bf16_weights``              the model's weights (and so gradients and optimizer state) in
                               bfloat16, its floating-point inputs cast to it
 ``optimizer_fused``           the same optimizer with ``fused=True``
@@ -157,8 +159,8 @@ LEVERS: tuple[Lever, ...] = (
           changes="4 forward/backward passes per optimizer step"),
     Lever("bf16_autocast", {"autocast": _BF16}, 1, "autocast",
           changes="bfloat16 compute where autocast allows it"),
-    Lever("fp16_autocast", {"autocast": _FP16}, 1, "autocast",
-          changes="float16 compute where autocast allows it; needs a gradient scaler"),
+    Lever("fp16_autocast", {"autocast": _FP16, "scaler": True}, 1, "autocast",
+          changes="float16 compute where autocast allows it, with a gradient scaler"),
     Lever("bf16_weights", {"weights_dtype": _BF16}, 2, "weights",
           changes="bfloat16 weights, gradients and optimizer state (no fp32 master copy)"),
     Lever("optimizer_fused", {"optimizer": {"fused": True, "foreach": False}}, 0, "optimizer",
