@@ -59,11 +59,42 @@ def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     return step
 
 
+class HostAdamW:
+    """ZeRO-Offload's optimizer written by hand (as DeepSpeed's and torchao's
+    CPUOffloadOptimizer do it): AdamW's state and step on the host, on pinned host copies of
+    the parameters; after backward the gradients are copied into pinned host gradients, the
+    host AdamW steps, and the updated parameters are copied back to the GPU."""
+
+    def __init__(self, params: object, lr: float) -> None:
+        self.pairs = []
+        for p in params:
+            with torch.no_grad():
+                h = torch.empty_like(p, device="cpu", pin_memory=True)
+                h.copy_(p.detach())
+                h.grad = torch.empty_like(h, pin_memory=True)
+            self.pairs.append((p, h))
+        self.opt = torch.optim.AdamW([h for _, h in self.pairs], lr=lr)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, h in self.pairs:
+            h.grad.copy_(p.grad)
+        self.opt.step()
+        for p, h in self.pairs:
+            p.copy_(h)
+
+    def zero_grad(self) -> None:
+        for p, _ in self.pairs:
+            p.grad = None
+
+
 def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, micro: int = 1,
             autocast: torch.dtype | None = None, opt_cls: type | None = None,
-            shard: str | None = None, scaler: bool = False):  # noqa: ANN201
+            shard: str | None = None, scaler: bool = False,
+            host_opt: bool = False):  # noqa: ANN201
     """The same step with one change written by hand (``scaler``: fp16's gradient scaler
-    loop, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, ``scaler.update()``)."""
+    loop, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, ``scaler.update()``;
+    ``host_opt``: :class:`HostAdamW`)."""
     def build(batch: int) -> object:
         net = Net(ckpt=ckpt).cuda()
         if bf16:
@@ -75,7 +106,8 @@ def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, 
             for layer in net.layers:
                 fully_shard(layer, **kw)
             fully_shard(net, **kw)
-        opt = (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {}))
+        opt = (HostAdamW(net.parameters(), lr=1e-3) if host_opt else
+               (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {})))
         x = torch.randn(batch, SEQ, D, device="cuda")
         grad_scaler = torch.amp.GradScaler("cuda") if scaler else None
 
@@ -123,6 +155,7 @@ CASES = {
     "adafactor": (by_hand(opt_cls=torch.optim.Adafactor), BATCH, None),
     "fsdp_2": (by_hand(shard="fsdp"), BATCH, 2),
     "cpu_offload": (by_hand(shard="offload"), BATCH, 1),
+    "cpu_offload_optimizer": (by_hand(host_opt=True), BATCH, None),
 }
 
 
@@ -158,6 +191,54 @@ def test_fp16_lever_runs_the_gradient_scaler_loop_written_by_hand() -> None:
                      levers=_lever_run(check_levers(["fp16_autocast+grad_accumulation_2"])))
     assert figures(combo) == figures(run_once(
         by_hand(autocast=torch.float16, scaler=True, micro=2), BATCH // 2, "T4"))
+
+
+def test_cpu_offload_optimizer_moves_the_state_to_the_host_as_written_by_hand() -> None:
+    """The optimizer's state leaves the GPU (AdamW's two moments: 2 x the parameters' bytes at
+    the peak) and the host holds the parameters' copies, their gradients and the moments
+    (4 x); combined with accumulation and checkpointing it equals both written by hand."""
+    param_bytes = sum(p.numel() * 4 for p in Net().parameters())
+    lr = _lever_run([BY_NAME["cpu_offload_optimizer"]])
+    lever = run_once(as_written, BATCH, "A100-80GB", levers=lr)
+    plain = run_once(as_written, BATCH, "A100-80GB")
+    assert lr.offloaded == [("AdamW", 2 * 3 + 2 + 2 * 3, param_bytes)]  # 14 tensors
+    assert plain.by_category["optimizer_state"] == 2 * param_bytes
+    assert lever.by_category["optimizer_state"] == 0
+    assert plain.peak_requested_bytes - lever.peak_requested_bytes == 2 * param_bytes
+    assert lever.host_peak_bytes >= 4 * param_bytes > plain.host_peak_bytes
+    for combo, hand, batch in (
+            ("cpu_offload_optimizer+grad_accumulation_2", by_hand(host_opt=True, micro=2),
+             BATCH // 2),
+            ("cpu_offload_optimizer+activation_checkpointing",
+             by_hand(host_opt=True, ckpt=True), BATCH)):
+        got = run_once(as_written, BATCH, "A100-80GB", levers=_lever_run(check_levers([combo])))
+        assert figures(got) == figures(run_once(hand, batch, "A100-80GB")), combo
+    for other in ("fsdp_2", "cpu_offload", "optimizer_fused", "adafactor", "fp16_autocast"):
+        with pytest.raises(InvalidInputError, match=f"cpu_offload_optimizer and {other} cannot"):
+            check_levers([f"cpu_offload_optimizer+{other}"])
+
+
+def test_cpu_offload_optimizer_row_names_the_host_bytes() -> None:
+    e = torchmem.estimate(as_written, gpu="A100-80GB", batch_size=BATCH,
+                          what_if=["cpu_offload_optimizer"])
+    row = e.what_if[0]
+    param_bytes = sum(p.numel() * 4 for p in Net().parameters())
+    assert row.skipped is None and row.applied.startswith(
+        "AdamW on pinned host copies of 14 parameters (")
+    assert row.cost["host_peak_bytes"] == row.estimate.host_peak_bytes >= 4 * param_bytes
+    assert row.cost["host_transfer_bytes_per_step"] == 2 * param_bytes
+    from torchmem.units import format_bytes
+
+    assert f"host {format_bytes(row.estimate.host_peak_bytes)}" in row.cost_words()
+
+    def no_optimizer(batch: int) -> object:
+        net = Net().cuda()
+        x = torch.randn(batch, SEQ, D, device="cuda")
+        return lambda: net(x).sum().backward()
+
+    e = torchmem.estimate(no_optimizer, gpu="A100-80GB", batch_size=2,
+                          what_if=["cpu_offload_optimizer"])
+    assert "no torch.optim optimizer" in e.what_if[0].skipped
 
 
 def test_checkpointing_names_the_blocks_and_counts_the_recomputed_flops() -> None:
@@ -395,16 +476,18 @@ def _lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def attn_step(lora: list[str] | None = None, ckpt: bool = False, all_params: bool = False):  # noqa: ANN201
+def attn_step(lora: list[str] | None = None, ckpt: bool = False, all_params: bool = False,
+              host_opt: bool = False):  # noqa: ANN201
     """The step with an attention model; ``lora``: get_peft_model written by hand, the
-    optimizer given the trainable parameters (``all_params``: ``model.parameters()``)."""
+    optimizer given the trainable parameters (``all_params``: ``model.parameters()``;
+    ``host_opt``: :class:`HostAdamW`)."""
     def build(batch: int) -> object:
         net: torch.nn.Module = AttnNet(ckpt=ckpt).cuda()
         if lora is not None:
             net = _lora(net, lora)
         params = (net.parameters() if lora is None or all_params
                   else [p for p in net.parameters() if p.requires_grad])
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt = HostAdamW(params, lr=1e-3) if host_opt else torch.optim.AdamW(params, lr=1e-3)
         return _steps(net, opt, torch.randn(batch, SEQ, D, device="cuda"))
     return build
 
@@ -500,6 +583,10 @@ def test_lora_with_other_levers_equals_both_written_by_hand() -> None:
                      levers=_lever_run(check_levers(["bf16_weights+lora"])))
     assert figures(lever) == figures(run_once(llama_step(lora=True, bf16=True), 2,
                                               "A100-80GB"))
+    lever = run_once(attn_step(), BATCH, "A100-80GB",
+                     levers=_lever_run(check_levers(["lora+cpu_offload_optimizer"])))
+    assert figures(lever) == figures(run_once(attn_step(["q_proj", "v_proj"], host_opt=True),
+                                              BATCH, "A100-80GB"))
     with pytest.raises(InvalidInputError, match="fsdp_2 and lora cannot be combined"):
         check_levers(["fsdp_2+lora"])
 

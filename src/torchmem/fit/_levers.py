@@ -32,7 +32,13 @@ they are made and changes them the way a user would by hand:
   projections>, lora_dropout=0.0))`` (``fan_in_fan_out=True`` for GPT-2's ``Conv1D``) before the optimizer is made (after ``bf16_weights``'
   conversion), and gives the optimizer the trainable parameters (the adapters), in the
   wrapped model's order, as ``AdamW(p for p in model.parameters() if p.requires_grad)``
-  written after ``get_peft_model`` would (:func:`attention_projections` finds the targets).
+  written after ``get_peft_model`` would (:func:`attention_projections` finds the targets);
+  ``offload_optimizer`` makes the optimizer on pinned host copies of the parameters that
+  train (``torch.empty_like(p, device="cpu", pin_memory=True)`` filled from ``p``, and a
+  pinned host gradient, parameter by parameter), after the other changes; its ``step()``
+  copies each GPU gradient into the host one, steps on the host and copies each parameter
+  back into the GPU one, and its ``zero_grad()`` drops the GPU gradients (ZeRO-Offload, as
+  DeepSpeed and torchao's ``CPUOffloadOptimizer`` do it).
 - **the step**: ``accumulate=k`` builds the batch as ``batch_size // k`` and runs ``step()``
   ``k`` times per optimizer step, the optimizers' ``step()`` and ``zero_grad()`` skipped in
   all but the last (gradients accumulate, as a hand-written accumulation loop does); a
@@ -190,6 +196,7 @@ class LeverRun:
     estimate must run with ``world_size``; ``"offload"``: with ``CPUOffloadPolicy``); ``accumulate``: micro-batches per optimizer step;
     ``lora``: the rank of LoRA adapters on the attention projections (0: none);
     ``scaler``: fp16's gradient scaler loop around backward and the optimizer's step;
+    ``offload_optimizer``: the optimizer's state and step on the host;
     ``count_flops``: count floating-point operations.
 
     After the run: ``wrapped`` (the blocks checkpointed), ``roots`` (class names of the
@@ -197,7 +204,8 @@ class LeverRun:
     (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``;
     ``adapted`` (``(model class, target modules, adapted layers, trainable parameters,
     all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not);
-    ``scaled`` (optimizers stepped through the gradient scaler).
+    ``scaled`` (optimizers stepped through the gradient scaler); ``offloaded`` (``(optimizer
+    class, parameters, their bytes)`` per optimizer moved to the host).
 
     Example:
         >>> import torch
@@ -220,6 +228,7 @@ class LeverRun:
         accumulate: int = 1,
         lora: int = 0,
         scaler: bool = False,
+        offload_optimizer: bool = False,
         count_flops: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
@@ -231,6 +240,7 @@ class LeverRun:
         self.accumulate = int(accumulate)
         self.lora = int(lora)
         self.scaler = scaler
+        self.offload_optimizer = offload_optimizer
         self.count_flops = count_flops
         self.flops = 0
         self.wrapped: list[str] = []
@@ -242,6 +252,7 @@ class LeverRun:
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
         self.lora_refused: list[str] = []
         self.scaled: list[str] = []
+        self.offloaded: list[tuple[str, int, int]] = []
         self.trainer_accumulates = False
         self._grad_scaler: Any = None
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -255,9 +266,9 @@ class LeverRun:
         """What a worker process hands back: the settings and what was changed (the patches,
         weak sets and thread state stay behind)."""
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
-                "fsdp", "accumulate", "lora", "scaler", "count_flops",
+                "fsdp", "accumulate", "lora", "scaler", "offload_optimizer", "count_flops",
                 "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
-                "sharded", "adapted", "lora_refused", "scaled",
+                "sharded", "adapted", "lora_refused", "scaled", "offloaded",
                 "trainer_accumulates")
         return {k: self.__dict__[k] for k in keep}
 
@@ -301,7 +312,7 @@ class LeverRun:
             return None
 
         opts: list[Any] = list(self._opts)
-        # the levers' own step/zero_grad (the scaler's) are instance attributes too
+        # the levers' own step/zero_grad (scaler, offload) are instance attributes too
         saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
                  for o in opts]
         for o in opts:
@@ -442,8 +453,13 @@ class LeverRun:
         self._opts.add(opt)
         if self.weights_dtype is not None or self.fsdp or self.lora:
             params = self._model_changes(params)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.offload_optimizer:
+            params, pairs = _host_copies(params)
         self._make(opt, cls, orig, params, args, kwargs)
-        if self.scaler:
+        if pairs is not None:
+            self._offload(opt, pairs)
+        elif self.scaler:
             self._scale(opt)
 
     def _make(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
@@ -472,7 +488,7 @@ class LeverRun:
                 kwargs = {**kwargs, **self.optimizer}
         orig(opt, params, *args, **kwargs)
 
-    # -- the optimizer's step: gradient scaler ----------------------------------
+    # -- the optimizer's step: gradient scaler, host offload ----------------------------------
 
     def _scale(self, opt: Any) -> None:
         """``fp16_autocast``'s gradient scaler: one ``torch.amp.GradScaler("cuda")`` for the
@@ -498,6 +514,32 @@ class LeverRun:
 
         opt.step = step
         self.scaled.append(type(opt).__name__)
+
+    def _offload(self, opt: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``cpu_offload_optimizer``: ``opt`` was made on pinned host copies of its
+        parameters (:func:`_host_copies`); its ``step()`` copies each GPU gradient into its
+        host copy's gradient, steps on the host, and copies each updated host parameter back
+        into the GPU one; ``zero_grad()`` drops the GPU gradients (the host ones are kept)."""
+        inner = opt.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad():
+                for dev, host in pairs:
+                    if dev.grad is not None and host.grad is not None:
+                        host.grad.copy_(dev.grad)
+                out = inner(*args, **kwargs)
+                for dev, host in pairs:
+                    dev.copy_(host)
+            return out
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            for dev, _ in pairs:
+                dev.grad = None
+
+        opt.step = step
+        opt.zero_grad = zero_grad
+        self.offloaded.append((type(opt).__name__, len(pairs),
+                               sum(d.numel() * d.element_size() for d, _ in pairs)))
 
     def _patch_backward(self) -> None:
         """``loss.backward()`` of a one-element tensor, once an optimizer is made, runs as
@@ -624,6 +666,36 @@ class LeverRun:
             else:
                 out.extend(remap([p]))
         return out
+
+
+def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Pinned host copies of the parameters that train (each with a pinned host gradient,
+    made in that order, parameter by parameter), the parameter groups on them, and the
+    ``(GPU parameter, host copy)`` pairs; parameters that do not train are left out."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host(ps: list[Any]) -> list[Any]:
+        out = []
+        for p in ps:
+            if not p.requires_grad:
+                continue
+            with torch.no_grad():
+                h = torch.empty_like(p, device="cpu", pin_memory=True)
+                h.copy_(p.detach())
+                h.grad = torch.empty_like(h, pin_memory=True)
+            pairs.append((p, h))
+            out.append(h)
+        return out
+
+    groups: list[Any] = []
+    loose: list[Any] = []
+    for p in params:
+        if isinstance(p, dict):
+            ps = p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]]
+            groups.append({**p, "params": host(list(ps))})
+        else:
+            loose.append(p)
+    return (groups if groups else host(loose)), pairs
 
 
 def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
