@@ -659,3 +659,58 @@ def test_best_prefers_precision_and_optimizer_levers_to_lora() -> None:
                                                                    True, 60)]
     assert best_combination(None, None, rows).lever == "adafactor"
     assert best_combination(None, None, rows[:1]).lever == "lora"
+
+
+TRAINER = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=64)
+model = LlamaForCausalLM(cfg)
+# by hand
+rows = [{"input_ids": torch.randint(0, 512, (32,)), "labels": torch.randint(0, 512, (32,))}
+        for _ in range(16)]
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, max_steps=4,
+                         logging_steps=1, save_strategy="no", report_to="none",
+                         dataloader_num_workers=0, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_lora_on_an_unmodified_trainer_equals_the_trainer_given_a_peft_model(tmp_path,
+                                                                            capsys) -> None:  # noqa: ANN001
+    """``torchmem estimate --what-if --levers lora train.py``: a tiny Llama trained by an
+    unmodified ``Trainer.train()``; the row equals the same script with ``get_peft_model``
+    written in before the Trainer is made (the four peaks: the adapters are made on the host,
+    where the model is, before the Trainer moves it to the GPU)."""
+    from torchmem.cli import main
+
+    plain = tmp_path / "train.py"
+    plain.write_text(TRAINER)
+    hand = tmp_path / "train_lora.py"
+    hand.write_text(TRAINER.replace("# by hand", (
+        "from peft import LoraConfig, get_peft_model\n"
+        "model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,\n"
+        "    target_modules=['k_proj', 'o_proj', 'q_proj', 'v_proj']))")))
+    out = str(tmp_path / "out")
+    code = main(["estimate", "--gpu", "A100-80GB", "--json", "--what-if", "--levers", "lora",
+                 str(plain), out])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0
+    row = d["what_if"][0]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # 2 layers; per layer: q (64 -> 64), k and v (64 -> 32), o (64 -> 64), A (8 x in) + B
+    # (out x 8) each
+    trainable = 2 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))
+    total = trainable + sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA)).parameters())
+    assert row["applied"] == ("LoRA r=8 on k_proj, o_proj, q_proj, v_proj (8 layers) of "
+                              f"LlamaForCausalLM: {trainable:,} of {total:,} parameters trainable")
+    h = torchmem.estimate_script(str(hand), [out], "A100-80GB")
+    assert h.script.steps_run == 2
+    assert (row["peak_requested_bytes"], row["peak_allocated_bytes"],
+            row["peak_reserved_bytes"], row["cost"]["host_peak_bytes"]) == figures(h)
+    assert row["peak_requested_bytes"] < d["peak_requested_bytes"]  # the lever changed it

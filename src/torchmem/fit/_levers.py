@@ -33,6 +33,8 @@ they are made and changes them the way a user would by hand:
   conversion), and gives the optimizer the trainable parameters (the adapters), in the
   wrapped model's order, as ``AdamW(p for p in model.parameters() if p.requires_grad)``
   written after ``get_peft_model`` would (:func:`attention_projections` finds the targets);
+  a transformers ``Trainer`` is given ``get_peft_model(model, ...)`` instead of its model
+  when it is made, as a user passing a peft model to it would;
   ``offload_optimizer`` makes the optimizer on pinned host copies of the parameters that
   train (``torch.empty_like(p, device="cpu", pin_memory=True)`` filled from ``p``, and a
   pinned host gradient, parameter by parameter), after the other changes; its ``step()``
@@ -259,6 +261,7 @@ class LeverRun:
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._opts: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._peft: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._tls = threading.local()
         self._undo: list[Callable[[], None]] = []
 
@@ -333,14 +336,17 @@ class LeverRun:
         self._patch_optimizers()
         if self.scaler:
             self._patch_backward()
-        if self.accumulate > 1:
+        if self.accumulate > 1 or self.lora:
             self._patch_trainer()
         return self
 
     def _patch_trainer(self) -> None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
         is multiplied by ``accumulate`` (its per-device batch is the micro-batch ``build`` was
-        given), and each step runs once."""
+        given), and each step runs once. With ``lora`` the ``Trainer`` is given
+        ``get_peft_model(model, ...)`` instead of ``model``, as a user passing a peft model
+        to it would (so its peft-aware code runs, and the adapters are made where the
+        model is, before the ``Trainer`` moves it to the GPU)."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -354,9 +360,19 @@ class LeverRun:
 
         def init(trainer: Any, *args: Any, **kwargs: Any) -> None:
             targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-            if targs is not None and hasattr(targs, "gradient_accumulation_steps"):
+            if (lever.accumulate > 1 and targs is not None
+                    and hasattr(targs, "gradient_accumulation_steps")):
                 targs.gradient_accumulation_steps *= lever.accumulate
                 lever.trainer_accumulates = True
+            model = kwargs.get("model", args[0] if args else None)
+            if (lever.lora and isinstance(model, torch.nn.Module) and model not in lever._peft
+                    and importlib.util.find_spec("peft") is not None):
+                wrapped = lever._get_peft_model(model)
+                if wrapped is not None:  # the Trainer given the peft model, as by hand
+                    if "model" in kwargs:
+                        kwargs["model"] = wrapped
+                    else:
+                        args = (wrapped, *args[1:])
             orig(trainer, *args, **kwargs)
 
         setattr(Trainer, "__init__", init)  # noqa: B010
@@ -607,6 +623,35 @@ class LeverRun:
         return out
 
 
+    def _get_peft_model(self, root: torch.nn.Module) -> torch.nn.Module | None:
+        """``get_peft_model(root, LoraConfig(...))`` on ``root``'s attention projections,
+        recorded in ``adapted``; ``None`` (the reason in ``lora_refused``) without them."""
+        from peft import LoraConfig, get_peft_model
+
+        targets = attention_projections(root)
+        if not targets:
+            self.lora_refused.append(
+                f"no attention projections in {type(root).__name__} (Linear layers inside "
+                "a module named attn or attention)")
+            return None
+        # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
+        conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
+                   if n.rsplit(".", 1)[-1] in targets)
+        config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
+                            target_modules=targets, lora_dropout=0.0,
+                            fan_in_fan_out=conv)
+        name = type(root).__name__
+        with warnings.catch_warnings():  # transformers' deprecations, seen through peft
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(root, config)
+        mine = [p for p in wrapped.parameters() if p.requires_grad]
+        layers = sum(1 for n, _ in root.named_modules()
+                     if n.rsplit(".", 1)[-1] in targets and not n.endswith("base_layer"))
+        total = sum(p.numel() for p in wrapped.parameters())
+        self.adapted.append((name, targets, layers, sum(p.numel() for p in mine), total))
+        self._peft.add(wrapped)
+        return wrapped
+
     def _adapt(self, roots: list[torch.nn.Module], params: list[Any]) -> list[Any]:
         """LoRA adapters on each root's attention projections (peft's ``get_peft_model``);
         the parameters the optimizer gets instead of ``params``: each wrapped root's
@@ -616,35 +661,17 @@ class LeverRun:
         if importlib.util.find_spec("peft") is None:
             self.lora_refused.append("peft is not installed (pip install peft)")
             return params
-        from peft import LoraConfig, get_peft_model
-
         owner: dict[int, int] = {}
         trainable: dict[int, list[Any]] = {}
         for i, root in enumerate(roots):
-            targets = attention_projections(root)
-            if not targets:
-                self.lora_refused.append(
-                    f"no attention projections in {type(root).__name__} (Linear layers inside "
-                    "a module named attn or attention)")
+            if root in self._peft:  # wrapped when a Trainer was given it: its own parameters
                 continue
             before = {id(p) for p in root.parameters()}
-            # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
-            conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
-                       if n.rsplit(".", 1)[-1] in targets)
-            config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
-                                target_modules=targets, lora_dropout=0.0,
-                                fan_in_fan_out=conv)
-            with warnings.catch_warnings():  # transformers' deprecations, seen through peft
-                warnings.simplefilter("ignore", FutureWarning)
-                wrapped = get_peft_model(root, config)
-            mine = [p for p in wrapped.parameters() if p.requires_grad]
-            layers = sum(1 for n, _ in root.named_modules()
-                         if n.rsplit(".", 1)[-1] in targets and not n.endswith("base_layer"))
-            total = sum(p.numel() for p in wrapped.parameters())
-            self.adapted.append((type(root).__name__, targets, layers,
-                                 sum(p.numel() for p in mine), total))
+            wrapped = self._get_peft_model(root)
+            if wrapped is None:
+                continue
             owner.update(dict.fromkeys(before, i))
-            trainable[i] = mine
+            trainable[i] = [p for p in wrapped.parameters() if p.requires_grad]
 
         def remap(ps: list[Any]) -> list[Any]:
             out: list[Any] = []
