@@ -187,6 +187,10 @@ def test_fp16_lever_runs_the_gradient_scaler_loop_written_by_hand() -> None:
     no_scaler = run_once(by_hand(autocast=torch.float16), BATCH, "T4")
     assert lever.peak_requested_bytes - no_scaler.peak_requested_bytes == 3 * 4
     assert lever.peak_allocated_bytes - no_scaler.peak_allocated_bytes == 3 * 512
+    # a step with its own scaler loop keeps it alone (the lever adds no second scaler)
+    own = by_hand(autocast=torch.float16, scaler=True)
+    assert figures(run_once(own, BATCH, "T4", levers=_lever_run([BY_NAME["fp16_autocast"]]))
+                   ) == figures(lever)
     combo = run_once(as_written, BATCH, "T4",
                      levers=_lever_run(check_levers(["fp16_autocast+grad_accumulation_2"])))
     assert figures(combo) == figures(run_once(

@@ -257,6 +257,7 @@ class LeverRun:
         self.offloaded: list[tuple[str, int, int]] = []
         self.trainer_accumulates = False
         self._grad_scaler: Any = None
+        self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -518,8 +519,8 @@ class LeverRun:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             tls = lever._tls
-            if getattr(tls, "in_step", False):  # scaler.step calls optimizer.step()
-                return inner(*args, **kwargs)
+            if getattr(tls, "in_step", False) or lever._user_scales:
+                return inner(*args, **kwargs)  # scaler.step calls optimizer.step()
             tls.in_step = True
             try:
                 out = scaler.step(opt, *args, **kwargs)
@@ -559,15 +560,16 @@ class LeverRun:
 
     def _patch_backward(self) -> None:
         """``loss.backward()`` of a one-element tensor, once an optimizer is made, runs as
-        ``scaler.scale(loss).backward()``."""
+        ``scaler.scale(loss).backward()``; not once the step scales with a ``GradScaler``
+        of its own (then the lever's scaler stays out of backward and the step)."""
         orig = torch.Tensor.backward
         lever = self
 
         def backward(t: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
             tls = lever._tls
             scaler = lever._grad_scaler
-            if (scaler is None or gradient is not None or t.numel() != 1
-                    or getattr(tls, "in_backward", False)):
+            if (scaler is None or lever._user_scales or gradient is not None
+                    or t.numel() != 1 or getattr(tls, "in_backward", False)):
                 return orig(t, gradient, *args, **kwargs)
             tls.in_backward = True
             try:
@@ -577,6 +579,17 @@ class LeverRun:
 
         torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
         self._undo.append(lambda: setattr(torch.Tensor, "backward", orig))
+        # a step with its own GradScaler (a Trainer's fp16, a hand-written loop) keeps it alone
+        scaler_cls = torch.amp.GradScaler
+        scale = scaler_cls.scale
+
+        def user_scale(scaler: Any, outputs: Any) -> Any:
+            if scaler is not lever._grad_scaler:
+                lever._user_scales = True
+            return scale(scaler, outputs)
+
+        scaler_cls.scale = user_scale  # type: ignore[method-assign,assignment]
+        self._undo.append(lambda: setattr(scaler_cls, "scale", scale))
 
     def _model_changes(self, params: list[Any]) -> list[Any]:
         """bf16 weights, LoRA and FSDP at the optimizer's making: on the roots holding

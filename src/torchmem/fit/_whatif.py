@@ -28,8 +28,10 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
                               2/4/8 GPUs (PyTorch's fake process group)
 ``cpu_offload``               FSDP2 on one GPU with ``CPUOffloadPolicy``: parameters, gradients
                               and optimizer state on the host, each block gathered in turn
-``cpu_offload_optimizer``     ZeRO-Offload's optimizer (DeepSpeed, torchao's
-                              ``CPUOffloadOptimizer``) written out: the optimizer made on
+``cpu_offload_optimizer``     ZeRO-Offload's optimizer written out (the scheme of DeepSpeed
+                              and torchao's ``CPUOffloadOptimizer``, not their code; torchao
+                              keeps tensors under 4096 elements on the GPU and copies
+                              gradients during backward): the optimizer made on
                               pinned host copies of the parameters (each with a pinned host
                               gradient); its ``step()`` copies the GPU gradients to the host,
                               steps there and copies the parameters back; ``zero_grad()``
