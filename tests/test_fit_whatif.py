@@ -187,6 +187,11 @@ def test_fp16_lever_runs_the_gradient_scaler_loop_written_by_hand() -> None:
     no_scaler = run_once(by_hand(autocast=torch.float16), BATCH, "T4")
     assert lever.peak_requested_bytes - no_scaler.peak_requested_bytes == 3 * 4
     assert lever.peak_allocated_bytes - no_scaler.peak_allocated_bytes == 3 * 512
+    row = torchmem.estimate(as_written, gpu="T4", batch_size=BATCH,
+                            what_if=["fp16_autocast"]).what_if[0]
+    assert row.applied == ("autocast to float16 around Net; a GradScaler scales the loss and "
+                           "steps AdamW")
+    assert row.peak_requested_bytes == lever.peak_requested_bytes
     # a step with its own scaler loop keeps it alone (the lever adds no second scaler)
     own = by_hand(autocast=torch.float16, scaler=True)
     assert figures(run_once(own, BATCH, "T4", levers=_lever_run([BY_NAME["fp16_autocast"]]))
