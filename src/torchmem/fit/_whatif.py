@@ -370,11 +370,11 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
     if "accumulate" in s:
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
-        said = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
+        words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
                 f"{_names(sorted(set(lr.roots)))}")
         if lr.scaled:
-            said += f"; a GradScaler scales the loss and steps {_names(lr.scaled)}"
-        return said
+            words += f"; a GradScaler scales the loss and steps {_names(lr.scaled)}"
+        return words
     if "weights_dtype" in s:
         if not lr.converted:
             return None
