@@ -371,7 +371,7 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
         words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
-                f"{_names(sorted(set(lr.roots)))}")
+                 f"{_names(sorted(set(lr.roots)))}")
         if lr.scaled:
             words += f"; a GradScaler scales the loss and steps {_names(lr.scaled)}"
         return words
