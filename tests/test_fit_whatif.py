@@ -59,10 +59,42 @@ def _steps(net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     return step
 
 
+class HostAdamW:
+    """ZeRO-Offload's optimizer written by hand (as DeepSpeed's and torchao's
+    CPUOffloadOptimizer do it): AdamW's state and step on the host, on pinned host copies of
+    the parameters; after backward the gradients are copied into pinned host gradients, the
+    host AdamW steps, and the updated parameters are copied back to the GPU."""
+
+    def __init__(self, params: object, lr: float) -> None:
+        self.pairs = []
+        for p in params:
+            with torch.no_grad():
+                h = torch.empty_like(p, device="cpu", pin_memory=True)
+                h.copy_(p.detach())
+                h.grad = torch.empty_like(h, pin_memory=True)
+            self.pairs.append((p, h))
+        self.opt = torch.optim.AdamW([h for _, h in self.pairs], lr=lr)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, h in self.pairs:
+            h.grad.copy_(p.grad)
+        self.opt.step()
+        for p, h in self.pairs:
+            p.copy_(h)
+
+    def zero_grad(self) -> None:
+        for p, _ in self.pairs:
+            p.grad = None
+
+
 def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, micro: int = 1,
             autocast: torch.dtype | None = None, opt_cls: type | None = None,
-            shard: str | None = None):  # noqa: ANN201
-    """The same step with one change written by hand."""
+            shard: str | None = None, scaler: bool = False,
+            host_opt: bool = False):  # noqa: ANN201
+    """The same step with one change written by hand (``scaler``: fp16's gradient scaler
+    loop, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``, ``scaler.update()``;
+    ``host_opt``: :class:`HostAdamW`)."""
     def build(batch: int) -> object:
         net = Net(ckpt=ckpt).cuda()
         if bf16:
@@ -74,8 +106,10 @@ def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, 
             for layer in net.layers:
                 fully_shard(layer, **kw)
             fully_shard(net, **kw)
-        opt = (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {}))
+        opt = (HostAdamW(net.parameters(), lr=1e-3) if host_opt else
+               (opt_cls or torch.optim.AdamW)(net.parameters(), lr=1e-3, **(opt_kw or {})))
         x = torch.randn(batch, SEQ, D, device="cuda")
+        grad_scaler = torch.amp.GradScaler("cuda") if scaler else None
 
         def fwd() -> torch.Tensor:
             if autocast is not None:
@@ -84,12 +118,17 @@ def by_hand(ckpt: bool = False, opt_kw: dict | None = None, bf16: bool = False, 
             return net(x.to(torch.bfloat16) if bf16 else x)
 
         def micro_step() -> None:
-            fwd().float().sum().backward()
+            loss = fwd().float().sum()
+            (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
 
         def step() -> None:
             for _ in range(micro):
                 micro_step()
-            opt.step()
+            if grad_scaler is not None:
+                grad_scaler.step(opt)
+                grad_scaler.update()
+            else:
+                opt.step()
             opt.zero_grad()
 
         return step
@@ -107,7 +146,7 @@ CASES = {
     "grad_accumulation_2": (by_hand(micro=2), BATCH // 2, None),
     "grad_accumulation_4": (by_hand(micro=4), BATCH // 4, None),
     "bf16_autocast": (by_hand(autocast=torch.bfloat16), BATCH, None),
-    "fp16_autocast": (by_hand(autocast=torch.float16), BATCH, None),
+    "fp16_autocast": (by_hand(autocast=torch.float16, scaler=True), BATCH, None),
     "bf16_weights": (by_hand(bf16=True), BATCH, None),
     "optimizer_fused": (by_hand(opt_kw={"fused": True, "foreach": False}), BATCH, None),
     "optimizer_foreach": (by_hand(opt_kw={"foreach": True}), BATCH, None),
@@ -116,6 +155,7 @@ CASES = {
     "adafactor": (by_hand(opt_cls=torch.optim.Adafactor), BATCH, None),
     "fsdp_2": (by_hand(shard="fsdp"), BATCH, 2),
     "cpu_offload": (by_hand(shard="offload"), BATCH, 1),
+    "cpu_offload_optimizer": (by_hand(host_opt=True), BATCH, None),
 }
 
 
@@ -132,6 +172,82 @@ def test_each_lever_equals_the_change_written_by_hand(name: str) -> None:
         assert figures(lever) == figures(plain)
     elif name != "optimizer_per_parameter":
         assert figures(lever) != figures(plain)  # the lever changed something
+
+
+def test_fp16_lever_runs_the_gradient_scaler_loop_written_by_hand() -> None:
+    """fp16_autocast (a T4: no bf16) also scales the loss and steps through a GradScaler; it
+    equals the hand-written scaler loop, alone and under accumulation, and holds the scaler's
+    own GPU scalars at the peak: its scale (fp32), growth tracker (int32) and unscale's
+    found_inf (fp32), 4 bytes each, each in its own 512-byte block."""
+    lr = _lever_run([BY_NAME["fp16_autocast"]])
+    lever = run_once(as_written, BATCH, "T4", levers=lr)
+    assert figures(lever) == figures(run_once(by_hand(autocast=torch.float16, scaler=True),
+                                              BATCH, "T4"))
+    assert lr.scaled == ["AdamW"]
+    no_scaler = run_once(by_hand(autocast=torch.float16), BATCH, "T4")
+    assert lever.peak_requested_bytes - no_scaler.peak_requested_bytes == 3 * 4
+    assert lever.peak_allocated_bytes - no_scaler.peak_allocated_bytes == 3 * 512
+    row = torchmem.estimate(as_written, gpu="T4", batch_size=BATCH,
+                            what_if=["fp16_autocast"]).what_if[0]
+    assert row.applied == ("autocast to float16 around Net; a GradScaler scales the loss and "
+                           "steps AdamW")
+    assert row.peak_requested_bytes == lever.peak_requested_bytes
+    # a step with its own scaler loop keeps it alone (the lever adds no second scaler)
+    own = by_hand(autocast=torch.float16, scaler=True)
+    assert figures(run_once(own, BATCH, "T4", levers=_lever_run([BY_NAME["fp16_autocast"]]))
+                   ) == figures(lever)
+    combo = run_once(as_written, BATCH, "T4",
+                     levers=_lever_run(check_levers(["fp16_autocast+grad_accumulation_2"])))
+    assert figures(combo) == figures(run_once(
+        by_hand(autocast=torch.float16, scaler=True, micro=2), BATCH // 2, "T4"))
+
+
+def test_cpu_offload_optimizer_moves_the_state_to_the_host_as_written_by_hand() -> None:
+    """The optimizer's state leaves the GPU (AdamW's two moments: 2 x the parameters' bytes at
+    the peak) and the host holds the parameters' copies, their gradients and the moments
+    (4 x); combined with accumulation and checkpointing it equals both written by hand."""
+    param_bytes = sum(p.numel() * 4 for p in Net().parameters())
+    lr = _lever_run([BY_NAME["cpu_offload_optimizer"]])
+    lever = run_once(as_written, BATCH, "A100-80GB", levers=lr)
+    plain = run_once(as_written, BATCH, "A100-80GB")
+    assert lr.offloaded == [("AdamW", 2 * 3 + 2 + 2 * 3, param_bytes)]  # 14 tensors
+    assert plain.by_category["optimizer_state"] == 2 * param_bytes
+    assert lever.by_category["optimizer_state"] == 0
+    assert plain.peak_requested_bytes - lever.peak_requested_bytes == 2 * param_bytes
+    assert lever.host_peak_bytes >= 4 * param_bytes > plain.host_peak_bytes
+    for combo, hand, batch in (
+            ("cpu_offload_optimizer+grad_accumulation_2", by_hand(host_opt=True, micro=2),
+             BATCH // 2),
+            ("cpu_offload_optimizer+activation_checkpointing",
+             by_hand(host_opt=True, ckpt=True), BATCH)):
+        got = run_once(as_written, BATCH, "A100-80GB", levers=_lever_run(check_levers([combo])))
+        assert figures(got) == figures(run_once(hand, batch, "A100-80GB")), combo
+    for other in ("fsdp_2", "cpu_offload", "optimizer_fused", "adafactor", "fp16_autocast"):
+        with pytest.raises(InvalidInputError, match=f"cpu_offload_optimizer and {other} cannot"):
+            check_levers([f"cpu_offload_optimizer+{other}"])
+
+
+def test_cpu_offload_optimizer_row_names_the_host_bytes() -> None:
+    e = torchmem.estimate(as_written, gpu="A100-80GB", batch_size=BATCH,
+                          what_if=["cpu_offload_optimizer"])
+    row = e.what_if[0]
+    param_bytes = sum(p.numel() * 4 for p in Net().parameters())
+    assert row.skipped is None and row.applied.startswith(
+        "AdamW on pinned host copies of 14 parameters (")
+    assert row.cost["host_peak_bytes"] == row.estimate.host_peak_bytes >= 4 * param_bytes
+    assert row.cost["host_transfer_bytes_per_step"] == 2 * param_bytes
+    from torchmem.units import format_bytes
+
+    assert f"host {format_bytes(row.estimate.host_peak_bytes)}" in row.cost_words()
+
+    def no_optimizer(batch: int) -> object:
+        net = Net().cuda()
+        x = torch.randn(batch, SEQ, D, device="cuda")
+        return lambda: net(x).sum().backward()
+
+    e = torchmem.estimate(no_optimizer, gpu="A100-80GB", batch_size=2,
+                          what_if=["cpu_offload_optimizer"])
+    assert "no torch.optim optimizer" in e.what_if[0].skipped
 
 
 def test_checkpointing_names_the_blocks_and_counts_the_recomputed_flops() -> None:
@@ -402,16 +518,18 @@ def _lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def attn_step(lora: list[str] | None = None, ckpt: bool = False, all_params: bool = False):  # noqa: ANN201
+def attn_step(lora: list[str] | None = None, ckpt: bool = False, all_params: bool = False,
+              host_opt: bool = False):  # noqa: ANN201
     """The step with an attention model; ``lora``: get_peft_model written by hand, the
-    optimizer given the trainable parameters (``all_params``: ``model.parameters()``)."""
+    optimizer given the trainable parameters (``all_params``: ``model.parameters()``;
+    ``host_opt``: :class:`HostAdamW`)."""
     def build(batch: int) -> object:
         net: torch.nn.Module = AttnNet(ckpt=ckpt).cuda()
         if lora is not None:
             net = _lora(net, lora)
         params = (net.parameters() if lora is None or all_params
                   else [p for p in net.parameters() if p.requires_grad])
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt = HostAdamW(params, lr=1e-3) if host_opt else torch.optim.AdamW(params, lr=1e-3)
         return _steps(net, opt, torch.randn(batch, SEQ, D, device="cuda"))
     return build
 
@@ -507,6 +625,10 @@ def test_lora_with_other_levers_equals_both_written_by_hand() -> None:
                      levers=_lever_run(check_levers(["bf16_weights+lora"])))
     assert figures(lever) == figures(run_once(llama_step(lora=True, bf16=True), 2,
                                               "A100-80GB"))
+    lever = run_once(attn_step(), BATCH, "A100-80GB",
+                     levers=_lever_run(check_levers(["lora+cpu_offload_optimizer"])))
+    assert figures(lever) == figures(run_once(attn_step(["q_proj", "v_proj"], host_opt=True),
+                                              BATCH, "A100-80GB"))
     with pytest.raises(InvalidInputError, match="fsdp_2 and lora cannot be combined"):
         check_levers(["fsdp_2+lora"])
 
@@ -615,3 +737,58 @@ def test_accumulation_on_an_unmodified_trainer_script(tmp_path, monkeypatch) -> 
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
     assert r.peak_requested_bytes < e.peak_requested_bytes
+
+
+TRAINER = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=64)
+model = LlamaForCausalLM(cfg)
+# by hand
+rows = [{"input_ids": torch.randint(0, 512, (32,)), "labels": torch.randint(0, 512, (32,))}
+        for _ in range(16)]
+args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, max_steps=4,
+                         logging_steps=1, save_strategy="no", report_to="none",
+                         dataloader_num_workers=0, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_lora_on_an_unmodified_trainer_equals_the_trainer_given_a_peft_model(tmp_path,
+                                                                            capsys) -> None:  # noqa: ANN001
+    """``torchmem estimate --what-if --levers lora train.py``: a tiny Llama trained by an
+    unmodified ``Trainer.train()``; the row equals the same script with ``get_peft_model``
+    written in before the Trainer is made (the four peaks: the adapters are made on the host,
+    where the model is, before the Trainer moves it to the GPU)."""
+    from torchmem.cli import main
+
+    plain = tmp_path / "train.py"
+    plain.write_text(TRAINER)
+    hand = tmp_path / "train_lora.py"
+    hand.write_text(TRAINER.replace("# by hand", (
+        "from peft import LoraConfig, get_peft_model\n"
+        "model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,\n"
+        "    target_modules=['k_proj', 'o_proj', 'q_proj', 'v_proj']))")))
+    out = str(tmp_path / "out")
+    code = main(["estimate", "--gpu", "A100-80GB", "--json", "--what-if", "--levers", "lora",
+                 str(plain), out])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0
+    row = d["what_if"][0]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # 2 layers; per layer: q (64 -> 64), k and v (64 -> 32), o (64 -> 64), A (8 x in) + B
+    # (out x 8) each
+    trainable = 2 * 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))
+    total = trainable + sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA)).parameters())
+    assert row["applied"] == ("LoRA r=8 on k_proj, o_proj, q_proj, v_proj (8 layers) of "
+                              f"LlamaForCausalLM: {trainable:,} of {total:,} parameters trainable")
+    h = torchmem.estimate_script(str(hand), [out], "A100-80GB")
+    assert h.script.steps_run == 2
+    assert (row["peak_requested_bytes"], row["peak_allocated_bytes"],
+            row["peak_reserved_bytes"], row["cost"]["host_peak_bytes"]) == figures(h)
+    assert row["peak_requested_bytes"] < d["peak_requested_bytes"]  # the lever changed it

@@ -11,7 +11,10 @@ they are made and changes them the way a user would by hand:
   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, as
   ``x = checkpoint(block, x, use_reentrant=False)`` written in the parent's forward would;
   ``autocast`` runs every call of a root under ``torch.autocast("cuda", dtype)``, as
-  ``with torch.autocast("cuda", dtype): out = model(x)`` would; ``bf16_weights`` converts the
+  ``with torch.autocast("cuda", dtype): out = model(x)`` would (with ``scaler``, fp16's
+  gradient scaler: one ``torch.amp.GradScaler("cuda")``, made with the first optimizer; a
+  one-element tensor's ``backward()`` runs as ``scaler.scale(loss).backward()`` and each
+  optimizer's ``step()`` as ``scaler.step(opt); scaler.update()``); ``bf16_weights`` converts the
   roots holding the optimizer's parameters with ``.to(torch.bfloat16)`` when the optimizer is
   made (before it, as ``model.to(torch.bfloat16)`` written before the optimizer would; roots
   first called without an optimizer are converted at that call) and casts the floating-point
@@ -29,7 +32,15 @@ they are made and changes them the way a user would by hand:
   projections>, lora_dropout=0.0))`` (``fan_in_fan_out=True`` for GPT-2's ``Conv1D``) before the optimizer is made (after ``bf16_weights``'
   conversion), and gives the optimizer the trainable parameters (the adapters), in the
   wrapped model's order, as ``AdamW(p for p in model.parameters() if p.requires_grad)``
-  written after ``get_peft_model`` would (:func:`attention_projections` finds the targets).
+  written after ``get_peft_model`` would (:func:`attention_projections` finds the targets);
+  a transformers ``Trainer`` is given ``get_peft_model(model, ...)`` instead of its model
+  when it is made, as a user passing a peft model to it would;
+  ``offload_optimizer`` makes the optimizer on pinned host copies of the parameters that
+  train (``torch.empty_like(p, device="cpu", pin_memory=True)`` filled from ``p``, and a
+  pinned host gradient, parameter by parameter), after the other changes; its ``step()``
+  copies each GPU gradient into the host one, steps on the host and copies each parameter
+  back into the GPU one, and its ``zero_grad()`` drops the GPU gradients (ZeRO-Offload, as
+  DeepSpeed and torchao's ``CPUOffloadOptimizer`` do it).
 - **the step**: ``accumulate=k`` builds the batch as ``batch_size // k`` and runs ``step()``
   ``k`` times per optimizer step, the optimizers' ``step()`` and ``zero_grad()`` skipped in
   all but the last (gradients accumulate, as a hand-written accumulation loop does); a
@@ -186,13 +197,17 @@ class LeverRun:
     (called with the parameter groups and ``lr``); ``fsdp``: shard with ``fully_shard`` (the
     estimate must run with ``world_size``; ``"offload"``: with ``CPUOffloadPolicy``); ``accumulate``: micro-batches per optimizer step;
     ``lora``: the rank of LoRA adapters on the attention projections (0: none);
+    ``scaler``: fp16's gradient scaler loop around backward and the optimizer's step;
+    ``offload_optimizer``: the optimizer's state and step on the host;
     ``count_flops``: count floating-point operations.
 
     After the run: ``wrapped`` (the blocks checkpointed), ``roots`` (class names of the
     modules called at top level), ``optimizers`` (class names made), ``optimizer_refused``
     (why an optimizer change could not be made), ``converted``, ``sharded``, ``flops``;
     ``adapted`` (``(model class, target modules, adapted layers, trainable parameters,
-    all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not).
+    all parameters)`` per model given LoRA adapters) and ``lora_refused`` (why not);
+    ``scaled`` (optimizers stepped through the gradient scaler); ``offloaded`` (``(optimizer
+    class, parameters, their bytes)`` per optimizer moved to the host).
 
     Example:
         >>> import torch
@@ -214,6 +229,8 @@ class LeverRun:
         fsdp: bool | str = False,
         accumulate: int = 1,
         lora: int = 0,
+        scaler: bool = False,
+        offload_optimizer: bool = False,
         count_flops: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
@@ -224,6 +241,8 @@ class LeverRun:
         self.fsdp = fsdp
         self.accumulate = int(accumulate)
         self.lora = int(lora)
+        self.scaler = scaler
+        self.offload_optimizer = offload_optimizer
         self.count_flops = count_flops
         self.flops = 0
         self.wrapped: list[str] = []
@@ -234,14 +253,19 @@ class LeverRun:
         self.sharded: list[str] = []
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
         self.lora_refused: list[str] = []
+        self.scaled: list[str] = []
+        self.offloaded: list[tuple[str, int, int]] = []
         self.trainer_accumulates = False
         #: a script's run: it is one run of the whole script (its own loop); its batch option is
         #: divided by the caller, and every ``accumulate``-th optimizer step is made
         self.script_accumulates = False
+        self._grad_scaler: Any = None
+        self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._opts: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._peft: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._tls = threading.local()
         self._undo: list[Callable[[], None]] = []
 
@@ -249,9 +273,10 @@ class LeverRun:
         """What a worker process hands back: the settings and what was changed (the patches,
         weak sets and thread state stay behind)."""
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
-                "fsdp", "accumulate", "lora", "count_flops", "flops", "wrapped", "roots",
-                "optimizers", "optimizer_refused", "converted", "sharded", "adapted",
-                "lora_refused", "trainer_accumulates", "script_accumulates")
+                "fsdp", "accumulate", "lora", "scaler", "offload_optimizer", "count_flops",
+                "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
+                "sharded", "adapted", "lora_refused", "scaled", "offloaded",
+                "trainer_accumulates", "script_accumulates")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -296,15 +321,19 @@ class LeverRun:
             return None
 
         opts: list[Any] = list(self._opts)
+        # the levers' own step/zero_grad (scaler, offload) are instance attributes too
+        saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
+                 for o in opts]
         for o in opts:
             o.step = noop
             o.zero_grad = noop
         try:
             yield
         finally:
-            for o in opts:
+            for o, before in zip(opts, saved):
                 o.__dict__.pop("step", None)
                 o.__dict__.pop("zero_grad", None)
+                o.__dict__.update(before)
 
     def _every_kth_step(self, opt: Any) -> None:
         """A script's loop steps every iteration: ``opt.step`` is made every ``accumulate``-th
@@ -314,18 +343,19 @@ class LeverRun:
         or after its step (transformers' Trainer, which accumulates itself, is left alone)."""
         calls = [0]
         lever = self
+        inner_step, inner_zero_grad = opt.step, opt.zero_grad  # the other levers' wrappers too
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if lever.trainer_accumulates:
-                return type(opt).step(opt, *args, **kwargs)
+                return inner_step(*args, **kwargs)
             calls[0] += 1
             if calls[0] % lever.accumulate:
                 return None  # a micro-batch: its gradients accumulate
-            return type(opt).step(opt, *args, **kwargs)
+            return inner_step(*args, **kwargs)
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
             if lever.trainer_accumulates or calls[0] % lever.accumulate == 0:
-                return type(opt).zero_grad(opt, *args, **kwargs)
+                return inner_zero_grad(*args, **kwargs)
             return None
 
         opt.step = step
@@ -336,14 +366,19 @@ class LeverRun:
     def __enter__(self) -> LeverRun:
         self._patch_call()
         self._patch_optimizers()
-        if self.accumulate > 1:
+        if self.scaler:
+            self._patch_backward()
+        if self.accumulate > 1 or self.lora:
             self._patch_trainer()
         return self
 
     def _patch_trainer(self) -> None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
         is multiplied by ``accumulate`` (its per-device batch is the micro-batch ``build`` was
-        given), and each step runs once."""
+        given), and each step runs once. With ``lora`` the ``Trainer`` is given
+        ``get_peft_model(model, ...)`` instead of ``model``, as a user passing a peft model
+        to it would (so its peft-aware code runs, and the adapters are made where the
+        model is, before the ``Trainer`` moves it to the GPU)."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -357,9 +392,19 @@ class LeverRun:
 
         def init(trainer: Any, *args: Any, **kwargs: Any) -> None:
             targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-            if targs is not None and hasattr(targs, "gradient_accumulation_steps"):
+            if (lever.accumulate > 1 and targs is not None
+                    and hasattr(targs, "gradient_accumulation_steps")):
                 targs.gradient_accumulation_steps *= lever.accumulate
                 lever.trainer_accumulates = True
+            model = kwargs.get("model", args[0] if args else None)
+            if (lever.lora and isinstance(model, torch.nn.Module) and model not in lever._peft
+                    and importlib.util.find_spec("peft") is not None):
+                wrapped = lever._get_peft_model(model)
+                if wrapped is not None:  # the Trainer given the peft model, as by hand
+                    if "model" in kwargs:
+                        kwargs["model"] = wrapped
+                    else:
+                        args = (wrapped, *args[1:])
             orig(trainer, *args, **kwargs)
 
         setattr(Trainer, "__init__", init)  # noqa: B010
@@ -451,15 +496,26 @@ class LeverRun:
 
     def _make_optimizer(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> None:
-        import inspect
-
         params = list(params) if not isinstance(params, torch.Tensor) else [params]
         self.optimizers.append(type(opt).__name__)
         self._opts.add(opt)
-        if self.script_accumulates and self.accumulate > 1:
-            self._every_kth_step(opt)
         if self.weights_dtype is not None or self.fsdp or self.lora:
             params = self._model_changes(params)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.offload_optimizer:
+            params, pairs = _host_copies(params)
+        self._make(opt, cls, orig, params, args, kwargs)
+        if pairs is not None:
+            self._offload(opt, pairs)
+        elif self.scaler:
+            self._scale(opt)
+        if self.script_accumulates and self.accumulate > 1:
+            self._every_kth_step(opt)  # outermost: a skipped call skips the wrappers too
+
+    def _make(self, opt: Any, cls: type, orig: Any, params: Any, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
+        import inspect
+
         if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:
             new = self.replace_optimizer
             lr = kwargs.get("lr", args[0] if args else None)
@@ -481,6 +537,92 @@ class LeverRun:
             else:
                 kwargs = {**kwargs, **self.optimizer}
         orig(opt, params, *args, **kwargs)
+
+    # -- the optimizer's step: gradient scaler, host offload ----------------------------------
+
+    def _scale(self, opt: Any) -> None:
+        """``fp16_autocast``'s gradient scaler: one ``torch.amp.GradScaler("cuda")`` for the
+        run; the optimizer's ``step()`` becomes ``scaler.step(opt); scaler.update()`` (and
+        ``loss.backward()`` is ``scaler.scale(loss).backward()``, :meth:`_patch_backward`)."""
+        if self._grad_scaler is None:
+            self._grad_scaler = torch.amp.GradScaler("cuda")
+        scaler = self._grad_scaler
+        inner = opt.step
+        lever = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            tls = lever._tls
+            if getattr(tls, "in_step", False) or lever._user_scales:
+                return inner(*args, **kwargs)  # scaler.step calls optimizer.step()
+            tls.in_step = True
+            try:
+                out = scaler.step(opt, *args, **kwargs)
+                scaler.update()
+                return out
+            finally:
+                tls.in_step = False
+
+        opt.step = step
+        self.scaled.append(type(opt).__name__)
+
+    def _offload(self, opt: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``cpu_offload_optimizer``: ``opt`` was made on pinned host copies of its
+        parameters (:func:`_host_copies`); its ``step()`` copies each GPU gradient into its
+        host copy's gradient, steps on the host, and copies each updated host parameter back
+        into the GPU one; ``zero_grad()`` drops the GPU gradients (the host ones are kept)."""
+        inner = opt.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad():
+                for dev, host in pairs:
+                    if dev.grad is not None and host.grad is not None:
+                        host.grad.copy_(dev.grad)
+                out = inner(*args, **kwargs)
+                for dev, host in pairs:
+                    dev.copy_(host)
+            return out
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            for dev, _ in pairs:
+                dev.grad = None
+
+        opt.step = step
+        opt.zero_grad = zero_grad
+        self.offloaded.append((type(opt).__name__, len(pairs),
+                               sum(d.numel() * d.element_size() for d, _ in pairs)))
+
+    def _patch_backward(self) -> None:
+        """``loss.backward()`` of a one-element tensor, once an optimizer is made, runs as
+        ``scaler.scale(loss).backward()``; not once the step scales with a ``GradScaler``
+        of its own (then the lever's scaler stays out of backward and the step)."""
+        orig = torch.Tensor.backward
+        lever = self
+
+        def backward(t: torch.Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+            tls = lever._tls
+            scaler = lever._grad_scaler
+            if (scaler is None or lever._user_scales or gradient is not None
+                    or t.numel() != 1 or getattr(tls, "in_backward", False)):
+                return orig(t, gradient, *args, **kwargs)
+            tls.in_backward = True
+            try:
+                return orig(scaler.scale(t), None, *args, **kwargs)
+            finally:
+                tls.in_backward = False
+
+        torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
+        self._undo.append(lambda: setattr(torch.Tensor, "backward", orig))
+        # a step with its own GradScaler (a Trainer's fp16, a hand-written loop) keeps it alone
+        scaler_cls = torch.amp.GradScaler
+        scale = scaler_cls.scale
+
+        def user_scale(scaler: Any, outputs: Any) -> Any:
+            if scaler is not lever._grad_scaler:
+                lever._user_scales = True
+            return scale(scaler, outputs)
+
+        scaler_cls.scale = user_scale  # type: ignore[method-assign,assignment]
+        self._undo.append(lambda: setattr(scaler_cls, "scale", scale))
 
     def _model_changes(self, params: list[Any]) -> list[Any]:
         """bf16 weights, LoRA and FSDP at the optimizer's making: on the roots holding
@@ -527,6 +669,35 @@ class LeverRun:
         return out
 
 
+    def _get_peft_model(self, root: torch.nn.Module) -> torch.nn.Module | None:
+        """``get_peft_model(root, LoraConfig(...))`` on ``root``'s attention projections,
+        recorded in ``adapted``; ``None`` (the reason in ``lora_refused``) without them."""
+        from peft import LoraConfig, get_peft_model
+
+        targets = attention_projections(root)
+        if not targets:
+            self.lora_refused.append(
+                f"no attention projections in {type(root).__name__} (Linear layers inside "
+                "a module named attn or attention)")
+            return None
+        # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
+        conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
+                   if n.rsplit(".", 1)[-1] in targets)
+        config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
+                            target_modules=targets, lora_dropout=0.0,
+                            fan_in_fan_out=conv)
+        name = type(root).__name__
+        with warnings.catch_warnings():  # transformers' deprecations, seen through peft
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped = get_peft_model(root, config)
+        mine = [p for p in wrapped.parameters() if p.requires_grad]
+        layers = sum(1 for n, _ in root.named_modules()
+                     if n.rsplit(".", 1)[-1] in targets and not n.endswith("base_layer"))
+        total = sum(p.numel() for p in wrapped.parameters())
+        self.adapted.append((name, targets, layers, sum(p.numel() for p in mine), total))
+        self._peft.add(wrapped)
+        return wrapped
+
     def _adapt(self, roots: list[torch.nn.Module], params: list[Any]) -> list[Any]:
         """LoRA adapters on each root's attention projections (peft's ``get_peft_model``);
         the parameters the optimizer gets instead of ``params``: each wrapped root's
@@ -536,35 +707,17 @@ class LeverRun:
         if importlib.util.find_spec("peft") is None:
             self.lora_refused.append("peft is not installed (pip install peft)")
             return params
-        from peft import LoraConfig, get_peft_model
-
         owner: dict[int, int] = {}
         trainable: dict[int, list[Any]] = {}
         for i, root in enumerate(roots):
-            targets = attention_projections(root)
-            if not targets:
-                self.lora_refused.append(
-                    f"no attention projections in {type(root).__name__} (Linear layers inside "
-                    "a module named attn or attention)")
+            if root in self._peft:  # wrapped when a Trainer was given it: its own parameters
                 continue
             before = {id(p) for p in root.parameters()}
-            # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
-            conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
-                       if n.rsplit(".", 1)[-1] in targets)
-            config = LoraConfig(r=self.lora, lora_alpha=2 * self.lora,
-                                target_modules=targets, lora_dropout=0.0,
-                                fan_in_fan_out=conv)
-            with warnings.catch_warnings():  # transformers' deprecations, seen through peft
-                warnings.simplefilter("ignore", FutureWarning)
-                wrapped = get_peft_model(root, config)
-            mine = [p for p in wrapped.parameters() if p.requires_grad]
-            layers = sum(1 for n, _ in root.named_modules()
-                         if n.rsplit(".", 1)[-1] in targets and not n.endswith("base_layer"))
-            total = sum(p.numel() for p in wrapped.parameters())
-            self.adapted.append((type(root).__name__, targets, layers,
-                                 sum(p.numel() for p in mine), total))
+            wrapped = self._get_peft_model(root)
+            if wrapped is None:
+                continue
             owner.update(dict.fromkeys(before, i))
-            trainable[i] = mine
+            trainable[i] = [p for p in wrapped.parameters() if p.requires_grad]
 
         def remap(ps: list[Any]) -> list[Any]:
             out: list[Any] = []
@@ -586,6 +739,36 @@ class LeverRun:
             else:
                 out.extend(remap([p]))
         return out
+
+
+def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Pinned host copies of the parameters that train (each with a pinned host gradient,
+    made in that order, parameter by parameter), the parameter groups on them, and the
+    ``(GPU parameter, host copy)`` pairs; parameters that do not train are left out."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host(ps: list[Any]) -> list[Any]:
+        out = []
+        for p in ps:
+            if not p.requires_grad:
+                continue
+            with torch.no_grad():
+                h = torch.empty_like(p, device="cpu", pin_memory=True)
+                h.copy_(p.detach())
+                h.grad = torch.empty_like(h, pin_memory=True)
+            pairs.append((p, h))
+            out.append(h)
+        return out
+
+    groups: list[Any] = []
+    loose: list[Any] = []
+    for p in params:
+        if isinstance(p, dict):
+            ps = p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]]
+            groups.append({**p, "params": host(list(ps))})
+        else:
+            loose.append(p)
+    return (groups if groups else host(loose)), pairs
 
 
 def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:

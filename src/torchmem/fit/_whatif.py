@@ -13,7 +13,9 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
 ``grad_accumulation_2``/``4`` the batch as 2 (4) micro-batches, one optimizer step after them
 ``bf16_autocast``             the model's calls under ``torch.autocast("cuda", bfloat16)``
                               (``fp16_autocast`` instead on GPUs without bf16: compute
-                              capability below 8.0; its gradient scaler's few scalars aside)
+                              capability below 8.0, with ``torch.amp.GradScaler("cuda")``:
+                              ``scaler.scale(loss).backward()``, ``scaler.step(opt)``,
+                              ``scaler.update()``)
 ``bf16_weights``              the model's weights (and so gradients and optimizer state) in
                               bfloat16, its floating-point inputs cast to it
 ``optimizer_fused``           the same optimizer with ``fused=True``
@@ -26,6 +28,14 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
                               2/4/8 GPUs (PyTorch's fake process group)
 ``cpu_offload``               FSDP2 on one GPU with ``CPUOffloadPolicy``: parameters, gradients
                               and optimizer state on the host, each block gathered in turn
+``cpu_offload_optimizer``     ZeRO-Offload's optimizer written out (the scheme of DeepSpeed
+                              and torchao's ``CPUOffloadOptimizer``, not their code; torchao
+                              keeps tensors under 4096 elements on the GPU and copies
+                              gradients during backward): the optimizer made on
+                              pinned host copies of the parameters (each with a pinned host
+                              gradient); its ``step()`` copies the GPU gradients to the host,
+                              steps there and copies the parameters back; ``zero_grad()``
+                              drops the GPU gradients
 ``lora``                      peft's ``get_peft_model`` with ``LoraConfig(r=8,
                               lora_alpha=16, lora_dropout=0.0)`` on the model's attention
                               projections (``q_proj``/``k_proj``/``v_proj``/``o_proj``,
@@ -37,13 +47,19 @@ The levers (:data:`LEVERS`), each equal to the same change written by hand:
 ``lora`` is listed as not available when peft is missing, and when the model has no
 attention projections (``Linear`` layers inside a module named ``attn``/``attention``); it
 combines with every lever but the sharding ones (FSDP, CPU offload).
+``cpu_offload_optimizer`` does not combine with the sharding levers (FSDP's parameters are
+DTensors; ``cpu_offload`` already keeps the state on the host), with the other optimizer
+levers (fused/foreach pick GPU kernels; another optimizer would be offloaded instead of the
+user's) or with ``fp16_autocast`` (its scaler would unscale the host gradients, an order
+torchmem does not guess).
 A lever the step cannot take is listed with the reason (``skipped``), never hidden.
 
 Costs (``WhatIfRow.cost``): ``recompute_flops_share`` (extra floating-point operations over
 the step's own, ``torch.utils.flop_counter``'s formulas), ``micro_batches`` (forward and
 backward passes per optimizer step), ``communication_bytes_per_step`` (per rank: FSDP's
 all-gathers in forward and backward and its gradient reduce-scatter, 3 x (N-1)/N of the
-parameters' bytes), ``host_peak_bytes``, and ``changes`` (what else the lever changes: the
+parameters' bytes), ``host_peak_bytes``, ``host_transfer_bytes_per_step``
+(``cpu_offload_optimizer``: the gradients to the host and the parameters back), and ``changes`` (what else the lever changes: the
 numerics, the optimizer's maths), ``trainable_share`` (``lora``: the share of the model's
 parameters that train).
 
@@ -116,6 +132,7 @@ def combine(levers: Sequence[Lever]) -> Lever:
     if len(levers) == 1:
         return levers[0]
     seen: dict[str, str] = {}
+    chosen: list[Lever] = []
     settings: dict[str, Any] = {}
     for lv in levers:
         if lv.name == "allocator":
@@ -128,14 +145,15 @@ def combine(levers: Sequence[Lever]) -> Lever:
                 f"levers {seen[lv.group]} and {lv.name} cannot be combined (both set the "
                 f"{lv.group}); fix: keep one of them"
             )
-        clash = next((seen[g] for g in _EXCLUDES.get(lv.group, ()) if g in seen), None)
-        if clash is not None:
-            raise InvalidInputError(
-                f"levers {clash} and {lv.name} cannot be combined (LoRA adapters are added "
-                "before the optimizer, FSDP shards at that point too, and torchmem applies "
-                "them in one order only); fix: keep one of them"
-            )
+        for other in chosen:
+            why = _exclusion(other, lv)
+            if why is not None:
+                raise InvalidInputError(
+                    f"levers {other.name} and {lv.name} cannot be combined ({why}); fix: keep "
+                    "one of them"
+                )
         seen[lv.group] = lv.name
+        chosen.append(lv)
         settings.update(lv.settings)
     ws = next((lv.world_size for lv in levers if lv.world_size), None)
     return Lever(" + ".join(lv.name for lv in levers), settings, max(lv.tier for lv in levers),
@@ -144,8 +162,32 @@ def combine(levers: Sequence[Lever]) -> Lever:
 
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
-#: groups of levers that do not combine beyond their own group (either way round)
-_EXCLUDES: dict[str, tuple[str, ...]] = {"lora": ("shard",), "shard": ("lora",)}
+_LORA_SHARD = ("LoRA adapters are added before the optimizer, FSDP shards at that point too, "
+               "and torchmem applies them in one order only")
+#: levers that do not combine beyond their own group, by group or lever name (either way
+#: round), and why
+_EXCLUDES: dict[frozenset[str], str] = {
+    frozenset({"lora", "shard"}): _LORA_SHARD,
+    frozenset({"offload", "shard"}): (
+        "FSDP's sharded parameters are DTensors, and cpu_offload's CPUOffloadPolicy already "
+        "keeps the optimizer's state on the host"),
+    frozenset({"offload", "optimizer"}): (
+        "cpu_offload_optimizer runs the optimizer as written on the host: fused/foreach pick "
+        "GPU kernels, and 8-bit Adam and Adafactor would change which optimizer is offloaded"),
+    frozenset({"offload", "fp16_autocast"}): (
+        "the gradient scaler would unscale the host copies' gradients, an order torchmem "
+        "does not guess"),
+}
+
+
+def _exclusion(a: Lever, b: Lever) -> str | None:
+    """Why single levers ``a`` and ``b`` (of different groups) do not combine, or ``None``."""
+    for x in (a.group, a.name):
+        for y in (b.group, b.name):
+            why = _EXCLUDES.get(frozenset({x, y}))
+            if why is not None:
+                return why
+    return None
 
 #: every lever, in the order of the table before sorting (see the module's documentation)
 LEVERS: tuple[Lever, ...] = (
@@ -157,8 +199,8 @@ LEVERS: tuple[Lever, ...] = (
           changes="4 forward/backward passes per optimizer step"),
     Lever("bf16_autocast", {"autocast": _BF16}, 1, "autocast",
           changes="bfloat16 compute where autocast allows it"),
-    Lever("fp16_autocast", {"autocast": _FP16}, 1, "autocast",
-          changes="float16 compute where autocast allows it; needs a gradient scaler"),
+    Lever("fp16_autocast", {"autocast": _FP16, "scaler": True}, 1, "autocast",
+          changes="float16 compute where autocast allows it, with a gradient scaler"),
     Lever("bf16_weights", {"weights_dtype": _BF16}, 2, "weights",
           changes="bfloat16 weights, gradients and optimizer state (no fp32 master copy)"),
     Lever("optimizer_fused", {"optimizer": {"fused": True, "foreach": False}}, 0, "optimizer",
@@ -179,6 +221,10 @@ LEVERS: tuple[Lever, ...] = (
     Lever("fsdp_8", {"fsdp": True}, 5, "shard", 8, changes="8 GPUs"),
     Lever("cpu_offload", {"fsdp": "offload"}, 5, "shard", 1,
           changes="state on the host; every block's parameters copied in each pass"),
+    # tier 3: a host step and two copies of the parameters' bytes per step, on one GPU
+    Lever("cpu_offload_optimizer", {"offload_optimizer": True}, 3, "offload",
+          changes="the optimizer's state and step on the host; gradients and parameters "
+                  "copied each step"),
     Lever("allocator", {}, 0, "allocator", changes="none (allocator settings)"),
 )
 _BY_NAME = {lv.name: lv for lv in LEVERS}
@@ -324,8 +370,11 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
     if "accumulate" in s:
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
-        return (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
-                f"{_names(sorted(set(lr.roots)))}")
+        words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
+                 f"{_names(sorted(set(lr.roots)))}")
+        if lr.scaled:
+            words += f"; a GradScaler scales the loss and steps {_names(lr.scaled)}"
+        return words
     if "weights_dtype" in s:
         if not lr.converted:
             return None
@@ -345,6 +394,15 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         return "; ".join(
             f"LoRA r={s['lora']} on {', '.join(t)} ({n} layers) of {cls}: {k:,} of {tot:,} "
             "parameters trainable" for cls, t, n, k, tot in lr.adapted)
+    if "offload_optimizer" in s:
+        if not lr.offloaded:
+            return None
+        from torchmem.units import format_bytes
+
+        return "; ".join(
+            f"{cls} on pinned host copies of {n} parameters ({format_bytes(b)}): gradients "
+            "copied to the host after backward, the step on the host, parameters copied back"
+            for cls, n, b in lr.offloaded)
     if "fsdp" in s:
         if not lr.sharded:
             return None
@@ -480,7 +538,8 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
             return "the step makes no optimizer (nothing to accumulate for)"
         if batch % k:
             return f"batch {batch} is not a multiple of {k}"
-    if ("optimizer" in lv.settings or "replace_optimizer" in lv.settings) and not opts:
+    if ("optimizer" in lv.settings or "replace_optimizer" in lv.settings
+            or "offload_optimizer" in lv.settings) and not opts:
         return "the step makes no torch.optim optimizer"
     if "fsdp" in lv.settings:
         if base.world_size is not None:
@@ -510,6 +569,8 @@ def _why_unchanged(lv: Lever, lr: LeverRun) -> str:
         return "no module with floating-point weights was called"
     if lv.name == "lora":
         return "; ".join(lr.lora_refused) or "no model held the optimizer's parameters"
+    if lv.name == "cpu_offload_optimizer":
+        return "the optimizer was given no parameters that train"
     if lr.optimizer_refused:
         return "; ".join(lr.optimizer_refused)
     return "the lever found nothing to change in this step"
@@ -525,6 +586,8 @@ def _cost(lv: Lever, e: Estimate, lr: LeverRun, base_flops: int,
     cost["communication_bytes_per_step"] = (
         3 * param_bytes * (n - 1) // n if lv.settings.get("fsdp") is True else 0)
     cost["host_peak_bytes"] = e.host_peak_bytes
+    if lr.offloaded:  # each step: the gradients to the host, the parameters back
+        cost["host_transfer_bytes_per_step"] = 2 * sum(b for _, _, b in lr.offloaded)
     if lr.adapted:
         cost["trainable_share"] = _trainable_share(lr)
     return cost
@@ -584,7 +647,7 @@ def best_combination(
         groups = {lv.group for lv in chosen}
         cands = sorted((r for r in done if r.lever in _BY_NAME
                         and _BY_NAME[r.lever].group not in groups
-                        and not groups & set(_EXCLUDES.get(_BY_NAME[r.lever].group, ()))
+                        and not any(_exclusion(c, _BY_NAME[r.lever]) for c in chosen)
                         and not (_BY_NAME[r.lever].world_size and any(
                             lv.world_size for lv in chosen))
                         and not (r.lever == "allocator" and conf)), key=key)[:tries]
@@ -680,6 +743,8 @@ def _cost_words(cost: Mapping[str, Any]) -> str:
         bits.append(f"{fb(cost['communication_bytes_per_step'])} comm/step")
     if cost.get("host_peak_bytes"):
         bits.append(f"host {fb(cost['host_peak_bytes'])}")
+    if cost.get("host_transfer_bytes_per_step"):
+        bits.append(f"{fb(cost['host_transfer_bytes_per_step'])} GPU<->host/step")
     if cost.get("trainable_share") is not None:
         bits.append(f"trains {cost['trainable_share']:.2%} of the parameters")
     if cost.get("maximized"):
