@@ -212,6 +212,9 @@ def test_other_writes_go_to_a_scratch_folder_and_real_files_stay(tmp_path, monke
         shutil.rmtree("old")
         os.replace("runs/exp1/config.json", "runs/config.json")                  # a scratch copy
         assert json.load(open("runs/config.json")) == {"lr": 0.1}                 # moved copy
+        import tempfile
+        open("runs/tmp.txt", "w").write("x")
+        os.replace("runs/tmp.txt", os.path.join(tempfile.gettempdir(), "moved.txt"))
         net = torch.nn.Linear(64, 64).cuda()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         for i in range(3):
@@ -237,8 +240,10 @@ def test_other_writes_go_to_a_scratch_folder_and_real_files_stay(tmp_path, monke
         ("os.makedirs", "runs/exp1"), ("open(mode='w')", "runs/exp1/config.json"),
         ("open(mode='a')", "log.txt"), ("open(mode='a')", "runs/train.log"),
         ("open(mode='wb')", "runs/array.npy"), ("os.remove (not done)", "keep.txt"),
-        ("shutil.rmtree (not done)", "old"),
+        ("shutil.rmtree (not done)", "old"), ("open(mode='w')", "runs/tmp.txt"),
     }
+    # moved out of the scratch folder into the temporary folder, which is left alone
+    assert (tmp_path / "systemp" / "moved.txt").read_text() == "x"
     assert len(d["script"]["skipped_writes"]) == len(got)  # once per call and path
     wheres = {w["where"] for w in d["script"]["skipped_writes"]}
     assert f"{path}:4" in wheres and f"{path}:12" in wheres

@@ -221,10 +221,12 @@ class ScratchFiles:
         def renaming(real: Callable[..., Any], label: str) -> Callable[..., Any]:
             def scratch_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
                 ms = None if args or kwargs or _ours(sys._getframe(1)) else self._mirror(src)
-                md = self._mirror(dst) if ms is not None else None
-                if ms is None or md is None:
+                if ms is None:
                     return real(src, dst, *args, **kwargs)
-                if exists(ms):
+                if exists(ms):  # a file the run wrote: moved within the scratch folder
+                    md = self._mirror(dst)
+                    if md is None:
+                        return real(ms, dst)  # to a place left alone (the temporary folder)
                     parent(md)
                     return real(ms, md)
                 if not exists(src):
