@@ -482,7 +482,8 @@ class _Writes:
 _RETRY_S = 0.005
 #: Off the main thread, seconds after a stop before it is delivered again if the run goes on.
 _REFIRE_S = 0.25
-#: After this many seconds of tries the stop is raised wherever it lands.
+#: Off the main thread, after this many seconds of tries in a loop without operators, the
+#: stop is delivered wherever it lands.
 _RETRY_FOR_S = 10.0
 
 
@@ -517,7 +518,6 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
     if seconds <= 0 or seconds == float("inf"):
         yield
         return
-    give_up = time.monotonic() + seconds + _RETRY_FOR_S
     ident = threading.get_ident()
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         recorded: list[bool] = []
@@ -545,6 +545,7 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
             signal.signal(signal.SIGALRM, old)
             request_stop(ident, None)
         return
+    give_up = time.monotonic() + seconds + _RETRY_FOR_S
     done = threading.Event()
     lock = threading.Lock()
     asked: list[float] = []  # when the stop was last asked of the engine
