@@ -576,8 +576,8 @@ def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[A
 
 
 #: thread ident -> the exception (a class) to raise in that thread before its next operator
-#: starts: a stop asked for from another thread (the time limit of a script run off the main
-#: thread) lands there, where no bookkeeping is half done (:func:`request_stop`)
+#: starts: a script's time limit (from its timer signal or timer thread) lands there, where no
+#: bookkeeping is half done (:func:`request_stop`)
 _STOPS: dict[int, Callable[[], BaseException]] = {}
 
 
