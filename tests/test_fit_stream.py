@@ -97,3 +97,44 @@ def test_a_search_on_predicted_probes_gives_the_all_real_answer(attn, monkeypatc
     assert [p for p in fast.probes if p[0] in dict(slow.probes)] == [
         (v, ok) for v, ok in fast.probes if dict(slow.probes).get(v) == ok]
     assert not torchmem.estimate_hf(LLAMA, gpu=card, seq_len=best + 1, **kw).fits
+
+
+def test_a_run_stopped_over_a_reserved_count_has_the_full_runs_verdict():
+    build = make_build(load_config(LLAMA), "generate", torch.float16, None, 64, 12, "dynamic")
+    full, _ = _run(build, 512)
+    assert full.fits and full.stopped_over is None and full.decode_replayed > 0
+    below = full.peak_reserved_bytes - 1
+    stopped = run_once(build, 1, "T4", steps=1, extrapolate_decode=True, default_device="cuda",
+                       params={"seq_len": 512}, stop_over=below)
+    # the run stopped at the first segment past the limit: no OOM, does not fit, a lower peak
+    assert (stopped.fits, stopped.oom, stopped.stopped_over) == (False, None, below)
+    assert below < stopped.peak_reserved_bytes <= full.peak_reserved_bytes
+    assert stopped.peak_requested_bytes <= full.peak_requested_bytes
+    # at the full run's own peak nothing passes the limit: the same run, to the byte
+    same = run_once(build, 1, "T4", steps=1, extrapolate_decode=True, default_device="cuda",
+                    params={"seq_len": 512}, stop_over=full.peak_reserved_bytes)
+    assert same.stopped_over is None and same.fits
+    assert (same.peak_requested_bytes, same.peak_allocated_bytes, same.peak_reserved_bytes) == (
+        full.peak_requested_bytes, full.peak_allocated_bytes, full.peak_reserved_bytes)
+
+
+def test_the_check_above_the_answer_stops_early_and_keeps_the_verdict():
+    import torchmem
+
+    kw = dict(task="generate", max_new_tokens=12, dtype="float16", margin="2%")
+    small = torchmem.estimate_hf(LLAMA, gpu="H100-80GB", seq_len=64, **kw)
+    card = GPU("test", small.peak_reserved_bytes + (6 << 20), (9, 0), "test",
+               context_override=0)
+    said: list[str] = []
+    best = torchmem.estimate_hf(LLAMA, gpu=card, maximize="seq_len", search_range=(64, 8192),
+                                progress=said.append, **kw)
+    v = best.max_value
+    assert best.fits and best.predicted_probes and v is not None and 64 < v < 8192
+    stops = [s for s in said if f"seq_len {v + 1}: does not fit with the margin (stopped" in s]
+    assert len(stops) == 1, said
+    # ground truth: the value above the answer, run in full on its own, does not fit either
+    above = torchmem.estimate_hf(LLAMA, gpu=card, seq_len=v + 1, **kw)
+    assert not above.fits and above.oom is None and above.stopped_over is None
+    limit = int(stops[0].split("passed ")[1].split(" B")[0].replace(",", ""))
+    assert above.peak_reserved_bytes > limit
+    assert above.peak_reserved_bytes + above.margin_bytes > card.usable_bytes

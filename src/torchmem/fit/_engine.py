@@ -154,6 +154,10 @@ class _State:
         #: storages already given back to the simulator (an extrapolated decode step's)
         self.gone: set[int] = set()
         self.oom: OOMSite | None = None
+        #: stop the run once the reserved bytes pass this (a search's check that a value does
+        #: not fit: the peak only grows, so the verdict is the full run's); ``stopped`` then
+        self.stop_over: int | None = None
+        self.stopped = False
         self.phase = "other"
         self.snapshot: Any = None
         #: live storages: key (UntypedStorage._cdata) -> tracker storage id, and back
@@ -178,6 +182,13 @@ class _State:
             self.frag_at_peak = sim.reserved_bytes - a
         if sim.reserved_bytes > self.peak_res:
             self.peak_res = sim.reserved_bytes
+            if self.stop_over is not None and self.peak_res > self.stop_over and self.oom is None:
+                # the run stops here as at an out-of-memory point; the estimate reports no
+                # out-of-memory error but stopped_over (run_once)
+                self.stopped = True
+                self.oom = OOMSite(0, None, None, self.phase, (), sim.allocated_bytes,
+                                   self.peak_res, f"stopped: reserved bytes passed "
+                                   f"{self.stop_over:,}")
 
     def _malloc(self, nbytes: int, ev: Any, op: str | None, label: str) -> int | None:
         frames = None
@@ -458,7 +469,8 @@ class _DecodeFeed:
     # -- the sink ---------------------------------------------------------------------------------
 
     def malloc(self, size: int) -> int | None:
-        return self.st._malloc(size, None, "decode step (extrapolated)", "tensor storage")
+        addr = self.st._malloc(size, None, "decode step (extrapolated)", "tensor storage")
+        return None if self.st.stopped else addr  # a stop ends the replay too
 
     def free(self, h: int, own: bool) -> None:
         st = self.st
@@ -800,6 +812,7 @@ def run_once(
     levers: Any = None,
     stacks: bool = True,
     stream: list[Any] | None = None,
+    stop_over: int | None = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -842,6 +855,11 @@ def run_once(
     ``stream=[]`` fills that list with every request made to the simulator
     (:mod:`torchmem.fit._stream`), the extrapolated ones included.
 
+    ``stop_over=N`` stops the run as soon as the reserved bytes pass ``N`` (a search checking
+    that a value does not fit: the peak only grows, so the verdict is the full run's, made in
+    less time): the estimate does not fit, has no ``oom`` and sets ``Estimate.stopped_over``;
+    its peaks are those reached when it stopped (lower bounds of the full run's).
+
     Example:
         >>> import torch
         >>> def build(batch):
@@ -869,6 +887,7 @@ def run_once(
     sim = _make_sim(card.usable_bytes, alloc_conf)
     emu = _emulation(card)
     st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
+    st.stop_over = stop_over
 
     readings = SimReadings(
         sim, total_bytes=card.total_bytes, context_bytes=card.context_bytes,
@@ -959,7 +978,8 @@ def run_once(
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
                         strict_values=strict_values, default_device=default_device,
-                        routing=routing, levers=levers, stacks=stacks, stream=stream)
+                        routing=routing, levers=levers, stacks=stacks, stream=stream,
+                        stop_over=stop_over)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""
@@ -1060,7 +1080,8 @@ def _result(
         peak_reserved_bytes=st.peak_res,
         by_category=by_cat,
         by_module=top,
-        oom=st.oom,
+        oom=None if st.stopped else st.oom,
+        stopped_over=st.stop_over if st.stopped else None,
         fragmentation_bytes=st.frag_at_peak,
         workspace_bytes=st.ws_bytes,
         overhead={"cuda_context": card.context_bytes},

@@ -143,15 +143,18 @@ class Estimate:
     ``by_module`` and ``kv_cache`` unless ``decode_split_exact`` is false (they are then the
     iterations that ran). ``predicted`` marks a search probe predicted from earlier probes'
     allocator requests (:mod:`torchmem.fit._stream`), not run; a search's answer lists those
-    values in ``predicted_probes``.
+    values in ``predicted_probes``. ``stopped_over`` is set on a search's check of the value
+    above its answer when that run stopped as soon as its reserved bytes passed this many
+    (the most that fits with the margin): it does not fit, as the full run would not, and its
+    peaks are those reached when it stopped.
 
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
         ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
         >>> e.usable_bytes, e.to_dict()["oom"]
         (8, None)
-        >>> e.decode_replayed, e.decode_split_exact, e.predicted, e.predicted_probes
-        (0, True, False, [])
+        >>> e.decode_replayed, e.decode_split_exact, e.predicted, e.predicted_probes, e.stopped_over
+        (0, True, False, [], None)
     """
 
     gpu: str
@@ -195,6 +198,7 @@ class Estimate:
     decode_split_exact: bool = True
     predicted: bool = False
     predicted_probes: list[int] = field(default_factory=list)
+    stopped_over: int | None = None
 
     @property
     def usable_bytes(self) -> int:

@@ -299,14 +299,14 @@ def estimate(
     lo, hi, step = _check_range(search_range, maximize)
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False,
-            stream: list[Any] | None = None) -> Estimate:
+            stream: list[Any] | None = None, stop_over: int | None = None) -> Estimate:
         # a probe extrapolates generate()'s later decode steps (same peaks, verdict, split and
         # KV figures; an answer whose split could not follow the replay is rerun in full)
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
-                     routing=routing, stream=stream)
+                     routing=routing, stream=stream, stop_over=stop_over)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:
@@ -365,7 +365,8 @@ def estimate(
         # probes predicted from the requests of earlier ones; the answer checked for real
         return _stream_search(
             maximize,
-            lambda v, s: run(fixed_batch, {maximize: v}, fast=True, stream=s),
+            lambda v, s, stop=None: run(fixed_batch, {maximize: v}, fast=True, stream=s,
+                                        stop_over=stop),
             lambda e: _apply_margin(e, margin, card),
             (start, lo, hi, card, progress, keep_snapshot,
              lambda v: run(fixed_batch, {maximize: v}, keep_snapshot), fits_at, step),
@@ -407,6 +408,10 @@ def _describe(name: str, v: int, e: Estimate) -> str:
 
 
 def _describe_run(name: str, v: int, e: Estimate) -> str:
+    if e.stopped_over is not None:
+        return (f"{name} {v}: does not fit with the margin (stopped once its reserved bytes "
+                f"passed {e.stopped_over:,} B, the most that leaves the margin free of the "
+                f"{e.usable_bytes:,} B usable)")
     if e.fits:
         return (f"{name} {v}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
                 f"{e.usable_bytes:,} B usable, margin {e.margin_bytes:,} B)")
@@ -539,7 +544,7 @@ STREAM_ROUNDS = 3
 
 def _stream_search(
     name: str,
-    run: Callable[[int, list[Any]], Estimate],
+    run: Callable[..., Estimate],
     margin: Callable[[Estimate], Estimate],
     args: tuple[Any, ...],
 ) -> Estimate:
@@ -550,18 +555,23 @@ def _stream_search(
     the answer stands
     when their verdicts are the predicted ones (it fits, one more does not); otherwise the
     search runs again with those runs added (up to :data:`STREAM_ROUNDS` times, while they
-    add a record), then with every probe run for real (the runs made so far are reused)."""
+    add a record), then with every probe run for real (the runs made so far are reused).
+
+    The check of the value above the answer, predicted not to fit, stops as soon as its
+    reserved bytes pass the most that fits (``run``'s third argument): the peak only grows,
+    so its verdict is the full run's; a stopped run teaches the prediction nothing."""
     start, lo, hi, card, progress, keep_snapshot, rerun, fits_at, step = args  # _search's
     real: dict[int, Estimate] = {}
     model = StreamModel()
     say = progress or (lambda msg: None)
+    most = _most_that_fits(fits_at, card.usable_bytes)
 
-    def real_probe(v: int) -> Estimate:
+    def real_probe(v: int, stop: bool = False) -> Estimate:
         if v not in real:
             events: list[Any] = []
-            e = run(v, events)
+            e = run(v, events, most) if stop and most is not None else run(v, events)
             real[v] = e
-            if e.oom is None:
+            if e.oom is None and e.stopped_over is None:
                 model.add(v, events)
         return real[v]
 
@@ -595,8 +605,13 @@ def _stream_search(
             return best
         checks = [good, good + step] if good else [(-(-lo // step) if lo else 1) * step]
         top = hi if hi is not None else MAX_SEARCH_BATCH
-        wrong = [v for v in checks if v in predicted and v <= top
-                 and real_probe(v).fits != (v == good)]
+        wrong = []
+        for v in checks:
+            if v in predicted and v <= top:
+                e = real_probe(v, stop=v != good)
+                say(f"checked by a run: {_describe_run(name, v, e)}")
+                if e.fits != (v == good):
+                    wrong.append(v)
         if good and not best.fits:  # the answer's own run (rerun in full, when it is)
             wrong.append(good)
         if not wrong:
@@ -613,6 +628,26 @@ def _stream_search(
                    fits_at, step)
     best.predicted_probes = []
     return best
+
+
+def _most_that_fits(fits_at: Callable[[float], bool], usable: int) -> int | None:
+    """The largest peak reserved byte count that ``fits_at`` accepts (the margin's rule
+    grows with the peak, so the accepted counts are ``0..most``); ``None`` when none is.
+
+    Example:
+        >>> _most_that_fits(lambda r: r + 10 <= 100, 100)
+        90
+    """
+    if not fits_at(0):
+        return None
+    lo, hi = 0, usable
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits_at(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _predicted(base: Estimate, got: tuple[int, int, int, int, int | None], name: str,
@@ -649,7 +684,8 @@ def _predict(
     to). Between a fitting probe and an exact one above it the curve is a straight line
     (regula falsi); beyond the last exact probe, the parabola through the three nearest (a line
     when that bends down). ``None`` when fewer than two probes ran to the end."""
-    pts = sorted((v, float(e.peak_reserved_bytes)) for v, e in cache.items() if e.oom is None)
+    pts = sorted((v, float(e.peak_reserved_bytes)) for v, e in cache.items()
+                 if e.oom is None and e.stopped_over is None)
     below = [p for p in pts if p[0] <= good]
     above = [p for p in pts if good < p[0] < bad]
     if not below or len(pts) < 2:
@@ -758,19 +794,21 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
             snap: bool = False, b: int | None = None,
             extra: Mapping[str, Any] | None = None, oom_site: bool = False,
             ) -> tuple[Estimate, Any]:
-        def once(on: GPU) -> tuple[Estimate, Any]:
+        def once(on: GPU, stacks: bool) -> tuple[Estimate, Any]:
             lr = _lever_run(chosen)
             with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
                 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-                e = one(on, lr, b, extra, snap, oom_site, world_size, alloc_conf)
+                e = one(on, lr, b, extra, snap, stacks, world_size, alloc_conf)
             return e, lr
 
-        e, lr = once(big)
+        # Python stacks (a quarter of a run's time) only where they are shown: the
+        # out-of-memory site, found on the card, and a snapshot the caller keeps
+        e, lr = once(big, oom_site and keep_snapshot)
         if e.peak_reserved_bytes > card.usable_bytes:
             # blocks beyond the usable memory: out of memory on the card whatever its cache
             # does; only the step as written is rerun then, to say where
             if oom_site or e.peak_allocated_bytes <= card.usable_bytes:
-                real, real_lr = once(card)
+                real, real_lr = once(card, oom_site)
                 if real.oom is None:
                     return _apply_margin(real, margin, card), real_lr
                 e.oom = real.oom
