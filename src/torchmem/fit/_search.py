@@ -301,12 +301,15 @@ def estimate(
     def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False,
             stream: list[Any] | None = None, stop_over: int | None = None) -> Estimate:
         # a probe extrapolates generate()'s later decode steps (same peaks, verdict, split and
-        # KV figures; an answer whose split could not follow the replay is rerun in full)
+        # KV figures; an answer whose split could not follow the replay is rerun in full) and
+        # records no Python stacks (a quarter of a run's time): they are only shown for an
+        # out-of-memory site, and an answer with one (nothing fits) is rerun with them
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
                      world_size=world_size, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
-                     routing=routing, stream=stream, stop_over=stop_over)
+                     routing=routing, stream=stream, stop_over=stop_over,
+                     stacks=not fast)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:
@@ -517,8 +520,9 @@ def _search(
     for n in notes:
         if "does not grow" in n or "not monotone" in n:
             warnings.warn(n, RuntimeWarning, stacklevel=3)
-    if good == 0:
-        best = cache[floor] if floor in cache else cache[order[-1]]
+    if good == 0:  # nothing fits: the probe's out-of-memory site, with its Python stack
+        u = floor if floor in cache else order[-1]
+        best = rerun(u * step) if cache[u].oom is not None else cache[u]
     elif keep_snapshot or _inexact(cache[good]) or cache[good].predicted:
         best = rerun(good * step)
     else:
@@ -577,8 +581,8 @@ def _stream_search(
 
     def answer(v: int) -> Estimate:
         e = real_probe(v)  # a copy: the search writes its answer's fields
-        return rerun(v) if keep_snapshot or _inexact(e) else dataclasses.replace(
-            e, notes=list(e.notes))
+        return rerun(v) if keep_snapshot or _inexact(e) or e.oom is not None else (
+            dataclasses.replace(e, notes=list(e.notes)))
 
     predicted: set[int] = set()  # this round's
 
