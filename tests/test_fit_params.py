@@ -475,3 +475,17 @@ def test_hf_config_reports_the_attention_kernel(tiny_config, capsys):
     # head dim 16, bf16, causal, no grad: cuDNN on sm90, flash on sm80, math on sm75 (no bf16
     # fused kernel before Ampere)
     assert kernels == {"H100-80GB": "cudnn", "A100-80GB": "flash", "T4": "math"}
+
+
+def test_a_search_where_nothing_fits_names_the_out_of_memory_sites_stack():
+    # the probes record no Python stacks; the answer, an out-of-memory point, is rerun with them
+    import torchmem
+
+    def build(batch):
+        x = torch.empty(batch * (20 << 30), dtype=torch.uint8, device="cuda")  # 20 GiB a row
+        return lambda: x + 1
+
+    e = torchmem.estimate(build, gpu="T4", max_batch_size=True)
+    assert not e.fits and e.max_batch_size == 0 and e.probes == [(1, False)]
+    assert e.oom is not None and e.oom.requested_bytes == 20 << 30
+    assert any(__file__ in line and ":build" in line for line in e.oom.stack), e.oom.stack
