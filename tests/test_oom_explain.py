@@ -169,6 +169,10 @@ def test_an_expandable_oom_speaks_of_mapping_and_unmapping_pages(settings: bool)
     assert ("mapping up to 80.00 MiB of pages (cuMemMap) failed; unmapped 20.00 MiB of pages "
             "(cuMemUnmap, 1 free range) and retried; failed again with 60.00 MiB free") in e.text
     assert "cudaMalloc" not in e.text and "cached segment" not in e.text
+    # the trace replays (its settings, or else its expandable segments, say how it ran), and the
+    # setting it ran with is not offered as a what-if
+    assert e.exact and "expandable_segments:True: already set in this run;" in e.text
+    assert "max_split_size_mb:128: still OOM" in e.text
 
 
 def test_a_normal_oom_speaks_of_cudamalloc_and_cached_segments() -> None:
@@ -183,6 +187,7 @@ def test_a_normal_oom_speaks_of_cudamalloc_and_cached_segments() -> None:
     assert ("cudaMalloc(72.00 MiB) failed; released 1 cached segment (30.00 MiB) and retried; "
             "failed again with 70.00 MiB free") in e.text
     assert "pages" not in e.text
+    assert "expandable_segments:True: still OOM" in e.text and "already set" not in e.text
 
 
 @pytest.mark.parametrize("name", ["LLM-inference__oom_snapshot_41810ba.pickle",

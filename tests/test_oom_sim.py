@@ -148,6 +148,13 @@ def test_a_mid_run_expandable_trace_at_driver_addresses_gets_what_ifs() -> None:
     got = {a["setting"]: a["avoided"] for a in o.alternatives}
     assert got and not any(got.values())  # 700 MiB live, 400 MiB more: nothing helps
     assert "did not reproduce" not in o.explanation
+    # the run's own setting is not offered as a what-if: it is the replay that ran out of memory
+    assert o.simulated["expandable_segments"] is True
+    assert [a["setting"] for a in o.alternatives if a.get("already_set")] == [
+        "expandable_segments:True"]
+    assert "Already set in this run: expandable_segments:True." in o.explanation
+    assert "Would not have: max_split_size_mb:128" in o.explanation
+    assert "expandable_segments:True," not in o.explanation.split("Would not have:")[1]
 
 
 def test_a_trace_the_simulator_does_not_reproduce_gets_no_what_ifs() -> None:

@@ -59,10 +59,13 @@ class OomEvent:
     explanation: str
     #: The simulator's state at the entry (``None`` when the trace could not be replayed):
     #: ``exact`` (every decision before it reproduced), ``allocated_bytes``,
-    #: ``reserved_bytes``, ``largest_free_block`` and ``free`` (per stream and pool:
-    #: ``{"stream", "pool", "free_bytes", "largest_free_block"}``).
+    #: ``reserved_bytes``, ``largest_free_block``, ``free`` (per stream and pool:
+    #: ``{"stream", "pool", "free_bytes", "largest_free_block"}``) and
+    #: ``expandable_segments`` (the run's own setting).
     simulated: dict[str, Any] | None = None
-    #: What-if replays: ``{"setting", "avoided" (bool), "detail"}`` per alternative setting.
+    #: What-if replays: ``{"setting", "avoided" (bool), "detail"}`` per alternative setting;
+    #: a setting the run already had is not replayed again: ``"already_set": True``, and
+    #: ``avoided`` false (the run with it ran out of memory).
     alternatives: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,10 +134,14 @@ def oom_report(snap: Snapshot) -> list[OomEvent]:
                 )
                 if largest is not None:
                     why += f" (largest cached free block: {_fb(largest)})"
-                why += (
-                    ". Consider PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a smaller "
-                    "max_split_size_mb."
-                )
+                if sim is not None and sim.get("expandable_segments"):
+                    why += (". expandable_segments is already on in this run; consider a "
+                            "smaller max_split_size_mb.")
+                else:
+                    why += (
+                        ". Consider PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a "
+                        "smaller max_split_size_mb."
+                    )
             else:
                 verdict = "exhaustion"
                 why = (
@@ -233,6 +240,7 @@ def _simulate(
     div = tr.result().first_divergence
     capacity = tr.allocator.reserved_bytes + device_free
     base = tr.allocator.config
+    sim["expandable_segments"] = bool(base.expandable_segments)  # the run's own setting
     alternatives: list[dict[str, Any]] = []
     if div is not None:
         return sim, alternatives  # what-ifs on an unfaithful replay would prove nothing
@@ -249,7 +257,13 @@ def _simulate(
         except TorchmemError as e:  # e.g. a max_split_size below the large segment size
             alt: dict[str, Any] = {"setting": label, "avoided": None, "detail": str(e)}
         else:
-            alt = _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start, label)
+            if cfg == base and fraction is None:  # the run's own setting: replayed above
+                alt = {"setting": label, "avoided": False, "already_set": True,
+                       "detail": "already set in the run: the replay with its own settings "
+                                 "runs out of memory here"}
+            else:
+                alt = _what_if(snap, dev, i, size, stream, cfg, fraction, capacity, start,
+                               label)
         alt["alloc_conf"], alt["memory_fraction"] = conf, fraction
         alternatives.append(alt)
     return sim, alternatives
@@ -310,9 +324,13 @@ def _explain_simulation(sim: dict[str, Any] | None, alternatives: list[dict[str,
                 "settings made.")
     if avoided:
         out += " Would have avoided it (replayed on a device of the same size): " + ", ".join(avoided) + "."
-    not_ = [a["setting"] for a in alternatives if a["avoided"] is False]
+    not_ = [a["setting"] for a in alternatives
+            if a["avoided"] is False and not a.get("already_set")]
     if not_:
         out += " Would not have: " + ", ".join(not_) + "."
+    already = [a["setting"] for a in alternatives if a.get("already_set")]
+    if already:
+        out += " Already set in this run: " + ", ".join(already) + "."
     return out
 
 

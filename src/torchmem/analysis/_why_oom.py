@@ -452,7 +452,9 @@ def _what_if_line(sim: dict[str, Any] | None, alternatives: list[dict[str, Any]]
         return ("none: with the snapshot's own settings on a device of the same size the "
                 "simulator does not run out of memory here, so no what-if is conclusive")
     word = {True: "fits", False: "still OOM", None: "not simulated"}
-    out = "; ".join(f"{a['setting']}: {word[a['avoided']]}" for a in alternatives)
+    out = "; ".join(f"{a['setting']}: "
+                    + ("already set in this run" if a.get("already_set") else word[a["avoided"]])
+                    for a in alternatives)
     if sim.get("start") == "rebuilt":
         out += " (replayed from the state at the trace's start, which the real settings made)"
     return out

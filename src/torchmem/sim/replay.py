@@ -43,6 +43,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -163,7 +165,21 @@ def _config_from(snapshot: Snapshot, config: AllocatorConfig | str | None) -> Al
         return AllocatorConfig.parse(config)
     if config is not None:
         return config
-    return AllocatorConfig.from_settings(snapshot.allocator_settings)
+    cfg = AllocatorConfig.from_settings(snapshot.allocator_settings)
+    if not cfg.expandable_segments and _used_expandable(snapshot):
+        # a snapshot without settings (older PyTorch, or removed) whose segments or trace show
+        # expandable segments was recorded with them
+        cfg = dataclasses.replace(cfg, expandable_segments=True)
+    return cfg
+
+
+def _used_expandable(snapshot: Snapshot) -> bool:
+    """Whether the snapshot shows expandable segments: a segment is one, or a trace maps or
+    unmaps pages."""
+    if any(s.is_expandable for s in snapshot.segments):
+        return True
+    return any(snapshot.trace(d).count(a) for d in snapshot.devices
+               for a in ("segment_map", "segment_unmap"))
 
 
 class TraceReplay:
