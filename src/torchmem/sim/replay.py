@@ -44,7 +44,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-
 from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
