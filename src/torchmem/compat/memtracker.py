@@ -55,8 +55,8 @@ from itertools import chain
 from typing import IO, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchmem.capture._fast_mode import FastDispatchMode
 from torchmem.errors import FileFormatError, InvalidInputError, MissingFileError
 from torchmem.io.snapshot_file import SafeUnpickler
 from torchmem.io.tmtrace import MAGIC, PathLike, load_trace, save_trace
@@ -612,7 +612,7 @@ class MemoryTracker:
         self._trace = tr
 
 
-class MemoryProfileDispatchMode(TorchDispatchMode):
+class MemoryProfileDispatchMode(FastDispatchMode):
     """The dispatch mode behind :class:`MemoryTracker` (PyTorch's name): after each operator
     (``aten::detach`` excepted) it names the call and appends one point to every series.
 

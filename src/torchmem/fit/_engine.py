@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from torchmem.capture import track
+from torchmem.capture._fast_mode import FastDispatchMode
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
@@ -623,7 +623,7 @@ def stop_pending(ident: int) -> bool:
     return ident in _STOPS
 
 
-class _SimMode(TorchDispatchMode):
+class _SimMode(FastDispatchMode):
     """Runs above the tracker: workspaces after each op's outputs; stops at the OOM point;
     backward scatters into fresh zeros run in place (see ``_IN_PLACE``); transformers' own
     value reads are answered (:mod:`torchmem.fit._generate`)."""

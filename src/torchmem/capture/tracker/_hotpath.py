@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchmem._containers import iter_items
+from torchmem.capture._fast_mode import FastDispatchMode
 from torchmem.capture.tracker._comm import _classify, special_kind
 from torchmem.capture.tracker._hooks import _Hooks
 from torchmem.capture.tracker._phases import _graph_task_id
@@ -49,7 +49,7 @@ _strided = torch.strided
 _OTHER = int(_C.OTHER)
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(FastDispatchMode):
     """Sees every operator; reports non-aliasing outputs to the tracker."""
 
     def __init__(self, tracker: _HotPath) -> None:

@@ -39,14 +39,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from torchmem.capture._fast_mode import FastDispatchMode
 from torchmem.capture.tracker._hotpath import _HotPath
 
 __all__: list[str] = []
 
 
-class _ThreadMode(TorchDispatchMode):
+class _ThreadMode(FastDispatchMode):
     """A started thread's mode: reports its operators' outputs while the tracker is active."""
 
     def __init__(self, tracker: _HotPath) -> None:
