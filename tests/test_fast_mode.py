@@ -44,10 +44,16 @@ def test_a_compiled_module_is_tracked_without_compiling_torchmem(caplog) -> None
 
 
 def test_torchmems_modes_call_their_dispatch_directly() -> None:
-    # the per-operator entry is torchmem's own (no torch._dynamo.disable frames) for the
-    # tracker and the estimator, and it wraps the class's own method
+    # the per-operator entry has no torch._dynamo.disable frames: the tracker's and the
+    # estimator's are their own methods (which check first), the others a thin guard
+    from torchmem.capture.tracker._threads import _ThreadMode
+
     for cls in (_Mode, _SimMode):
         entry = cls.__dict__["__torch_dispatch__"]
-        assert issubclass(cls, FastDispatchMode)
-        assert entry.__module__ == "torchmem.capture._fast_mode"
-        assert entry.__wrapped__.__qualname__ == f"{cls.__name__}.__torch_dispatch__"
+        assert issubclass(cls, FastDispatchMode) and cls.inline_check
+        assert entry.__qualname__ == f"{cls.__name__}.__torch_dispatch__"
+        assert not hasattr(entry, "__wrapped__")
+        assert cls._under_disable.__wrapped__ is entry  # torch._dynamo.disable's wrapper
+    entry = _ThreadMode.__dict__["__torch_dispatch__"]
+    assert entry.__module__ == "torchmem.capture._fast_mode"
+    assert entry.__wrapped__.__qualname__ == "_ThreadMode.__torch_dispatch__"

@@ -31,12 +31,21 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FastDispatchMode"]
+__all__ = ["FastDispatchMode", "frame_callback"]
 
 try:  # the frame-evaluation callback torch.compile installs while compiled code runs
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _callback
 except ImportError:  # pragma: no cover - a PyTorch without dynamo
     _callback = None  # type: ignore[assignment]
+
+
+def _no_callback() -> None:
+    return None
+
+
+#: The frame-evaluation callback now (``None`` while no compiled code runs): the check a
+#: subclass with ``inline_check = True`` makes first in its ``__torch_dispatch__``.
+frame_callback: Callable[[], Any] = _callback if _callback is not None else _no_callback
 
 
 class FastDispatchMode(TorchDispatchMode):
@@ -52,6 +61,11 @@ class FastDispatchMode(TorchDispatchMode):
         2.0
     """
 
+    #: A subclass whose ``__torch_dispatch__`` starts with ``if frame_callback() is not None:
+    #: return self._under_disable(func, types, args, kwargs)`` sets this: its method is then
+    #: called with no wrapper frame at all (the hottest modes: the tracker's, the estimator's).
+    inline_check = False
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # False: torch does not wrap; __init_subclass__ below installs the guarded call
@@ -61,14 +75,41 @@ class FastDispatchMode(TorchDispatchMode):
         super().__init_subclass__(**kwargs)
         raw = cls.__dict__.get("__torch_dispatch__")
         if _callback is None or raw is None or isinstance(raw, classmethod):
+            if raw is not None and not isinstance(raw, classmethod):
+                cls._under_disable = raw  # type: ignore[attr-defined]
             return
-        cls.__torch_dispatch__ = _guarded(raw)  # type: ignore[method-assign]
+        under_disable = torch._disable_dynamo(raw, recursive=True)
+        cls._under_disable = under_disable  # type: ignore[method-assign]
+        if cls.__dict__.get("inline_check", False) and _skip_frame(raw):
+            return
+        cls.__torch_dispatch__ = _guarded(raw, under_disable)  # type: ignore[method-assign]
+
+    def _under_disable(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """``__torch_dispatch__`` under ``torch._dynamo.disable`` (set per subclass)."""
+        raise NotImplementedError  # pragma: no cover - replaced in every subclass
 
 
-def _guarded(raw: Callable[..., Any]) -> Callable[..., Any]:
+def _skip_frame(fn: Callable[..., Any]) -> bool:
+    """Mark ``fn``'s own frame for torch.compile to skip (neither compiled nor inlined; the
+    frames it calls are not skipped); whether that could be done."""
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    try:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+
+        set_code_exec_strategy(fn.__code__,
+                               _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another PyTorch
+        return False
+    return True
+
+
+def _guarded(raw: Callable[..., Any], under_disable: Callable[..., Any]) -> Callable[..., Any]:
     """``raw`` called directly while no frame-evaluation callback is installed, else under
     ``torch._dynamo.disable`` (as ``TorchDispatchMode`` does for every call)."""
-    under_disable = torch._disable_dynamo(raw, recursive=True)
     callback = _callback
 
     def __torch_dispatch__(self: Any, func: Any, types: Any, args: Any = (),
@@ -81,16 +122,4 @@ def _guarded(raw: Callable[..., Any]) -> Callable[..., Any]:
     __torch_dispatch__.__doc__ = raw.__doc__
     # torch.compile never compiles or inlines this frame itself (torch's wrapper gets that from
     # living in torch's own files); the frames it calls are guarded as above
-    __torch_dispatch__._torchdynamo_disable = True  # type: ignore[attr-defined]
-    try:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-
-        set_code_exec_strategy(__torch_dispatch__.__code__,
-                               _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another PyTorch
-        return under_disable
-    return __torch_dispatch__
+    return __torch_dispatch__ if _skip_frame(__torch_dispatch__) else under_disable

@@ -42,7 +42,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from torchmem.capture import track
-from torchmem.capture._fast_mode import FastDispatchMode
+from torchmem.capture._fast_mode import FastDispatchMode, frame_callback
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
 from torchmem.fit._catalog import GPU
 from torchmem.fit._catalog import gpu as _gpu
@@ -637,7 +637,11 @@ class _SimMode(FastDispatchMode):
         self.shapes = DataDependentShapes(self.values, routing)
         self.zeros: Any = None  # weak reference to the last zeros made in backward
 
+    inline_check = True  # the check below: no wrapper frame per operator
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if frame_callback() is not None:  # compiled code runs: under torch._dynamo.disable
+            return self._under_disable(func, types, args, kwargs)
         pl = self.state.pl
         if _STOPS and pl.depth == 0:
             stop = _STOPS.pop(threading.get_ident(), None)

@@ -294,6 +294,11 @@ _GETTERS = {
 }
 _PARSE_TO = torch._C._nn._parse_to  # Module.to's argument parser
 _COPIES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu)
+#: the functions _CudaToCpu._placed handles by name (every other one takes its fast path
+#: unless a device is named among its arguments)
+_SPECIAL = frozenset({torch.Tensor.__deepcopy__, torch.Tensor.backward, torch.autograd.backward,
+                      torch.device, _PARSE_TO, torch.Tensor.pin_memory, *_COPIES})
+_DEVICE_ARGS = (str, torch.device)  # what _target reads as a device among the arguments
 
 
 class _CudaToCpu(TorchFunctionMode):
@@ -319,6 +324,13 @@ class _CudaToCpu(TorchFunctionMode):
         return self._placed(pl, func, args, kwargs)
 
     def _placed(self, pl: Placement, func: Any, args: Any, kwargs: Any) -> Any:
+        if (func not in _SPECIAL and _devmod.CURRENT_DEVICE is None
+                and "device" not in kwargs and "pin_memory" not in kwargs):
+            for a in args:
+                if isinstance(a, _DEVICE_ARGS):
+                    break
+            else:  # the common case: no device named anywhere, the inputs place the outputs
+                return self._in_context(pl, func, args, kwargs)
         if func is torch.Tensor.__deepcopy__ and _is_fake(args[0]):
             return _fake_deepcopy(args[0], args[1] if len(args) > 1 else kwargs.get("memo"))
         if func is torch.Tensor.backward or func is torch.autograd.backward:
@@ -367,15 +379,7 @@ class _CudaToCpu(TorchFunctionMode):
             if _is_cuda(dev) or isinstance(dev, int):
                 kwargs = dict(kwargs, device=_CPU)
         if target is None:
-            tensors = [t for t in _tensors(args, kwargs) if type(t) not in _REAL]
-            gpu = (True if not pl.host else pl.gpu_of(tensors)) if tensors else None
-            if gpu is None or gpu == pl.context:
-                return func(*args, **kwargs)
-            saved, pl.context = pl.context, gpu
-            try:
-                return func(*args, **kwargs)
-            finally:
-                pl.context = saved
+            return self._in_context(pl, func, args, kwargs)
         saved_forced, pl.forced = pl.forced, target
         saved_context, pl.context = pl.context, target
         try:
@@ -388,6 +392,19 @@ class _CudaToCpu(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             pl.forced, pl.context = saved_forced, saved_context
+
+    @staticmethod
+    def _in_context(pl: Placement, func: Any, args: Any, kwargs: Any) -> Any:
+        """``func`` with no device named: its outputs go where its tensor inputs are."""
+        tensors = [t for t in _tensors(args, kwargs) if type(t) not in _REAL]
+        gpu = (True if not pl.host else pl.gpu_of(tensors)) if tensors else None
+        if gpu is None or gpu == pl.context:
+            return func(*args, **kwargs)
+        saved, pl.context = pl.context, gpu
+        try:
+            return func(*args, **kwargs)
+        finally:
+            pl.context = saved
 
     def _backward(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``backward()`` with this mode on: PyTorch turns a mode off while it handles a call,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_items
-from torchmem.capture._fast_mode import FastDispatchMode
+from torchmem.capture._fast_mode import FastDispatchMode, frame_callback
 from torchmem.capture.tracker._comm import _classify, special_kind
 from torchmem.capture.tracker._hooks import _Hooks
 from torchmem.capture.tracker._phases import _graph_task_id
@@ -58,7 +58,11 @@ class _Mode(FastDispatchMode):
         self._unseen = tracker._unseen_op
         self._ops = tracker._ops
 
+    inline_check = True  # the check below: no wrapper frame per operator
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if frame_callback() is not None:  # compiled code runs: under torch._dynamo.disable
+            return self._under_disable(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
         info = self._ops.get(func)
         if info is None:  # first call, or an operator handled by name (collectives)
