@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -83,6 +84,15 @@ class FastDispatchMode(TorchDispatchMode):
         if cls.__dict__.get("inline_check", False) and _skip_frame(raw):
             return
         cls.__torch_dispatch__ = _guarded(raw, under_disable)  # type: ignore[method-assign]
+
+    def __enter__(self) -> Any:
+        if _callback is not None and "torch._dynamo" not in sys.modules:
+            # torch's wrapper imported torch._dynamo at a mode's first operator; import it
+            # here, in the process that enters the mode: torch's own functions wrapped in
+            # torch._dynamo.disable import it at their first call, and in forked workers
+            # (DataLoader) that import would be private memory in each (about 35 MiB)
+            import torch._dynamo  # noqa: F401
+        return super().__enter__()
 
     def _under_disable(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """``__torch_dispatch__`` under ``torch._dynamo.disable`` (set per subclass)."""
