@@ -29,7 +29,7 @@ from torchmem.analysis.replay import DeviceReplay
 from torchmem.errors import TorchmemError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim.config import AllocatorConfig
-from torchmem.sim.replay import TraceReplay
+from torchmem.sim.replay import TraceReplay, shows_expandable
 from torchmem.units import format_bytes as _fb
 
 __all__ = ["OomExplanation", "explain_oom"]
@@ -191,10 +191,7 @@ def _released_before(snap: Snapshot, dev: int, i: int) -> tuple[int, int]:
 def _uses_expandable(snap: Snapshot, dev: int, cfg: AllocatorConfig) -> bool:
     """Whether device ``dev`` used expandable segments: the settings say so, a segment is one,
     or the trace maps or unmaps pages."""
-    if cfg.expandable_segments or any(s.is_expandable for s in snap.segments_of(dev)):
-        return True
-    t = snap.trace(dev)
-    return any(t.count(a) for a in ("segment_map", "segment_unmap"))
+    return cfg.expandable_segments or shows_expandable(snap, dev)
 
 
 def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:

@@ -43,9 +43,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from torchmem.errors import InvalidInputError, SimulatedOutOfMemoryError, TorchmemError
@@ -165,19 +164,27 @@ def _config_from(snapshot: Snapshot, config: AllocatorConfig | str | None) -> Al
     if config is not None:
         return config
     cfg = AllocatorConfig.from_settings(snapshot.allocator_settings)
-    if not cfg.expandable_segments and _used_expandable(snapshot):
+    if not cfg.expandable_segments and shows_expandable(snapshot):
         # a snapshot without settings (older PyTorch, or removed) whose segments or trace show
         # expandable segments was recorded with them
-        cfg = dataclasses.replace(cfg, expandable_segments=True)
+        cfg = replace(cfg, expandable_segments=True)
     return cfg
 
 
-def _used_expandable(snapshot: Snapshot) -> bool:
-    """Whether the snapshot shows expandable segments: a segment is one, or a trace maps or
-    unmaps pages."""
-    if any(s.is_expandable for s in snapshot.segments):
+def shows_expandable(snapshot: Snapshot, device: int | None = None) -> bool:
+    """Whether the snapshot (one ``device`` of it, or any) shows expandable segments: a
+    segment is one, or a trace maps or unmaps pages.
+
+    Example:
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> shows_expandable(from_pytorch({"segments": [], "device_traces": [[]]}))
+        False
+    """
+    devices = snapshot.devices if device is None else [device]
+    segments = snapshot.segments if device is None else snapshot.segments_of(device)
+    if any(s.is_expandable for s in segments):
         return True
-    return any(snapshot.trace(d).count(a) for d in snapshot.devices
+    return any(snapshot.trace(d).count(a) for d in devices
                for a in ("segment_map", "segment_unmap"))
 
 
