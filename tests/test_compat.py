@@ -191,3 +191,24 @@ def test_memreporter_live_mode_returns_report() -> None:
     assert any(t.nbytes == 54321 for t in rep.tensors)
     assert "Device cpu" in out.getvalue()
     del keep
+
+
+def test_memreporter_prints_each_device_rows_from_its_tensors() -> None:
+    # rows and totals per device, printed from the census's columns, against the parameters
+    m = torch.nn.Module()
+    m.a = torch.nn.Linear(3, 2)  # cpu: weight 24 B, bias 8 B
+    m.b = torch.nn.Linear(5, 4, device="meta")  # meta: weight 80 B, bias 16 B
+    m.register_buffer("w_view", m.a.weight.detach()[0])  # a view: printed, not counted again
+    out = io.StringIO()
+    rep = MemReporter(format_mode="GB").report(m, file=out)
+    expect: list[str] = []
+    for dev in ("cpu", "meta"):
+        expect += [f"Device {dev}", "=" * 20]
+        total = 0
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if t.device.type == dev:
+                expect.append(f"{name}\t{tuple(t.shape)}\t\t{t.numel() * t.element_size()} B")
+                total += 0 if name == "w_view" else t.numel() * t.element_size()
+        expect.append(f"Total: {total} B")
+    assert out.getvalue().splitlines() == expect
+    assert rep.unique_bytes == {"cpu": 32, "meta": 96}

@@ -281,3 +281,58 @@ def test_the_bulk_add_leaves_unmeasurable_tensors_to_add() -> None:
     assert len(c) == 0
     c.add("x", torch.zeros(1), "other")
     assert not c.add_distinct(["y"], [torch.zeros(1)], "other")  # only into an empty census
+
+
+def test_records_are_built_when_first_read_and_hold_no_tensor() -> None:
+    # the report is returned with its columns only; its records are built on the first read,
+    # and what it keeps meanwhile are plain values: the tensors it measured can be freed
+    import copy
+    import pickle
+    import weakref
+
+    x = torch.zeros(1000)
+    gone = weakref.ref(x)
+    r = inspect_memory(tensors={"x": x, "x_tail": x[500:]})
+    assert r._unbuilt() is not None
+    del x
+    assert gone() is None  # freed although the report's records are not built yet
+    clone = copy.deepcopy(r)  # copy and pickle see built records
+    assert clone._unbuilt() is None and r._unbuilt() is None
+    again = pickle.loads(pickle.dumps(inspect_memory(tensors={"y": torch.zeros(3)})))
+    assert [t.name for t in again.tensors] == ["y"] and again.unique_bytes == {"cpu": 12}
+    assert clone == r and r.unique_bytes == {"cpu": 4000}
+    assert [(t.name, t.span_start, t.span_end) for t in r.tensors] == [
+        ("x", 0, 4000), ("x_tail", 2000, 4000)]
+    assert r.sharing_groups == [["x", "x_tail"]]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        r.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_rows_answer_totals_as_the_records_do(shared: bool) -> None:
+    # the columns a printed report reads (names, devices, unique bytes) equal the records'
+    ts = _odd_tensors()
+    if shared:
+        base = torch.zeros(10)
+        ts += [base[:6], base[4:]]  # overlap: 10 elements = 40 bytes of one storage
+    c = Census()
+    assert c.add_distinct([f"t{i}" for i in range(len(ts))], ts, "other")
+    rows = c.rows()
+    assert rows.distinct is not shared
+    tensors, storages = rows.build()
+    built = MemoryReport(tensors=tensors, storages=storages)
+    assert rows.first_names == [t.name for t in tensors]
+    assert rows.devices == built.devices == ["cpu", "meta"]
+    assert rows.unique_bytes() == built.unique_bytes
+    # ground truth by brute force: every element's byte address (data pointer, strides),
+    # each tensor's span from its lowest to its highest byte, the union of spans counted
+    covered: set[int] = set()
+    for t in ts:
+        if t.is_meta or t.numel() == 0:
+            continue
+        elems = torch.zeros(1, dtype=torch.long)  # element offsets from the tensor's first
+        for n, st in zip(t.shape, t.stride()):
+            elems = (elems.view(-1, 1) + torch.arange(n) * st).view(-1)
+        first = t.data_ptr() + int(elems.min()) * t.element_size()
+        covered |= set(range(first, t.data_ptr() + (int(elems.max()) + 1) * t.element_size()))
+    assert rows.unique_bytes()["cpu"] == len(covered)

@@ -220,28 +220,48 @@ class Census:
     def report(self, source: str = "") -> MemoryReport:
         """Group by storage, merge byte spans and return the report.
 
+        Every column is read from the tensors now; the records themselves are built when the
+        report's ``tensors`` or ``storages`` are first read (see :class:`_Rows`).
+
         Example:
             >>> Census().report().tensors
             []
         """
-        # Column by column: each attribute read and each record built by map() in C, no Python
-        # frame per tensor (a scan of every live tensor has tens of thousands of rows).
-        keep, names, cats = self._keep, self._names, self._cats
+        return MemoryReport._deferred(self.rows(), source=source, skipped=self.skipped,
+                                      skipped_kinds=self.skipped_kinds)
+
+    def rows(self) -> _Rows:
+        """The census as columns (one entry per tensor), read from the tensors in one pass each.
+
+        Example:
+            >>> import torch
+            >>> c = Census(); x = torch.zeros(3); c.add("x", x, "other"); c.add("v", x[1:], "other")
+            >>> r = c.rows()
+            >>> r.first_names, r.devices, r.unique_bytes()
+            (['x', 'v'], ['cpu'], {'cpu': 12})
+        """
+        # Column by column: each attribute read by map() in C, no Python frame per tensor (a
+        # scan of every live tensor has tens of thousands of rows).
+        keep = self._keep
         n = len(keep)
-        devs = _device_names(list(map(_DEVICE, keep)))
-        dtype_names, sizes = _dtype_info(keep)
-        shapes = list(map(tuple, map(_SHAPE, keep)))
-        strides = list(map(_STRIDE, keep))
-        offsets = list(map(_OFFSET, keep))
+        r = _Rows()
+        r.names = list(self._names)
+        r.cats = list(self._cats)
+        r.devs = _device_names(list(map(_DEVICE, keep)))
+        r.dtype_names, sizes = _dtype_info(keep)
+        r.sizes = sizes
+        r.shapes = shapes = list(map(_SHAPE, keep))  # torch.Size: tuples when records are built
+        r.strides = list(map(_STRIDE, keep))
+        r.offsets = offsets = list(map(_OFFSET, keep))
         numels = list(map(_NUMEL, keep))
         # byte spans, as torchmem.capture.storage.tensor_span: a dense row-major tensor views
         # its numel elements from its offset (an empty one views nothing); others are fixed up
-        starts = list(map(mul, offsets, sizes))
-        ends = list(map(mul, map(add, offsets, numels), sizes))
+        r.starts = starts = list(map(mul, offsets, sizes))
+        r.ends = ends = list(map(mul, map(add, offsets, numels), sizes))
         for i in compress(range(n), map(not_, map(_CONTIGUOUS, keep))):
             if numels[i]:
                 lo = hi = 0
-                for size, st in zip(shapes[i], strides[i]):
+                for size, st in zip(shapes[i], r.strides[i]):
                     reach = (size - 1) * st
                     if reach < 0:
                         lo += reach
@@ -250,18 +270,85 @@ class Census:
                 es, offset = sizes[i], offsets[i]
                 starts[i], ends[i] = (offset + lo) * es, (offset + hi + 1) * es
         storage_row: dict[int, int] = {}  # storage _cdata -> index (storages held in _storages)
-        sids = [storage_row.setdefault(k, len(storage_row)) for k in map(_CDATA, self._storages)]
+        r.sids = [storage_row.setdefault(k, len(storage_row)) for k in map(_CDATA, self._storages)]
+        r.distinct = len(storage_row) == n
+        r.storage_nbytes = list(map(_NBYTES, self._storages))
+        r.requires_grad = list(map(_REQUIRES_GRAD, keep))
+        r.type_names = list(map(_type_name, map(type, keep)))
+        return r
+
+
+class _Rows:
+    """A census's columns, one entry per tensor, holding plain values only (no tensor), and the
+    records built from them on demand (:meth:`build`, called by a report when its records are
+    first read); ``first_names``, ``devices`` and :meth:`unique_bytes` answer a printed report
+    without building them.
+
+    Example:
+        >>> import torch
+        >>> c = Census(); c.add("w", torch.zeros(2, 2), "parameter")
+        >>> tensors, storages = c.rows().build()
+        >>> tensors[0].shape, storages[0].used_bytes
+        ((2, 2), 16)
+    """
+
+    __slots__ = ("names", "cats", "devs", "dtype_names", "sizes", "shapes", "strides",
+                 "offsets", "starts", "ends", "sids", "distinct", "storage_nbytes",
+                 "requires_grad", "type_names")
+
+    names: list[list[str]]
+    cats: list[str]
+    devs: list[str]
+    dtype_names: list[str]
+    sizes: list[int]
+    shapes: list[torch.Size]
+    strides: list[tuple[int, ...]]
+    offsets: list[int]
+    starts: list[int]
+    ends: list[int]
+    sids: list[int]
+    distinct: bool
+    storage_nbytes: list[int]
+    requires_grad: list[bool]
+    type_names: list[str]
+
+    @property
+    def first_names(self) -> list[str]:
+        """Each tensor's first name (later names are its aliases)."""
+        return list(map(_FIRST, self.names))
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices present, in :attr:`MemoryReport.devices`' order."""
+        return sorted(set(self.devs), key=lambda d: (d != "cpu", d))
+
+    def unique_bytes(self) -> dict[str, int]:
+        """Per device, the bytes viewed, each byte once (:attr:`MemoryReport.unique_bytes`)."""
+        if not self.distinct:  # shared storages: their spans are merged by the records
+            return MemoryReport(storages=self.build()[1]).unique_bytes
+        devs = set(self.devs)
+        if len(devs) == 1:
+            return {devs.pop(): sum(map(sub, self.ends, self.starts))}
+        out: dict[str, int] = {}
+        for d, used in zip(self.devs, map(sub, self.ends, self.starts)):
+            out[d] = out.get(d, 0) + used
+        return out
+
+    def build(self) -> tuple[list[TensorRecord], list[StorageRecord]]:
+        """The tensor and storage records (:class:`MemoryReport`'s ``tensors``, ``storages``)."""
+        names, cats, devs, starts, ends = self.names, self.cats, self.devs, self.starts, self.ends
+        n = len(names)
         storages: list[StorageRecord]
-        if len(storage_row) == n:  # each tensor its own storage: the bytes its span covers
-            storages = list(map(StorageRecord, range(n), devs, map(_NBYTES, self._storages),
+        if self.distinct:  # each tensor its own storage: the bytes its span covers
+            storages = list(map(StorageRecord, range(n), devs, self.storage_nbytes,
                                 map(sub, ends, starts), map(list, names), map(_one, cats)))
         else:
             storages = []
             spans: list[list[tuple[int, int]]] = []
-            for i, si in enumerate(sids):
+            for i, si in enumerate(self.sids):
                 cat = cats[i]
                 if si == len(storages):
-                    storages.append(StorageRecord(si, devs[i], self._storages[i].nbytes(), 0,
+                    storages.append(StorageRecord(si, devs[i], self.storage_nbytes[i], 0,
                                                   list(names[i]), [cat]))
                     spans.append([])
                 else:
@@ -276,12 +363,11 @@ class Census:
                 else:
                     rec.used_bytes = sum(m.nbytes for m in merge_spans(sp))
         tensors = list(map(
-            TensorRecord, map(_FIRST, names), cats, devs, dtype_names, shapes, strides,
-            offsets, sizes, starts, ends, sids, map(_REST, names), map(_REQUIRES_GRAD, keep),
-            map(_type_name, map(type, keep)),
+            TensorRecord, map(_FIRST, names), cats, devs, self.dtype_names,
+            map(tuple, self.shapes), self.strides, self.offsets, self.sizes, starts, ends,
+            self.sids, map(_REST, names), self.requires_grad, self.type_names,
         ))
-        return MemoryReport(tensors=tensors, storages=storages, source=source,
-                            skipped=self.skipped, skipped_kinds=dict(self.skipped_kinds))
+        return tensors, storages
 
 
 def _add_module(c: Census, module: torch.nn.Module, prefix: str = "") -> None:

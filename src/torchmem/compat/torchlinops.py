@@ -49,20 +49,16 @@ from __future__ import annotations
 import gc
 import sys
 from math import prod
-from operator import add, attrgetter
+from operator import add
 from typing import IO
 
 import torch
 
-from torchmem.capture.census import inspect_memory
+from torchmem.capture.census import _Rows, inspect_memory
 from torchmem.capture.storage import resolve_device, same_storage, storage_id, tensor_span
 from torchmem.errors import InvalidInputError
 from torchmem.model.census import MemoryReport
 from torchmem.units import format_bytes
-
-_NAME = attrgetter("name")
-_SHAPE = attrgetter("shape")
-_ELEMENT_SIZE = attrgetter("element_size")
 
 __all__ = [
     "MemReporter",
@@ -195,28 +191,28 @@ class MemReporter:
         else:  # torchlinops collected garbage before scanning: keep that behaviour
             rep = inspect_memory(all_live=True, collect_garbage=True)
         out = sys.stdout if file is None else file
-        devices = rep.devices
-        tensors = rep.tensors
-        if len(devices) == 1:  # the common case: every row is the one device's
-            by_dev = {devices[0]: tensors}
-        else:
-            by_dev = {}
-            for t in tensors:
-                rows = by_dev.get(t.device)
-                if rows is None:
-                    rows = by_dev[t.device] = []
-                rows.append(t)
-        totals = rep.unique_bytes
+        # printed from the census's columns: the report's records are built only if read
+        rows = rep._unbuilt()
+        assert isinstance(rows, _Rows), "inspect_memory returns a report whose records are unbuilt"
+        devices, devs, totals = rows.devices, rows.devs, rows.unique_bytes()
+        names, shapes, sizes = rows.first_names, rows.shapes, rows.sizes
         # one formatting per distinct (shape, element size): many tensors share a few shapes
-        tails = {key: f"\t{key[0]}\t\t{self._fmt(prod(key[0]) * key[1])}"
-                 for key in set(zip(map(_SHAPE, tensors), map(_ELEMENT_SIZE, tensors)))}
+        tails = {key: f"\t{tuple(key[0])}\t\t{self._fmt(prod(key[0]) * key[1])}"
+                 for key in set(zip(shapes, sizes))}
+        by_dev: dict[str, list[str]] = {}
+        if len(devices) == 1:  # the common case: every row is the one device's
+            by_dev[devices[0]] = list(map(add, names, map(tails.__getitem__, zip(shapes, sizes))))
+        else:
+            for d, name, key in zip(devs, names, zip(shapes, sizes)):
+                rows_of = by_dev.get(d)
+                if rows_of is None:
+                    rows_of = by_dev[d] = []
+                rows_of.append(name + tails[key])
         lines: list[str] = []
         for dev in devices:
             lines.append(f"Device {dev}")
             lines.append("=" * 20)
-            rows = by_dev.get(dev, [])
-            keys = zip(map(_SHAPE, rows), map(_ELEMENT_SIZE, rows))
-            lines.extend(map(add, map(_NAME, rows), map(tails.__getitem__, keys)))
+            lines.extend(by_dev.get(dev, []))
             lines.append(f"Total: {self._fmt(totals.get(dev, 0))}")
         if lines:  # one write: the same text as a print() per line
             out.write("\n".join(lines) + "\n")

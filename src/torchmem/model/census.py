@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "CATEGORY_ORDER",
@@ -170,6 +170,12 @@ class StorageRecord:
         return len(self.names) > 1
 
 
+class _DeferredRows(Protocol):
+    """What :meth:`MemoryReport._deferred` builds its records from."""
+
+    def build(self) -> tuple[list[TensorRecord], list[StorageRecord]]: ...
+
+
 @dataclass
 class MemoryReport:
     """The result of a storage census: per-tensor rows, per-storage rows and totals.
@@ -191,6 +197,52 @@ class MemoryReport:
     source: str = ""
     skipped: int = 0
     skipped_kinds: dict[str, int] = field(default_factory=dict)
+
+    # -- records built when first read ---------------------------------------------------
+    @classmethod
+    def _deferred(cls, rows: _DeferredRows, source: str = "", skipped: int = 0,
+                  skipped_kinds: dict[str, int] | None = None) -> MemoryReport:
+        """A report whose ``tensors`` and ``storages`` are built from ``rows`` when one of them
+        is first read (a census of every live tensor has tens of thousands of rows, and a
+        printed report needs only a few of their columns). ``rows`` holds plain values (names,
+        shapes, numbers), never the tensors, so the report keeps no memory alive.
+
+        Example:
+            >>> class Rows:
+            ...     def build(self):
+            ...         return [], [StorageRecord(0, "cpu", 8, 8, ["a"], ["other"])]
+            >>> r = MemoryReport._deferred(Rows(), source="demo")
+            >>> r.unique_bytes, r == MemoryReport(storages=r.storages, source="demo")
+            ({'cpu': 8}, True)
+        """
+        rep = cls(source=source, skipped=skipped, skipped_kinds=dict(skipped_kinds or {}))
+        del rep.tensors, rep.storages
+        rep.__dict__["_rows"] = rows
+        return rep
+
+    def _unbuilt(self) -> _DeferredRows | None:
+        """The rows of a deferred report whose records are not built yet, else None.
+
+        Example:
+            >>> MemoryReport()._unbuilt() is None
+            True
+        """
+        return self.__dict__.get("_rows")
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when ordinary lookup fails: the records of a deferred report (above)
+        if name in ("tensors", "storages"):
+            rows = self.__dict__.pop("_rows", None)
+            if rows is not None:
+                self.tensors, self.storages = rows.build()
+                return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle and copy see the built records, not the deferred rows
+        if "_rows" in self.__dict__:
+            self.__getattr__("tensors")
+        return dict(self.__dict__)
 
     # -- totals ---------------------------------------------------------------------------
     @property
