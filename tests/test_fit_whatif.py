@@ -269,6 +269,11 @@ def test_what_if_table_best_and_json() -> None:
                                    "grad_accumulation_4", "allocator",
                                    "grad_accumulation_4+activation_checkpointing"])
     assert not e.fits and e.oom is not None  # the step as written runs out, and says where
+    # found by its rerun on the card, which ran in the pool beside the levers: the same site,
+    # stack included, as the estimate without levers finds
+    plain = torchmem.estimate(as_written, gpu="650 MiB", batch_size=64, margin=0)
+    assert plain.oom is not None
+    assert e.oom.to_dict() == plain.oom.to_dict()
     usable = e.usable_bytes
     rows = {r.lever: r for r in e.what_if}
     assert set(rows) == {"activation_checkpointing", "adafactor", "lora", "grad_accumulation_4",
@@ -792,3 +797,36 @@ def test_lora_on_an_unmodified_trainer_equals_the_trainer_given_a_peft_model(tmp
     assert (row["peak_requested_bytes"], row["peak_allocated_bytes"],
             row["peak_reserved_bytes"], row["cost"]["host_peak_bytes"]) == figures(h)
     assert row["peak_requested_bytes"] < d["peak_requested_bytes"]  # the lever changed it
+
+
+def test_a_card_run_that_fits_after_the_pool_makes_the_step_as_written_the_answer() -> None:
+    # what_if's site job: the step as written rerun on the card in the pool; where that run
+    # fits (the provisional base, from the unbounded card, did not), the answer is "as
+    # written" and the allocator's replays start from the card run's snapshot
+    from torchmem.fit import gpu
+    from torchmem.fit._whatif import what_if
+
+    card = gpu("A100-80GB")
+
+    def run(levers, world_size=None, alloc_conf=None, snap=False):  # noqa: ANN001, ANN202
+        lr = _lever_run(levers)
+        return run_once(as_written, BATCH, card, levers=lr, keep_snapshot=snap,
+                        alloc_conf=alloc_conf), lr
+
+    fitting, fitting_lr = run([], snap=True)
+    provisional = run_once(as_written, BATCH, card)
+    provisional.fits = False  # as the unbounded card's run reads when its cache passes
+    seen: list[object] = []
+
+    def suggest(e):  # noqa: ANN001, ANN202
+        seen.append(e)
+        return None
+
+    rows, best = what_if(run, provisional, fitting_lr, card, check_levers(["adafactor",
+                         "allocator"]), BATCH, suggest=suggest,
+                         site=lambda: (fitting, fitting_lr),
+                         on_site=lambda res: res)
+    assert fitting.fits and best is not None and best.lever == "as_written"
+    assert best.peak_reserved_bytes == fitting.peak_reserved_bytes
+    assert seen[-1] is fitting  # the allocator's row was made again from the card's run
+    assert {r.lever for r in rows} == {"adafactor", "allocator"}

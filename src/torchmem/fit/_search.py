@@ -794,41 +794,62 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
     big = dataclasses.replace(card, total_bytes=card.total_bytes + (1 << 50),
                               context_override=card.context_bytes)
 
+    def once(chosen: Sequence[Any], on: GPU, stacks: bool, world_size: int | None = None,
+             alloc_conf: str | None = None, snap: bool = False, b: int | None = None,
+             extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
+        lr = _lever_run(chosen)
+        with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            e = one(on, lr, b, extra, snap, stacks, world_size, alloc_conf)
+        return e, lr
+
+    def settle(e: Estimate, lr: Any, real: tuple[Estimate, Any] | None) -> tuple[Estimate, Any]:
+        # ``e``: a run on the unbounded card; ``real``: the same run on the card, made where
+        # ``e``'s blocks passed the usable memory (the card decides; None: not made)
+        if real is not None:
+            if real[0].oom is None:
+                return _apply_margin(real[0], margin, card), real[1]
+            e.oom = real[0].oom
+        e.gpu, e.capacity_bytes = card.name, card.total_bytes
+        e.fits = e.oom is None and e.peak_reserved_bytes <= card.usable_bytes
+        return _apply_margin(e, margin, card), lr
+
     def run(chosen: Sequence[Any], world_size: int | None = None, alloc_conf: str | None = None,
             snap: bool = False, b: int | None = None,
-            extra: Mapping[str, Any] | None = None, oom_site: bool = False,
-            ) -> tuple[Estimate, Any]:
-        def once(on: GPU, stacks: bool) -> tuple[Estimate, Any]:
-            lr = _lever_run(chosen)
-            with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-                e = one(on, lr, b, extra, snap, stacks, world_size, alloc_conf)
-            return e, lr
-
-        # Python stacks (a quarter of a run's time) only where they are shown: the
-        # out-of-memory site, found on the card, and a snapshot the caller keeps
-        e, lr = once(big, oom_site and keep_snapshot)
+            extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
+        # without Python stacks (a quarter of a run's time): they are shown only for the step
+        # as written's out-of-memory site and a snapshot the caller keeps
+        e, lr = once(chosen, big, False, world_size, alloc_conf, snap, b, extra)
+        real = None
         if e.peak_reserved_bytes > card.usable_bytes:
-            # blocks beyond the usable memory: out of memory on the card whatever its cache
-            # does; only the step as written is rerun then, to say where
-            if oom_site or e.peak_allocated_bytes <= card.usable_bytes:
-                real, real_lr = once(card, oom_site)
-                if real.oom is None:
-                    return _apply_margin(real, margin, card), real_lr
-                e.oom = real.oom
+            if e.peak_allocated_bytes <= card.usable_bytes:
+                # the cache passed the usable memory, not the blocks: the allocator frees its
+                # cache and retries before it runs out, so the card itself decides
+                real = once(chosen, card, False, world_size, alloc_conf, snap, b, extra)
             else:
                 e.notes.append(
                     f"needs {format_bytes(e.peak_allocated_bytes)} of blocks at its peak, more "
                     f"than the {format_bytes(card.usable_bytes)} usable: out of memory on the "
                     f"{card.name}")
-        e.gpu, e.capacity_bytes = card.name, card.total_bytes
-        e.fits = e.oom is None and e.peak_reserved_bytes <= card.usable_bytes
-        return _apply_margin(e, margin, card), lr
+        return settle(e, lr, real)
 
     say = progress or (lambda m: None)
     say("what-if: the step as written ...")
     want_snap = keep_snapshot or any(lv.name == "allocator" for lv in levers)
-    base, base_lr = run([], snap=want_snap, oom_site=True)
+    # The step as written on the unbounded card. Where its blocks or cache pass the usable
+    # memory, its rerun on the card (which finds the out-of-memory site, with stacks) runs in
+    # the pool beside the levers: they need only this run's figures.
+    first, first_lr = once([], big, keep_snapshot, snap=want_snap)
+    base, base_lr = settle(first, first_lr, None)  # provisional while the rerun is pending
+    site: Callable[[], Any] | None = None
+    if first.peak_reserved_bytes > card.usable_bytes:
+        def site() -> Any:
+            return once([], card, True, snap=want_snap)
+
+    def on_site(real: tuple[Estimate, Any]) -> tuple[Estimate, Any]:
+        nonlocal base, base_lr
+        base, base_lr = settle(first, first_lr, real)
+        return base, base_lr
 
     def suggest(e: Estimate) -> str | None:
         from torchmem.sim import suggest as _suggest
@@ -839,7 +860,7 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
         return None if dev.best is None else dev.best.alloc_conf
 
     rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest,
-                         workers=None, script=script)
+                         workers=None, script=script, site=site, on_site=on_site)
     if maximize is not None:
         _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base)
     base.what_if = rows

@@ -428,6 +428,8 @@ def what_if(
     suggest: Callable[[Estimate], str | None] | None = None,
     workers: int | None = 1,
     script: bool | str = False,
+    site: Callable[[], Any] | None = None,
+    on_site: Callable[[Any], tuple[Estimate, LeverRun]] | None = None,
 ) -> tuple[list[WhatIfRow], WhatIfRow | None]:
     """Try each of ``levers`` with ``run(levers, world_size=, alloc_conf=)`` (one estimate of
     the user's step with those levers applied; ``base`` and ``base_lr`` are the step as
@@ -435,7 +437,9 @@ def what_if(
     reserved bytes (skipped levers last) and the recommended combination (``None`` when
     nothing tried fits; a row named ``as_written`` when the step fits without a lever). The
     levers run in ``workers`` forked processes (:mod:`torchmem.fit._pool`; ``None``: one per
-    core).
+    core). ``site``, when given, is one more job for the pool (the step as written rerun on
+    the card to find where it runs out of memory); ``on_site(result)`` gives the final
+    ``base`` and ``base_lr`` from its result (``base`` is provisional until then).
 
     Example:
         >>> from torchmem.fit._engine import run_once
@@ -473,22 +477,45 @@ def what_if(
     # the longest runs first: each worker takes the next job when it is free, so a long run
     # started last would leave the other workers idle at the end (longest-first scheduling)
     jobs.sort(key=lambda job: -_relative_time(job[1]))
+    n_levers = len(jobs)
+    if site is not None:  # a run of the step as written: about a lever's time
+        jobs.insert(next((k for k, j in enumerate(jobs) if _relative_time(j[1]) <= 1.0),
+                         len(jobs)), (-1, _SITE))
     count = [0]
 
     def done(i: int, result: Any) -> None:
         count[0] += 1
-        say(f"what-if {count[0]}/{len(jobs)}: {jobs[i][1].name} done")
+        what = jobs[i][1].name if jobs[i][1] is not _SITE else "the step as written on the card"
+        say(f"what-if {count[0]}/{len(jobs)}: {what} done")
 
     from torchmem.fit._pool import run_all
 
-    say(f"what-if: {len(jobs)} levers to run ...")
+    say(f"what-if: {n_levers} levers to run"
+        + (", and the step as written on the card (where it runs out of memory)"
+           if site is not None else "") + " ...")
 
     def one(job: tuple[int, Lever]) -> Any:
+        if job[1] is _SITE:
+            assert site is not None
+            return site()
         if job[1].name == "allocator":
             return _allocator_row(run, base, suggest)
         return run([job[1]], world_size=job[1].world_size)
 
     results = run_all(one, jobs, workers, done)
+    if site is not None:
+        k = next(k for k, j in enumerate(jobs) if j[1] is _SITE)
+        res = results[k]
+        if isinstance(res, BaseException):
+            raise res
+        assert on_site is not None
+        base, base_lr = on_site(res)
+        del jobs[k], results[k]
+        alloc = [j for j, (_, lv) in enumerate(jobs) if lv.name == "allocator"]
+        if base.fits and alloc:
+            # the card's own run fits (its cache freed and retried; the provisional base did
+            # not fit): the allocator's replays start from that run's snapshot instead
+            results[alloc[0]] = _allocator_row(run, base, suggest)
     for (at, lv), res in zip(jobs, results):
         if isinstance(res, WhatIfRow):  # the allocator's
             rows[at] = res
@@ -512,6 +539,10 @@ def what_if(
                            "host_peak_bytes": base.host_peak_bytes})
     best = best_combination(run, base, rows_out, say)
     return rows_out, best
+
+
+#: The pool job that reruns the step as written on the card (see :func:`what_if`'s ``site``).
+_SITE = Lever("as_written_on_card", {}, 0, "none", changes="none: the step as written, on the card")
 
 
 def _relative_time(lv: Lever) -> float:
