@@ -302,6 +302,42 @@ def test_reserved_creeping_up_is_found_with_its_start(tmp_path: Path,
     assert j["start_iteration"] == 3 and j["iterations"][5]["fragmentation_bytes"] == 312 * MiB
 
 
+@pytest.mark.parametrize("settings", [True, False])
+def test_creep_under_expandable_segments_does_not_suggest_them(settings: bool) -> None:
+    # Written with the simulator under expandable_segments:True: each iteration two
+    # temporaries of 100 + 4k and 107 + 4k MiB, then a 2 MiB tensor kept for good. The kept
+    # tensors split the mapped range, so the growing temporaries map more pages: over
+    # iterations 1-6 reserved grows by 160 MiB and allocated by 50 MiB. The run had the
+    # setting (its allocator settings say so, or only its page mappings show it), so the
+    # advice is not to turn it on.
+    from torchmem.io.pytorch_snapshot import to_pytorch_dict
+    from torchmem.sim import CachingAllocator
+
+    a = CachingAllocator(config="expandable_segments:True")
+    for k in range(7):
+        tmps = [a.malloc((100 + 4 * k + 7 * j) * MiB, 0) for j in range(2)]
+        a.malloc(2 * MiB, 0)
+        for t in tmps:
+            a.free(t)
+    raw = to_pytorch_dict(a.snapshot())
+    raw.pop("allocator_settings", None)
+    if settings:
+        raw["allocator_settings"] = {"expandable_segments": True}
+    trace = raw["device_traces"][0]
+    assert not any(e["action"] == "segment_alloc" for e in trace)  # pages mapped, not segments
+    starts = [i for i, e in enumerate(trace) if e["action"] == "alloc"][3::3]  # iterations 1-6
+    (c,) = creep(from_pytorch(raw), boundaries=starts)
+    # by hand: iteration k's peak allocated is its pair (207 + 8k MiB) and k + 1 kept tensors;
+    # reserved in iteration 0 is the pair's pages (20 MiB each: 100 + 120 MiB)
+    assert [i.peak_allocated_bytes // MiB for i in c.iterations] == [209 + 10 * k for k in range(7)]
+    assert c.iterations[0].peak_reserved_bytes == 220 * MiB
+    assert c.allocated_growth_bytes == 50 * MiB  # iterations 1 to 6 (the first builds state)
+    assert c.reserved_growth_bytes > 2 * c.allocated_growth_bytes
+    assert c.creeping and c.reserved_source == "trace"
+    assert "expandable_segments is already on in this run" in c.text
+    assert "Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" not in c.text
+
+
 def test_steady_iterations_do_not_creep() -> None:
     from torchmem.io.convert import snapshot_from_trace
 

@@ -49,6 +49,7 @@ from typing import Any
 from torchmem.analysis.replay import DeviceReplay
 from torchmem.errors import InvalidInputError, TorchmemError
 from torchmem.model.snapshot import Snapshot
+from torchmem.sim.replay import ran_expandable
 from torchmem.units import format_bytes as _fb
 
 __all__ = ["IterationMemory", "CreepReport", "creep"]
@@ -217,11 +218,14 @@ def _device_creep(snap: Snapshot, dev: int, boundaries: list[int] | None) -> Cre
     ends = bounds[1:] + [n]
     for k, (a, b) in enumerate(zip(bounds, ends)):
         iters.append(IterationMemory(k, a, b, max(reserved[a:b + 1]), max(allocated[a:b + 1])))
-    return _verdict(dev, name, iters, source, notes)
+    # the real trace of a run that had expandable segments: the setting is not the remedy
+    expandable = source == "trace" and ran_expandable(snap, dev)
+    return _verdict(dev, name, iters, source, notes, expandable)
 
 
 def _verdict(
-    dev: int, name: str, iters: list[IterationMemory], source: str, notes: list[str]
+    dev: int, name: str, iters: list[IterationMemory], source: str, notes: list[str],
+    expandable: bool = False,
 ) -> CreepReport:
     base = 1 if len(iters) >= 4 else 0  # the first iteration builds state
     used = iters[base:]
@@ -242,10 +246,16 @@ def _verdict(
             f"{used[0].iteration} to {used[-1].iteration} the peak reserved grew by "
             f"{_fb(res_growth)} and the peak allocated by {_fb(alloc_growth)}; fragmentation "
             f"started to grow at iteration {start} (per iteration: "
-            + ", ".join(f"{i.iteration}: {_fb(f)}" for i, f in zip(used, frag)) + "). Requests of changing sizes no "
-            "longer fit the cached blocks, so new segments are added every few iterations: a "
-            "late OOM. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pad the varying "
-            "sizes to a few fixed ones."
+            + ", ".join(f"{i.iteration}: {_fb(f)}" for i, f in zip(used, frag)) + "). "
+            + ("Requests of changing sizes no longer fit the cached free ranges, so more pages "
+               "are mapped every few iterations: a late OOM. expandable_segments is already on "
+               "in this run; pad the varying sizes to a few fixed ones, or free long-lived "
+               "tensors made between large short-lived ones (they split the free range, so a larger request cannot reuse it)."
+               if expandable else
+               "Requests of changing sizes no longer fit the cached blocks, so new segments are "
+               "added every few iterations: a late OOM. Try "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or pad the varying sizes to a "
+               "few fixed ones.")
         )
     else:
         text = (

@@ -29,7 +29,7 @@ from torchmem.analysis.replay import DeviceReplay
 from torchmem.errors import TorchmemError
 from torchmem.model.snapshot import Snapshot
 from torchmem.sim.config import AllocatorConfig
-from torchmem.sim.replay import TraceReplay, shows_expandable
+from torchmem.sim.replay import TraceReplay, ran_expandable
 from torchmem.units import format_bytes as _fb
 
 __all__ = ["OomExplanation", "explain_oom"]
@@ -188,12 +188,6 @@ def _released_before(snap: Snapshot, dev: int, i: int) -> tuple[int, int]:
     return n, size
 
 
-def _uses_expandable(snap: Snapshot, dev: int, cfg: AllocatorConfig) -> bool:
-    """Whether device ``dev`` used expandable segments: the settings say so, a segment is one,
-    or the trace maps or unmaps pages."""
-    return cfg.expandable_segments or shows_expandable(snap, dev)
-
-
 def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:
     from torchmem.sim.allocator import SMALL_BUFFER, segment_size
 
@@ -202,7 +196,7 @@ def _explain(snap: Snapshot, ev: OomEvent) -> OomExplanation:
     stream = t.streams[i]
     pool = "small" if size <= _SMALL else "large"
     cfg = AllocatorConfig.from_settings(snap.allocator_settings)
-    expandable = _uses_expandable(snap, dev, cfg)
+    expandable = ran_expandable(snap, dev)
     try:
         alloc = segment_size(size, cfg) if size else 0
     except TorchmemError:

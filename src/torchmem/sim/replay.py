@@ -188,6 +188,20 @@ def shows_expandable(snapshot: Snapshot, device: int | None = None) -> bool:
                for a in ("segment_map", "segment_unmap"))
 
 
+def ran_expandable(snapshot: Snapshot, device: int) -> bool:
+    """Whether ``device`` ran with expandable segments: the snapshot's allocator settings say
+    so, or its segments or trace show them (:func:`shows_expandable`).
+
+    Example:
+        >>> from torchmem.io.pytorch_snapshot import from_pytorch
+        >>> ran_expandable(from_pytorch({"segments": [], "device_traces": [[]],
+        ...     "allocator_settings": {"expandable_segments": True}}), 0)
+        True
+    """
+    return (AllocatorConfig.from_settings(snapshot.allocator_settings).expandable_segments
+            or shows_expandable(snapshot, device))
+
+
 class TraceReplay:
     """Step one device's trace through a simulator seeded with the state at the trace's start.
 
