@@ -336,3 +336,30 @@ def test_rows_answer_totals_as_the_records_do(shared: bool) -> None:
         first = t.data_ptr() + int(elems.min()) * t.element_size()
         covered |= set(range(first, t.data_ptr() + (int(elems.max()) + 1) * t.element_size()))
     assert rows.unique_bytes()["cpu"] == len(covered)
+
+
+def test_records_read_from_many_threads_at_once_are_one_list() -> None:
+    # the records of a deferred report are built by whichever thread reads first; threads
+    # reading meanwhile (a build of 20,000 rows spans several GIL switches) get the same list
+    import threading
+
+    keep = [torch.zeros(1) for _ in range(20_000)]
+    r = inspect_memory(tensors=keep)
+    barrier = threading.Barrier(4)
+    got: list[object] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        barrier.wait()
+        try:
+            got.append(r.tensors)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 4 and all(g is got[0] for g in got)
+    assert len(r.tensors) == 20_000 and r.unique_bytes == {"cpu": 80_000}

@@ -232,9 +232,14 @@ class MemoryReport:
     def __getattr__(self, name: str) -> Any:
         # only reached when ordinary lookup fails: the records of a deferred report (above)
         if name in ("tensors", "storages"):
-            rows = self.__dict__.pop("_rows", None)
+            rows = self.__dict__.get("_rows")
             if rows is not None:
-                self.tensors, self.storages = rows.build()
+                # the rows are dropped only once the records are in place: another thread
+                # reading meanwhile builds them too and the first records stay
+                tensors, storages = rows.build()
+                self.__dict__.setdefault("tensors", tensors)
+                self.__dict__.setdefault("storages", storages)
+                self.__dict__.pop("_rows", None)
                 return self.__dict__[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
