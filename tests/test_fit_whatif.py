@@ -830,3 +830,59 @@ def test_a_card_run_that_fits_after_the_pool_makes_the_step_as_written_the_answe
     assert best.peak_reserved_bytes == fitting.peak_reserved_bytes
     assert seen[-1] is fitting  # the allocator's row was made again from the card's run
     assert {r.lever for r in rows} == {"adafactor", "allocator"}
+
+
+OPTIMIZER_LEVERS = ["optimizer_fused", "optimizer_foreach", "optimizer_per_parameter",
+                    "optimizer_8bit", "adafactor"]
+
+
+def _with_scheduler(batch: int) -> object:
+    """The step with a learning-rate scheduler: it wraps the optimizer's step."""
+    net = Net().cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
+    x = torch.randn(batch, SEQ, D, device="cuda")
+
+    def step() -> None:
+        net(x).float().sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _groups(batch: int) -> object:
+    """Two parameter groups given as dicts, one of them from a generator."""
+    net = Net().cuda()
+    opt = torch.optim.AdamW([{"params": net.layers.parameters(), "weight_decay": 0.1},
+                             {"params": list(net.head.parameters()), "lr": 1e-4}], lr=1e-3)
+    return _steps(net, opt, torch.randn(batch, SEQ, D, device="cuda"))
+
+
+@pytest.mark.parametrize("build", [as_written, _with_scheduler, _groups])
+def test_optimizer_levers_sharing_the_first_forward_equal_their_own_runs(build) -> None:  # noqa: ANN001
+    # the optimizer levers run the step once up to the optimizer's first step and fork there;
+    # each row equals the lever's own run, to the byte, with the same "applied" words. With a
+    # learning-rate scheduler (it wraps the optimizer's step) the levers run one by one.
+    said: list[str] = []
+    e = torchmem.estimate(build, gpu="A100-80GB", batch_size=BATCH, margin=0,
+                          what_if=OPTIMIZER_LEVERS, progress=said.append)
+    shared = [m for m in said if "optimizer_fused, optimizer_foreach" in m]
+    assert len(shared) == 1
+    if build is _with_scheduler:
+        assert "one by one: the optimizer's step() is wrapped" in shared[0]
+    else:
+        assert "run once for them" in shared[0]
+    rows = {r.lever: r for r in e.what_if}
+    assert set(rows) == set(OPTIMIZER_LEVERS)
+    for name in OPTIMIZER_LEVERS:
+        lr = _lever_run(check_levers([name]))
+        own = run_once(build, BATCH, "A100-80GB", levers=lr)
+        r = rows[name]
+        assert r.skipped is None, r.skipped
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes,
+                r.estimate.host_peak_bytes) == figures(own), name
+        assert r.estimate.by_category == own.by_category
+    assert "torch.optim.Adafactor" in rows["adafactor"].applied
+    assert "fused=True" in rows["optimizer_fused"].applied
