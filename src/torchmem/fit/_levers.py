@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import multiprocessing
 import threading
 import warnings
 import weakref
@@ -269,15 +268,6 @@ class LeverRun:
         self._peft: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._tls = threading.local()
         self._undo: list[Callable[[], None]] = []
-        #: runs that differ from this one only in how the optimizer is made (see
-        #: :meth:`_share_first_step`): their settings; after the run, ``branch`` is the one
-        #: this process ran (None: none), ``branch_results`` what the forked others gave
-        #: back, ``shared_refused`` why the step could not be shared
-        self.branches: list[LeverRun] = []
-        self.branch: int | None = None
-        self.branch_results: list[Any] = []
-        self.shared_refused: str | None = None
-        self._made: list[tuple[Any, ...]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         """What a worker process hands back: the settings and what was changed (the patches,
@@ -514,14 +504,7 @@ class LeverRun:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if self.offload_optimizer:
             params, pairs = _host_copies(params)
-        if self.branches:  # as given: the constructor adds its defaults to dict groups
-            for g in params:  # a generator of a group's parameters is read once (as torch does)
-                if isinstance(g, dict) and not isinstance(g.get("params"), (list, torch.Tensor)):
-                    g["params"] = list(g["params"])
-            self._made.append((opt, cls, orig, _groups_copy(params), args, dict(kwargs)))
         self._make(opt, cls, orig, params, args, kwargs)
-        if self.branches and len(self._made) == 1:
-            self._share_first_step(opt)
         if pairs is not None:
             self._offload(opt, pairs)
         elif self.scaler:
@@ -554,95 +537,6 @@ class LeverRun:
             else:
                 kwargs = {**kwargs, **self.optimizer}
         orig(opt, params, *args, **kwargs)
-
-    # -- one forward and backward for several optimizer levers ------------------------------
-
-    def _share_first_step(self, opt: Any) -> None:
-        """Levers that change only how the optimizer is made (``branches``: fused, foreach,
-        another class) share everything before its first ``step()``: nothing the optimizer
-        does until then allocates. At that call this process forks once per branch but the
-        last; each child makes the optimizer again as its branch would have (the object
-        emptied and initialised anew, with the arguments the step gave) and goes on with the
-        step, as does this process with the last branch. A child hands its result back
-        through :data:`BRANCH_PIPE` (see :func:`send_branch_result`). Where the step did
-        something to the optimizer between making and stepping it (a learning-rate scheduler
-        wraps its ``step``, hooks, state, new keys in its groups) or made a second one, no
-        fork is made and ``shared_refused`` says why."""
-        import types
-
-        lever = self
-        keys = set(vars(opt)) | {"step"}
-        group_keys = [set(g) for g in opt.param_groups]
-
-        def first_step(opt_self: Any, *args: Any, **kwargs: Any) -> Any:
-            if lever.shared_refused is not None or lever.branch is not None:
-                return type(opt).step(opt, *args, **kwargs)  # called again through a wrapper
-            why = None
-            if len(lever._made) != 1:
-                why = "the step makes more than one optimizer"
-            elif vars(opt).get("step") is not wrapper:
-                why = "the optimizer's step() is wrapped (a learning-rate scheduler?)"
-            elif opt.state:
-                why = "the optimizer has state before its first step"
-            elif any(getattr(opt, h, None) for h in _OPT_HOOKS):
-                why = "hooks are registered on the optimizer"
-            elif set(vars(opt)) != keys or [set(g) for g in opt.param_groups] != group_keys:
-                why = "the optimizer was changed between its making and its first step"
-            elif threading.active_count() > 1 or multiprocessing.active_children():
-                why = "other threads or processes are running (a fork would copy only this one)"
-            if vars(opt).get("step") is wrapper:
-                del opt.step
-            if why is not None:
-                lever.shared_refused = why
-                # the class's step: a wrapper around this one (a scheduler's) called it
-                return type(opt).step(opt, *args, **kwargs)
-            lever._fork_branches(opt)
-            return opt.step(*args, **kwargs)
-
-        wrapper = types.MethodType(first_step, opt)
-        opt.step = wrapper
-
-    def _fork_branches(self, opt: Any) -> None:
-        import os
-        import pickle
-
-        from torchmem.capture.tracker._tracker import fork_keeping_trackers
-
-        last = len(self.branches) - 1
-        for k in range(last):
-            r, w = os.pipe()
-            pid = fork_keeping_trackers()
-            if pid == 0:  # the child: branch k from here on
-                os.close(r)
-                BRANCH_PIPE[0] = w
-                self.branch_results = []
-                self._become(k, opt)
-                return
-            os.close(w)
-            with os.fdopen(r, "rb") as f:
-                data = f.read()
-            os.waitpid(pid, 0)
-            self.branch_results.append(
-                pickle.loads(data) if data else RuntimeError(
-                    f"the run of branch {k} ended without a result (its process died)"))
-        self._become(last, opt)
-
-    def _become(self, k: int, opt: Any) -> None:
-        """Make ``opt`` again as branch ``k`` would have made it, and take its settings."""
-        br = self.branches[k]
-        self.branch = k
-        self.optimizer = dict(br.optimizer)
-        self.replace_optimizer = br.replace_optimizer
-        self.optimizer_refused = []
-        _, cls, orig, params, args, kwargs = self._made[0]
-        opt.__dict__.clear()
-        opt.__class__ = cls
-        tls = self._tls
-        tls.in_opt = True  # the constructors called below are the original ones
-        try:
-            self._make(opt, cls, orig, _groups_copy(params), args, dict(kwargs))
-        finally:
-            tls.in_opt = False
 
     # -- the optimizer's step: gradient scaler, host offload ----------------------------------
 
@@ -845,46 +739,6 @@ class LeverRun:
             else:
                 out.extend(remap([p]))
         return out
-
-
-#: A forked branch's end of the pipe its result goes back through (see
-#: :meth:`LeverRun._share_first_step`); None outside such a child.
-BRANCH_PIPE: list[int | None] = [None]
-
-_OPT_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-              "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-              "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
-
-
-def send_branch_result(result: Any) -> None:
-    """In a forked branch (:meth:`LeverRun._share_first_step`): hand ``result`` back to the
-    process that forked it and end this one; elsewhere, nothing.
-
-    Example:
-        >>> send_branch_result("not in a branch") is None
-        True
-    """
-    import os
-    import pickle
-
-    fd = BRANCH_PIPE[0]
-    if fd is None:
-        return
-    try:
-        data = pickle.dumps(result)
-    except Exception as e:  # noqa: BLE001 - handed back instead
-        data = pickle.dumps(RuntimeError(f"the branch's result could not be sent: {e}"))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    finally:
-        os._exit(0)
-
-
-def _groups_copy(params: list[Any]) -> list[Any]:
-    """The optimizer's parameters as given, dict groups copied (their ``params`` lists too)."""
-    return [{**g, "params": list(g["params"]) if not isinstance(g["params"], torch.Tensor)
-             else g["params"]} if isinstance(g, dict) else g for g in params]
 
 
 def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -25,21 +25,6 @@ _FN: Callable[[Any], Any] | None = None
 _JOBS: Sequence[Any] = ()
 
 
-def can_fork() -> bool:
-    """Whether this process may fork to run estimates side by side: ``fork`` exists and CUDA
-    is not initialised.
-
-    Example:
-        >>> isinstance(can_fork(), bool)
-        True
-    """
-    import torch
-
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
-
-
 def default_workers() -> int:
     """Worker processes to use: the cores this process may run on (at most 8), 1 where forking
     is unsafe (CUDA initialised, no ``fork``).
@@ -48,7 +33,11 @@ def default_workers() -> int:
         >>> default_workers() >= 1
         True
     """
-    if not can_fork():
+    import torch
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         return 1
     try:
         n = len(os.sched_getaffinity(0))

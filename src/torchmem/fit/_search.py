@@ -796,10 +796,8 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
 
     def once(chosen: Sequence[Any], on: GPU, stacks: bool, world_size: int | None = None,
              alloc_conf: str | None = None, snap: bool = False, b: int | None = None,
-             extra: Mapping[str, Any] | None = None,
-             branches: Sequence[Any] = ()) -> tuple[Estimate, Any]:
+             extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
         lr = _lever_run(chosen)
-        lr.branches = [_lever_run([lv]) for lv in branches]
         with warnings.catch_warnings():  # FSDP2 on a user's model may warn of views
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
             e = one(on, lr, b, extra, snap, stacks, world_size, alloc_conf)
@@ -818,15 +816,10 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
 
     def run(chosen: Sequence[Any], world_size: int | None = None, alloc_conf: str | None = None,
             snap: bool = False, b: int | None = None,
-            extra: Mapping[str, Any] | None = None,
-            branches: Sequence[Any] = ()) -> tuple[Estimate, Any]:
+            extra: Mapping[str, Any] | None = None) -> tuple[Estimate, Any]:
         # without Python stacks (a quarter of a run's time): they are shown only for the step
-        # as written's out-of-memory site and a snapshot the caller keeps. ``branches``:
-        # optimizer levers that share the step until its optimizer's first step (each forked
-        # there, see LeverRun._share_first_step); this process goes on as one of them
-        e, lr = once(chosen, big, False, world_size, alloc_conf, snap, b, extra, branches)
-        if lr.branch is not None:
-            chosen = [*chosen, branches[lr.branch]]
+        # as written's out-of-memory site and a snapshot the caller keeps
+        e, lr = once(chosen, big, False, world_size, alloc_conf, snap, b, extra)
         real = None
         if e.peak_reserved_bytes > card.usable_bytes:
             if e.peak_allocated_bytes <= card.usable_bytes:

@@ -476,17 +476,8 @@ def what_if(
             rows.append(None)
     # the longest runs first: each worker takes the next job when it is free, so a long run
     # started last would leave the other workers idle at the end (longest-first scheduling)
+    jobs.sort(key=lambda job: -_relative_time(job[1]))
     n_levers = len(jobs)
-    # the optimizer levers share the step up to the optimizer's first step (forked there)
-    from torchmem.fit._pool import can_fork
-
-    group = [job for job in jobs if _shares_first_step(job[1])]
-    if len(group) < 2 or not can_fork() or script is not False:  # a script's own processes
-        group = []
-    if group:
-        jobs = [job for job in jobs if job not in group] + [(-2, _SHARED)]
-    jobs.sort(key=lambda job: -(_relative_time(job[1]) if job[1] is not _SHARED
-                                else 0.5 + 0.6 * len(group)))
     if site is not None:  # a run of the step as written: about a lever's time
         jobs.insert(next((k for k, j in enumerate(jobs) if _relative_time(j[1]) <= 1.0),
                          len(jobs)), (-1, _SITE))
@@ -494,13 +485,7 @@ def what_if(
 
     def done(i: int, result: Any) -> None:
         count[0] += 1
-        what = jobs[i][1].name
-        if jobs[i][1] is _SITE:
-            what = "the step as written on the card"
-        elif jobs[i][1] is _SHARED:
-            what = ", ".join(lv.name for _, lv in group) + (
-                f" (one by one: {result[1]})" if isinstance(result, tuple) and result[1]
-                else " (the step up to the optimizer's first step run once for them)")
+        what = jobs[i][1].name if jobs[i][1] is not _SITE else "the step as written on the card"
         say(f"what-if {count[0]}/{len(jobs)}: {what} done")
 
     from torchmem.fit._pool import run_all
@@ -513,19 +498,11 @@ def what_if(
         if job[1] is _SITE:
             assert site is not None
             return site()
-        if job[1] is _SHARED:
-            return _shared_runs(run, [lv for _, lv in group])
         if job[1].name == "allocator":
             return _allocator_row(run, base, suggest)
         return run([job[1]], world_size=job[1].world_size)
 
     results = run_all(one, jobs, workers, done)
-    if group:
-        k = next(k for k, j in enumerate(jobs) if j[1] is _SHARED)
-        res = results[k]
-        shared = res[0] if isinstance(res, tuple) else [res] * len(group)
-        jobs = jobs[:k] + group + jobs[k + 1:]
-        results = results[:k] + list(shared) + results[k + 1:]
     if site is not None:
         k = next(k for k, j in enumerate(jobs) if j[1] is _SITE)
         res = results[k]
@@ -562,52 +539,6 @@ def what_if(
                            "host_peak_bytes": base.host_peak_bytes})
     best = best_combination(run, base, rows_out, say)
     return rows_out, best
-
-
-#: The pool job that runs the optimizer levers, sharing the step before the optimizer's first
-#: step (:func:`_shared_runs`).
-_SHARED = Lever("optimizer_levers", {}, 0, "none", changes="the optimizer levers, sharing")
-
-
-def _shares_first_step(lv: Lever) -> bool:
-    """Whether ``lv`` changes only how the optimizer is made (its class or its constructor's
-    arguments): nothing it changes allocates before the optimizer's first step.
-
-    Example:
-        >>> [_shares_first_step(_BY_NAME[n]) for n in ("optimizer_fused", "adafactor",
-        ...                                            "cpu_offload_optimizer", "lora")]
-        [True, True, False, False]
-    """
-    return (not lv.parts and lv.world_size is None and bool(lv.settings)
-            and set(lv.settings) <= {"optimizer", "replace_optimizer"})
-
-
-def _shared_runs(run: Callable[..., Any], levers: list[Lever]) -> tuple[list[Any], str | None]:
-    """Each of ``levers``' results (an ``(Estimate, LeverRun)`` or the exception its run
-    raised), from one run of the step up to the optimizer's first step, forked there into one
-    process per lever (:meth:`~torchmem.fit._levers.LeverRun._share_first_step`); where the
-    step could not be shared, each lever is run on its own. Also the reason it could not
-    (None when it was shared)."""
-    from torchmem.fit._levers import send_branch_result
-
-    try:
-        res: Any = run([], branches=levers)
-    except Exception as e:  # noqa: BLE001 - a branch's error is that lever's result
-        res = e
-    send_branch_result(res)  # in a forked branch: hands the result back and ends here
-    why = "the step failed before the optimizer's first step" if isinstance(res, BaseException) \
-        else res[1].shared_refused if res[1].branch is None and res[1].shared_refused \
-        else "the step made no optimizer, or never stepped it" if res[1].branch is None \
-        else None
-    if why is None:
-        return [*res[1].branch_results, res], None
-    out: list[Any] = []
-    for lv in levers:
-        try:
-            out.append(run([lv]))
-        except Exception as e:  # noqa: BLE001 - the lever's result
-            out.append(e)
-    return out, why
 
 
 #: The pool job that reruns the step as written on the card (see :func:`what_if`'s ``site``).

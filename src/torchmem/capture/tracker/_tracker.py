@@ -38,36 +38,9 @@ __all__ = ["Tracker", "track"]
 _RUNNING: weakref.WeakSet[Tracker] = weakref.WeakSet()
 
 
-#: Set while :func:`fork_keeping_trackers` forks: its child goes on with the parent's run.
-_KEEP_IN_CHILD = [False]
-
-
-def fork_keeping_trackers() -> int:
-    """``os.fork()`` whose child keeps the running trackers recording (an estimate that goes
-    on in both processes, each its own run from here: see
-    :meth:`torchmem.fit._levers.LeverRun._share_first_step`); other forks stop them in the
-    child.
-
-    Example:
-        >>> import os
-        >>> pid = fork_keeping_trackers()
-        >>> if pid == 0:
-        ...     os._exit(0)
-        >>> os.waitpid(pid, 0)[1]
-        0
-    """
-    _KEEP_IN_CHILD[0] = True
-    try:
-        return os.fork()
-    finally:
-        _KEEP_IN_CHILD[0] = False
-
-
 def _stop_in_forked_child() -> None:
     """``os.fork`` child (a DataLoader or multiprocessing worker): stop every tracker the
     parent had running; the parent records its own run, the child records nothing."""
-    if _KEEP_IN_CHILD[0]:
-        return
     for tracker in list(_RUNNING):
         tracker._leave_forked_child()
     _RUNNING.clear()
