@@ -250,7 +250,8 @@ def _verdict(
             + ("Requests of changing sizes no longer fit the cached free ranges, so more pages "
                "are mapped every few iterations: a late OOM. expandable_segments is already on "
                "in this run; pad the varying sizes to a few fixed ones, or free long-lived "
-               "tensors made between large short-lived ones (they split the free range, so a larger request cannot reuse it)."
+               "tensors made between large short-lived ones (they split the free range, so a "
+               "larger request cannot reuse it)."
                if expandable else
                "Requests of changing sizes no longer fit the cached blocks, so new segments are "
                "added every few iterations: a late OOM. Try "
