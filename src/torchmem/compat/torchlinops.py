@@ -194,7 +194,9 @@ class MemReporter:
         # printed from the census's columns: the report's records are built only if read
         rows = rep._unbuilt()
         assert isinstance(rows, _Rows), "inspect_memory returns a report whose records are unbuilt"
-        devices, devs, totals = rows.devices, rows.devs, rows.unique_bytes()
+        # shared storages need their spans merged by the records: the report's own (kept)
+        totals = rows.unique_bytes() if rows.distinct else rep.unique_bytes
+        devices, devs = rows.devices, rows.devs
         names, shapes, sizes = rows.first_names, rows.shapes, rows.sizes
         # one formatting per distinct (shape, element size): many tensors share a few shapes
         tails = {key: f"\t{tuple(key[0])}\t\t{self._fmt(prod(key[0]) * key[1])}"
