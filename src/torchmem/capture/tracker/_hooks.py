@@ -61,7 +61,7 @@ class _Hooks(_Comm):
     def _fw_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._active or threading.get_ident() != self._thread:
             return
-        idx = self._names.get(module)
+        idx = self._names.by_id.get(id(module))
         if idx is None:
             idx = self._name_of(module)
         if _graph_task_id() == -1:

@@ -56,7 +56,8 @@ class _Mode(FastDispatchMode):
         super().__init__()
         self._on_outputs = tracker._on_outputs
         self._unseen = tracker._unseen_op
-        self._ops = tracker._ops
+        # keyed by id(operator): OpOverload's __hash__ is a Python method, a call per operator
+        self._ops_get = tracker._ops.get
 
     inline_check = True  # the check below: no wrapper frame per operator
 
@@ -64,7 +65,7 @@ class _Mode(FastDispatchMode):
         if frame_callback() is not None:  # compiled code runs: under torch._dynamo.disable
             return self._under_disable(func, types, args, kwargs)
         out = func(*args, **(kwargs or {}))
-        info = self._ops.get(func)
+        info = self._ops_get(id(func))
         if info is None:  # first call, or an operator handled by name (collectives)
             self._unseen(func, out, args, kwargs)
         elif info:
@@ -81,7 +82,7 @@ class _Mode(FastDispatchMode):
             >>> len(tr)
             0
         """
-        self._ops = _NOTHING_NEW
+        self._ops_get = _NOTHING_NEW.get
 
 
 class _NothingNew:
@@ -354,5 +355,6 @@ class _HotPath(_Hooks):
         """String index of an operator whose outputs are new storages, 0 if they alias."""
         name, sign = _classify(func)
         info = sign * self.trace.intern(name) if sign else 0
-        self._ops[func] = info
+        self._ops[id(func)] = info
+        self._op_keep.append(func)  # its id stays its own while the table holds it
         return info

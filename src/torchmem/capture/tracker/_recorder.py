@@ -74,6 +74,39 @@ class _SRef(weakref.ref):  # type: ignore[type-arg]
     nbytes: int
 
 
+class _ModuleNames(weakref.WeakKeyDictionary):  # type: ignore[type-arg]
+    """Module -> its interned name, also readable by ``id(module)`` (``by_id``) for the forward
+    hooks: a ``WeakKeyDictionary``'s ``get`` is a Python method, called per module call.
+
+    Example:
+        >>> import torch
+        >>> names, m = _ModuleNames(), torch.nn.ReLU()
+        >>> names[m] = 7
+        >>> names.by_id[id(m)], names[m]
+        (7, 7)
+        >>> del m; len(names.by_id)
+        0
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_id: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref[Any]] = {}
+
+    def __setitem__(self, key: Any, value: int) -> None:
+        super().__setitem__(key, value)
+        k = id(key)
+        self.by_id[k] = value
+        if k not in self._refs:
+            by_id, refs = self.by_id, self._refs
+
+            def gone(_: Any, k: int = k) -> None:  # before its id can be reused
+                by_id.pop(k, None)
+                refs.pop(k, None)
+
+            refs[k] = weakref.ref(key, gone)
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors
     (a ``DTensor``'s local shard), recursively.
@@ -141,7 +174,10 @@ class _Recorder:
                 **(metadata or {}),
             }
         )
-        self._ops: dict[Any, Any] = {}
+        # id(operator) -> its name's string index, negated for in-place/out= operators, 0 if
+        # its outputs alias its inputs; the operators themselves are kept in _op_keep
+        self._ops: dict[int, int] = {}
+        self._op_keep: list[Any] = []
         self._special: dict[Any, int] = {}  # operator -> what _comm does with it (0: nothing)
         # storages a collective used (communication buffers), by storage key, until freed
         self._comm_refs: dict[int, _SRef] = {}
@@ -165,7 +201,7 @@ class _Recorder:
         self._seq_owner = array("I")
         self._seq_cap = _NEVER  # entries the map may hold (aggregated: Aggregate.within)
         self._bw_last = 0
-        self._names: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        self._names = _ModuleNames()
         self._optims: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._clock_opt: weakref.ref[torch.optim.Optimizer] | None = None
         self._skip_code: dict[CodeType, bool] = {}
