@@ -413,3 +413,32 @@ def test_module_names_are_qualified_names_whether_or_not_the_root_was_passed() -
     assert expected == {f"_LM.body.h.{i}.mlp.{j}" for i in range(3) for j in range(2)}
     assert expected <= {m for _, m in without_root}
     assert with_root == without_root
+
+
+def test_a_module_made_where_a_dead_one_was_gets_its_own_name() -> None:
+    # the forward hook reads names by id(module): a module freed during tracking must not lend
+    # its name to a new module that CPython puts at the same address (the same id)
+    class First(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class Second(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    x = torch.ones(3)
+    with torchmem.track() as tr:
+        first = First()
+        first(x)
+        old_id = id(first)
+        del first
+        second = None
+        for _ in range(10_000):  # CPython reuses a freed object's memory for the next one
+            second = Second()
+            if id(second) == old_id:
+                break
+        if second is None or id(second) != old_id:
+            pytest.skip("this interpreter did not reuse the freed module's address")
+        second(x)
+    by_op = {e.op: e.module for e in tr.events() if e.kind.label == "alloc"}
+    assert by_op == {"aten::mul": "First", "aten::add": "Second"}
