@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class _Mode(FastDispatchMode):
         self._on_outputs = tracker._on_outputs
         self._unseen = tracker._unseen_op
         # keyed by id(operator): OpOverload's __hash__ is a Python method, a call per operator
-        self._ops_get = tracker._ops.get
+        self._ops_get: Callable[[int], int | None] = tracker._ops.get
 
     inline_check = True  # the check below: no wrapper frame per operator
 
@@ -82,17 +82,13 @@ class _Mode(FastDispatchMode):
             >>> len(tr)
             0
         """
-        self._ops_get = _NOTHING_NEW.get
+        self._ops_get = _nothing_new
 
 
-class _NothingNew:
-    """An operator table that says every operator's outputs alias its inputs."""
-
-    def get(self, func: Any) -> int:
-        return 0
-
-
-_NOTHING_NEW: Any = _NothingNew()
+def _nothing_new(op_id: int) -> int:
+    """The operator table's lookup once the mode is stopped: every operator's outputs alias
+    its inputs (0), so nothing is recorded."""
+    return 0
 
 
 def _output_tensors(out: Any) -> Iterable[Any]:
