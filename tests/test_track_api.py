@@ -432,12 +432,13 @@ def test_a_module_made_where_a_dead_one_was_gets_its_own_name() -> None:
         first(x)
         old_id = id(first)
         del first
-        second = None
-        for _ in range(10_000):  # CPython reuses a freed object's memory for the next one
-            second = Second()
-            if id(second) == old_id:
-                break
-        if second is None or id(second) != old_id:
+        # CPython reuses a freed object's memory for a later one of its size: keep making
+        # (and keeping) modules until one lands at the freed address
+        made = [Second()]
+        while id(made[-1]) != old_id and len(made) < 100_000:
+            made.append(Second())
+        second = made[-1]
+        if id(second) != old_id:
             pytest.skip("this interpreter did not reuse the freed module's address")
         second(x)
     by_op = {e.op: e.module for e in tr.events() if e.kind.label == "alloc"}
