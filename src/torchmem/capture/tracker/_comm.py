@@ -66,8 +66,16 @@ _COLLECTIVE, _FSDP_COPY_OUT = 1, 2
 
 
 def _classify(func: Any) -> tuple[str, int]:
-    """An operator's name and what its outputs are: 1 new storages, -1 written in place
-    (in-place / ``out=``: new only if resized), 0 aliases of inputs (views)."""
+    """An operator's name and what its outputs are: 1 new storages, -1 written in place and
+    possibly resized (``out=``, ``resize_``, ``set_``, operators outside ATen: new only if
+    resized), 0 aliases of inputs (views, and ATen's other in-place operators).
+
+    Example:
+        >>> import torch
+        >>> aten = torch.ops.aten
+        >>> [_classify(op)[1] for op in (aten.mm.default, aten.add.out, aten.add_.Tensor, aten.t.default)]
+        [1, -1, 0, 0]
+    """
     schema = func._schema
     # lift_fresh returns (an alias of) a tensor built from Python data outside the
     # dispatcher (torch.tensor(...)): its storage is new to us
@@ -79,8 +87,14 @@ def _classify(func: Any) -> tuple[str, int]:
         r.alias_info is not None and r.alias_info.is_write for r in schema.returns
     ):
         # in-place / out= operators allocate nothing, unless they resize their output's
-        # storage (resize_, out= into a too-small tensor): negative = "check the size"
-        return schema.name, -1
+        # storage (resize_, set_, out= into a too-small tensor): negative = "check the size".
+        # ATen's other in-place operators (add_, mul_, copy_, the _foreach_*_ of optimizers)
+        # write into their inputs as they are and never resize: nothing to check
+        name = schema.name
+        if (name.startswith("aten::") and "resize" not in name and not name.startswith("aten::set")
+                and not any(a.is_out for a in schema.arguments)):
+            return name, 0
+        return name, -1
     return schema.name, 0
 
 

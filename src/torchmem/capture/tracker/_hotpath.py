@@ -46,6 +46,7 @@ from torchmem.capture.tracker._sites import call_site
 __all__: list[str] = []
 
 _strided = torch.strided
+_OpOverload = torch._ops.OpOverload
 _OTHER = int(_C.OTHER)
 
 
@@ -64,7 +65,8 @@ class _Mode(FastDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if frame_callback() is not None:  # compiled code runs: under torch._dynamo.disable
             return self._under_disable(func, types, args, kwargs)
-        out = func(*args, **(kwargs or {}))
+        # an OpOverload's __call__ is a Python frame that only calls its _op: call that
+        out = (func._op if func.__class__ is _OpOverload else func)(*args, **(kwargs or {}))
         info = self._ops_get(id(func))
         if info is None:  # first call, or an operator handled by name (collectives)
             self._unseen(func, out, args, kwargs)
