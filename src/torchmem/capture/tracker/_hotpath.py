@@ -141,16 +141,6 @@ class _HotPath(_Hooks):
         current_thread = threading.current_thread
         intern, intern_thread, intern_stack = tr.intern, tr.intern_thread, tr.intern_stack
 
-        def on_free(ref: _SRef) -> None:
-            if get_ident() != main_thread:
-                # freed on another thread (a data-loader or autograd worker): record it on the
-                # tracking thread at its next event, so two threads never interleave appends
-                pending.append((ref, perf() - t0, current_thread().name, task() != -1))
-                return
-            if pending:
-                drain()
-            free(ref, perf() - t0)
-
         def drain() -> None:
             while pending:
                 item = pending.popleft()
@@ -173,7 +163,19 @@ class _HotPath(_Hooks):
                 stack=-1 if stack is None else intern_stack(stack),
             )
 
-        def free(ref: _SRef, when: int, thread: int = me_thread, bw: bool = False) -> None:
+        def free(ref: _SRef, when: int = -1, thread: int = me_thread, bw: bool = False) -> None:
+            """A storage's free: called by its weak reference (``when`` -1: now), or for a
+            queued free of another thread's, by ``drain`` on the tracking thread."""
+            if when < 0:
+                if get_ident() != main_thread:
+                    # freed on another thread (a data-loader or autograd worker): record it on
+                    # the tracking thread at its next event, so two threads never interleave
+                    # appends
+                    pending.append((ref, perf() - t0, current_thread().name, task() != -1))
+                    return
+                if pending:
+                    drain()
+                when = perf() - t0
             key = ref.key
             if live_get(key) is ref:
                 del live[key]
@@ -255,6 +257,7 @@ class _HotPath(_Hooks):
             cat = provisional[phase]
             region = me._region_id
             slow = me._slow
+            step = me._step
             for t in tensors:
                 if t.layout is not strided:
                     continue
@@ -272,7 +275,7 @@ class _HotPath(_Hooks):
                     dev = me._dev_index(device)
                 # make the weak reference first: creating it can run the garbage collector,
                 # whose frees append FREE events, so the sequence number is read after it
-                ref = SRef(s, on_free)
+                ref = SRef(s, free)
                 seq = len(kind_col)
                 ref.key = key
                 ref.seq = seq
@@ -289,7 +292,7 @@ class _HotPath(_Hooks):
                 a_mod(module)
                 a_phase(phase)
                 a_cat(cat)
-                a_step(me._step)
+                a_step(step)
                 a_thread(me_thread)
                 a_stack(-1)
                 v = live_dev[dev] + nbytes
@@ -324,7 +327,7 @@ class _HotPath(_Hooks):
                     if old() is not None:
                         continue
                     orphans[id(old)] = old  # freed, its free still queued: the address is reused
-                ref = SRef(s, on_free)
+                ref = SRef(s, free)
                 ref.key = key
                 ref.seq = -1
                 ref.dev = -1
@@ -333,7 +336,7 @@ class _HotPath(_Hooks):
                 live[key] = ref
                 pending.append((ref, when, tname, op, stack, t.device))
 
-        self._on_free_cb = on_free
+        self._on_free_cb = free
         self._on_outputs = on_outputs
         self._on_thread_outputs = on_thread_outputs
         self._drain = drain

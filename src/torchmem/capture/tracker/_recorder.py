@@ -107,6 +107,9 @@ class _ModuleNames(weakref.WeakKeyDictionary):  # type: ignore[type-arg]
             refs[k] = weakref.ref(key, gone)
 
 
+_Tensor = torch.Tensor
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``t``'s data: itself, or a wrapper subclass's inner tensors
     (a ``DTensor``'s local shard), recursively.
@@ -116,7 +119,7 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
         >>> [x.shape for x in plain_tensors(torch.ones(2))]
         [torch.Size([2])]
     """
-    if not is_traceable_wrapper_subclass(t):
+    if t.__class__ is _Tensor or not is_traceable_wrapper_subclass(t):
         return [t]
     attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     out: list[torch.Tensor] = []
