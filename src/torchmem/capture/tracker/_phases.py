@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torchmem.capture._names import initial_state, next_seq, note_params
+from torchmem.capture._names import initial_state, next_seq, note_params, seq_mark
 from torchmem.capture.tracker._recorder import (
     _C,
     _MARK,
@@ -87,15 +87,8 @@ class _Phases(_Recorder):
         return mod
 
     def _seq_mark(self, owner: int) -> None:
-        # seq_mark's rule written out (it runs twice per module call): nodes made from now on
-        # belong to owner; no node made since the last mark: owner replaces the last one
         bounds = self._seq_bounds
-        nr = _next_seq()
-        if bounds and bounds[-1] == nr:
-            self._seq_owner[-1] = owner
-            return
-        bounds.append(nr)
-        self._seq_owner.append(owner)
+        seq_mark(bounds, self._seq_owner, owner)
         if len(bounds) > self._seq_cap:  # aggregated and no step marker for a long while
             self._trim_seq_map()
 
