@@ -18,8 +18,8 @@ Methods, side by side:
                bytes per token, GPU memory = the card's cudaMemGetInfo total
 
 Since issue 26 the search predicts most probes from the allocator requests of the probes that
-ran (``torchmem.fit._stream``) and runs the answer and one more for real (their decode steps
-after the first few replayed through the simulator, ``torchmem.fit._decode``); since session
+ran (``torchmem.fit.run._stream``) and runs the answer and one more for real (their decode steps
+after the first few replayed through the simulator, ``torchmem.fit.run._decode``); since session
 11 the answer's per-category split and KV-cache figures come from that replay too, where
 before the answer was run a third time with every decode step through the model.
 ``--rerun-answer`` restores that third run (the path before), ``--all-real`` runs every probe
@@ -90,7 +90,7 @@ def main() -> int:
                     help="the search as now, then with --rerun-answer, with the time ratio")
     args = ap.parse_args()
     import torchmem
-    import torchmem.fit._search as search_mod
+    import torchmem.fit.search._bracket as search_mod
     from torchmem.fit import gpu
     from torchmem.units import format_bytes as fmt
 

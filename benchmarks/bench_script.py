@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torchmem.fit import estimate_script
-from torchmem.fit._engine import run_once
+from torchmem.fit.run._engine import run_once
 
 MLP_SETUP = """
 import argparse, torch

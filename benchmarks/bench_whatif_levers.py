@@ -89,7 +89,7 @@ def main() -> None:
 
     e = torchmem.estimate(build, gpu=card, batch_size=2, what_if=True, progress=say)
     t_table = time.perf_counter() - t
-    from torchmem.fit._whatif import what_if_lines
+    from torchmem.fit.levers._whatif import what_if_lines
 
     print("\n".join(what_if_lines(e.what_if, e.what_if_best, e)))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -11,7 +11,7 @@ Workloads (tests/cs336_lm.py, the CS336 Transformer LM as gpu-truth.md describes
 
 Columns:
   real        the recorded allocator (gpu-truth.md; a trace's sizes are requested bytes)
-  torchmem    torchmem.estimate with the CUDA emulation (torchmem.fit._cuda.CudaEmulation)
+  torchmem    torchmem.estimate with the CUDA emulation (torchmem.fit.fakegpu.kernels.CudaEmulation)
   plain fake  the same fake run without it: torch.autocast("cuda") switches itself off on a
               CPU-only build, so the forward runs in fp32 (what a FakeTensorMode-based tracker
               sees); no reduction scratch, per-parameter optimizer loop
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torchmem
-import torchmem.fit._engine as engine
+import torchmem.fit.run._engine as engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cs336_lm import build_magma27, build_nothanmin  # noqa: E402

@@ -305,7 +305,7 @@ def hf_generate(batch_size: int, seq_len: int = 512, max_new_tokens: int = 16) -
     """transformers' ``generate()`` of :data:`HF_LLAMA` built from its config (bf16, SDPA, dynamic
     cache): a prompt of ``seq_len`` tokens and ``max_new_tokens`` new ones, as
     :func:`torchmem.estimate_hf` builds it (``task="generate"``)."""
-    from torchmem.fit._hf import load_config, make_build
+    from torchmem.fit.targets._hf import load_config, make_build
 
     return make_build(load_config(HF_LLAMA), "generate", torch.bfloat16, "sdpa", seq_len,
                       max_new_tokens, "dynamic")(batch_size)

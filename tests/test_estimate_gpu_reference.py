@@ -169,7 +169,7 @@ def test_driver_address_order_gpt_bf16():
 def test_convnet_exact_given_the_real_cudnn_workspace_sizes(monkeypatch):
     # everything but the sizes cuDNN's heuristics pick is modelled exactly: with each call's
     # workspace size taken from the real trace (same calls, same order), both peaks are exact
-    from torchmem.fit import _cuda
+    from torchmem.fit.fakegpu.kernels import _emulation as _cuda  # where transients() looks it up
 
     real = iter(_conv_workspaces(torchmem.load_snapshot(gpu_cases.DATA / "convnet.pickle"), True))
     modelled = _cuda._cudnn_conv_transients

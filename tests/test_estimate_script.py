@@ -14,8 +14,8 @@ import torch
 import torchmem
 from torchmem.cli import main
 from torchmem.errors import InvalidInputError
-from torchmem.fit._engine import run_once
-from torchmem.fit._script import ScriptError, estimate_script
+from torchmem.fit.run._engine import run_once
+from torchmem.fit.targets._script import ScriptError, estimate_script
 
 WIDTH = 256
 
@@ -308,8 +308,8 @@ def _code_in(path: str, inner=None):
 
 
 def test_a_stop_is_never_raised_inside_torchmem_bookkeeping():
-    from torchmem.fit._sandbox import _STDLIB_DIR, _TORCH_DIR, _TORCHMEM_DIR
-    from torchmem.fit._script import _safe_to_stop
+    from torchmem.fit.targets._sandbox import _STDLIB_DIR, _TORCH_DIR, _TORCHMEM_DIR
+    from torchmem.fit.targets._stop import _safe_to_stop
 
     tracker = os.path.join(_TORCHMEM_DIR, "capture", "tracker", "_hotpath.py")
     dispatch = os.path.join(_TORCH_DIR, "_subclasses", "fake_tensor.py")
@@ -429,8 +429,8 @@ def test_a_requested_stop_lands_before_the_next_operator(tmp_path):
     starts: the operator after the request allocates nothing (peak: the first tensor only)."""
     script = _write(tmp_path, "asks.py", """
         import threading, torch
-        from torchmem.fit._engine import request_stop
-        from torchmem.fit._script import _StopScript
+        from torchmem.fit.run._engine import request_stop
+        from torchmem.fit.targets._script import _StopScript
         keep = torch.ones(1 << 20, device="cuda")
         request_stop(threading.get_ident(), _StopScript)
         y = keep * 2
@@ -438,7 +438,7 @@ def test_a_requested_stop_lands_before_the_next_operator(tmp_path):
     """)
     e = estimate_script(script, [], "T4", time_limit=60)
     assert e.peak_requested_bytes == 4 << 20
-    from torchmem.fit._engine import stop_pending
+    from torchmem.fit.fakegpu._dispatch import stop_pending
     assert not stop_pending(__import__("threading").get_ident())
 
 

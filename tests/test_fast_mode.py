@@ -12,7 +12,7 @@ import torch
 import torchmem
 from torchmem.capture._fast_mode import FastDispatchMode
 from torchmem.capture.tracker._hotpath import _Mode
-from torchmem.fit._engine import _SimMode
+from torchmem.fit.fakegpu._dispatch import _SimMode
 
 
 def _net() -> torch.nn.Module:

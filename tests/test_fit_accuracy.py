@@ -257,7 +257,7 @@ def test_by_category_at_the_peak_adds_up():
 def test_optimizer_default_follows_cuda():
     """Left to its default, the optimizer runs foreach on CUDA (for-loop on CPU): the estimate
     equals the CPU truth of the foreach run, not of the CPU default."""
-    pytest.importorskip("torchmem.fit._cuda")
+    pytest.importorskip("torchmem.fit.fakegpu.kernels")
     global FOREACH
     try:
         FOREACH = None
@@ -287,7 +287,7 @@ def _autocast_build(device_type: str | None, enabled: bool, seen: list):
 def test_autocast_follows_cuda_policy_by_hand():
     """CUDA autocast of a Linear: weight cast to bf16 (2 MiB, cached for the region), input cast
     (2 KiB a row), bf16 output (2 KiB a row), on top of the fp32 weight and input."""
-    pytest.importorskip("torchmem.fit._cuda")
+    pytest.importorskip("torchmem.fit.fakegpu.kernels")
     b, seen = 16, []
     fp32 = torchmem.estimate(_autocast_build("cuda", False, seen), gpu="A100-80GB",
                              batch_size=b, default_device="cuda").peak_requested_bytes
@@ -438,7 +438,7 @@ def hand_cast_mlp(batch: int):
 
 
 def test_autocast_equals_a_real_run_with_the_casts_written_out():
-    pytest.importorskip("torchmem.fit._cuda")
+    pytest.importorskip("torchmem.fit.fakegpu.kernels")
     truth = _truth(hand_cast_mlp, 32)
     est = torchmem.estimate(autocast_mlp, gpu="A100-80GB", batch_size=32, default_device="cuda")
     assert est.peak_requested_bytes == truth

@@ -16,15 +16,14 @@ from torch._subclasses import FakeTensorMode
 
 from torchmem.capture import track
 from torchmem.errors import InvalidInputError
-from torchmem.fit._cuda import (
+from torchmem.fit.fakegpu.kernels import MODELLED, CudaEmulation
+from torchmem.fit.fakegpu.kernels._autocast import (
     BANNED,
     FP32,
     FP32_APPEND_DTYPE,
     FP32_SET_OPT_DTYPE,
     LOWER_PRECISION_FP,
-    MODELLED,
     PROMOTE,
-    CudaEmulation,
 )
 from torchmem.model.events import EventKind
 
@@ -430,7 +429,7 @@ def test_uses_cublaslt(monkeypatch):
 
 
 def test_efficient_attention_backward_scratch():
-    from torchmem.fit._cuda import _efficient_backward_transients
+    from torchmem.fit.fakegpu.kernels._attention_scratch import _efficient_backward_transients
 
     def scratch(shape, dtype, cc):
         b, h, m, d = shape

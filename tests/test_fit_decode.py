@@ -1,15 +1,15 @@
-"""The extrapolated decode steps (:mod:`torchmem.fit._decode`) give the full run's peaks."""
+"""The extrapolated decode steps (:mod:`torchmem.fit.run._decode`) give the full run's peaks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from torchmem.fit._engine import run_once
+from torchmem.fit.run._engine import run_once
 
 pytest.importorskip("transformers")
 
-from torchmem.fit._hf import load_config, make_build  # noqa: E402
+from torchmem.fit.targets._hf import load_config, make_build  # noqa: E402
 
 CONFIGS = {
     "llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -109,7 +109,7 @@ def test_an_answer_whose_split_cannot_follow_the_replay_is_rerun_in_full(monkeyp
     """Where the labels or the cache's figures do not repeat, the run says so and the search
     runs its answer again with every step (as every answer was before)."""
     import torchmem
-    import torchmem.fit._engine as engine
+    import torchmem.fit.run._engine as engine
     from torchmem.fit import GPU
 
     start = engine._DecodeFeed._start_split

@@ -135,7 +135,7 @@ def test_peak_equals_fsdp_mem_tracker(n):
     from torch._subclasses import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from torchmem.fit._dist import FakeWorld
+    from torchmem.fit.fakegpu._dist import FakeWorld
 
     e = estimate(_fsdp_build, gpu="H100-80GB", batch_size=32, world_size=n, default_device="cuda")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -303,7 +303,7 @@ def test_everything_is_restored_after_an_estimate():
     from torch.nn.parallel import DistributedDataParallel
 
     from torchmem.capture.tracker._hotpath import _Mode
-    from torchmem.fit._engine import _SimMode
+    from torchmem.fit.fakegpu._dispatch import _SimMode
 
     before = (torch.UntypedStorage.resize_, _Mode.__dict__["__torch_dispatch__"],
               _SimMode.__dict__["__torch_dispatch__"], DistributedDataParallel.__new__,

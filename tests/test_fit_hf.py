@@ -24,7 +24,7 @@ from torchmem.fit import GPU
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 from test_fit_generate import census_peak  # noqa: E402
-from torchmem.fit._hf import load_config, make_build  # noqa: E402
+from torchmem.fit.targets._hf import load_config, make_build  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HIDDEN, VOCAB = 2, 4, 2, 64, 256
 CONFIG = {
@@ -176,7 +176,7 @@ _REAL_GPU_GENERATE = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_fit_hf import CONFIG
-from torchmem.fit._hf import load_config, make_build
+from torchmem.fit.targets._hf import load_config, make_build
 step = make_build(load_config(CONFIG), "generate", torch.bfloat16, "sdpa", int(sys.argv[2]), 16,
                   "dynamic")(8)
 step()

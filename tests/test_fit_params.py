@@ -6,7 +6,7 @@ Expected figures come from the allocator's rules, by hand, not from the estimato
 10 MiB or more gets its own segment rounded up to 2 MiB, so a build holding ``x`` of ``s`` MiB
 and computing ``x * 2`` peaks at ``2 * ceil2(s)`` MiB reserved; the default margin is 1 % of the
 peak reserved bytes (rounded up) plus 256 MiB unless the GPU's context was measured
-(``torchmem.fit._margin``).
+(``torchmem.fit.verdict._margin``).
 """
 
 from __future__ import annotations

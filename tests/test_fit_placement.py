@@ -13,7 +13,7 @@ import torch
 
 import torchmem
 from torchmem.errors import InvalidInputError
-from torchmem.fit._catalog import gpu as catalog_gpu
+from torchmem.fit.verdict._catalog import gpu as catalog_gpu
 
 MiB = 1 << 20
 GB = 10**9

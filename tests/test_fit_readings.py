@@ -1,5 +1,5 @@
 """The script's own ``torch.cuda`` memory readings under an estimate are the simulated GPU's
-(:mod:`torchmem.fit._readings`).
+(:mod:`torchmem.fit.fakegpu._readings`).
 
 - the GPT step that recorded its own readings per phase on an H100
   (``tests/data/gpu/gpt_phase_readings.json``, ``readings``) reads the same figures inside
@@ -21,7 +21,7 @@ import torch
 
 import gpu_cases
 import torchmem
-from torchmem.fit._engine import run_once
+from torchmem.fit.run._engine import run_once
 
 MiB = 1 << 20
 KEYS = ("active_bytes.all.peak", "allocated_bytes.all.current", "allocated_bytes.all.peak",

@@ -1,4 +1,4 @@
-"""Probes predicted from earlier probes' requests (:mod:`torchmem.fit._stream`) are the real runs.
+"""Probes predicted from earlier probes' requests (:mod:`torchmem.fit.run._stream`) are the real runs.
 
 Ground truth: each value is also run for real (a fake run through the model); its record of
 requests and its peaks must equal the prediction's, event for event and byte for byte, and a
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from torchmem.fit import GPU
-from torchmem.fit._engine import _make_sim, run_once
-from torchmem.fit._stream import StreamModel, replay
+from torchmem.fit.fakegpu._memory import _make_sim
+from torchmem.fit.run._engine import run_once
+from torchmem.fit.run._stream import StreamModel, replay
 
 pytest.importorskip("transformers")
 
-from torchmem.fit._hf import load_config, make_build  # noqa: E402
+from torchmem.fit.targets._hf import load_config, make_build  # noqa: E402
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -76,7 +77,7 @@ def test_two_records_of_different_sequences_predict_nothing():
 @pytest.mark.parametrize("attn", [None, "eager"])
 def test_a_search_on_predicted_probes_gives_the_all_real_answer(attn, monkeypatch):
     import torchmem
-    import torchmem.fit._search as search
+    import torchmem.fit.search._bracket as search
 
     kw = dict(task="generate", max_new_tokens=12, dtype="float16", attn=attn, margin=0)
     small = torchmem.estimate_hf(LLAMA, gpu="H100-80GB", seq_len=64, **kw)

@@ -17,7 +17,7 @@ import gpu_cases
 import torchmem
 from torchmem.cli import main
 from torchmem.errors import InvalidInputError
-from torchmem.fit._values import ValueReads
+from torchmem.fit.fakegpu._values import ValueReads
 
 
 def _mlp_build(read: str):

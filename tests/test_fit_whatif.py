@@ -14,8 +14,8 @@ from torch.utils.checkpoint import checkpoint
 import torchmem
 from torchmem.errors import InvalidInputError
 from torchmem.fit import Adam8bitStandIn
-from torchmem.fit._engine import run_once
-from torchmem.fit._whatif import LEVERS, _lever_run, check_levers, what_if_lines
+from torchmem.fit.levers._whatif import LEVERS, _lever_run, check_levers, what_if_lines
+from torchmem.fit.run._engine import run_once
 
 D, SEQ, BATCH = 128, 64, 8
 
@@ -453,7 +453,7 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
     # FSDP: the script runs as rank 0 of 2; the same script with fully_shard written into it
     # (each block, then the model), run as rank 0 of 2
-    from torchmem.fit._script import _find, _Run
+    from torchmem.fit.targets._script import _find, _Run
 
     sharded = tmp_path / "train_fsdp.py"
     made = "net = torch.nn.Sequential(*[Block() for _ in range(3)]).cuda()\n"
@@ -700,7 +700,7 @@ def test_hf_config_train_what_if_lora_equals_the_build_written_by_hand(tmp_path,
 def test_best_prefers_precision_and_optimizer_levers_to_lora() -> None:
     """LoRA changes what trains: where bf16 weights or Adafactor fit too, they are the best."""
     from torchmem.fit import WhatIfRow
-    from torchmem.fit._whatif import best_combination
+    from torchmem.fit.levers._whatif import best_combination
 
     rows = [WhatIfRow("lora", "", 10, 20, 30, True, 90), WhatIfRow("adafactor", "", 40, 50, 60,
                                                                    True, 60)]
@@ -804,7 +804,7 @@ def test_a_card_run_that_fits_after_the_pool_makes_the_step_as_written_the_answe
     # fits (the provisional base, from the unbounded card, did not), the answer is "as
     # written" and the allocator's replays start from the card run's snapshot
     from torchmem.fit import gpu
-    from torchmem.fit._whatif import what_if
+    from torchmem.fit.levers._whatif import what_if
 
     card = gpu("A100-80GB")
 

@@ -4,7 +4,7 @@
 ``tests/data`` (MAGMA27: CS336 LM, fp32, batch 32, the 6th of six forward/loss/backward
 iterations without zero_grad; notHanmin: the "xl" LM's bf16-autocast forward after a full AdamW
 iteration). Each is rebuilt with ``tests/cs336_lm.py``, run on fake tensors under
-:class:`~torchmem.fit._cuda.CudaEmulation` through :class:`torchmem.sim.CachingAllocator`, and
+:class:`~torchmem.fit.fakegpu.kernels.CudaEmulation` through :class:`torchmem.sim.CachingAllocator`, and
 compared figure by figure with what the real allocator did (the figures of gpu-truth.md, and
 phase peaks replayed from the files' traces, a trace ``size`` being the requested size).
 
@@ -53,8 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchmem
 from torchmem.capture import track
-from torchmem.fit._cuda import CudaEmulation
-from torchmem.fit._env import fake_cuda
+from torchmem.fit.fakegpu._env import fake_cuda
+from torchmem.fit.fakegpu.kernels import CudaEmulation
 from torchmem.model.events import EventKind
 from torchmem.sim import CachingAllocator
 

@@ -28,7 +28,7 @@ in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the rep
 model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
 
 ``--what-if`` (``--levers a,b+c`` to choose them) also tries the memory levers on the step, each applied
-by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit._whatif`): a table
+by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit.levers._whatif`): a table
 sorted by peak reserved, the levers the step cannot take with the reason, and the cheapest
 combination that fits (``what_if``/``what_if_best`` in the JSON); with ``--max`` the largest
 value each of the three best levers allows. The exit code stays the step's own verdict.
@@ -274,7 +274,7 @@ def script_lines(est: Any, top: int = 10) -> list[str]:
     skipped (nothing for a build function).
 
     Example:
-        >>> from torchmem.fit._script import ScriptRun, SkippedWrite
+        >>> from torchmem.fit.targets._script import ScriptRun, SkippedWrite
         >>> run = ScriptRun("train.py", [], steps_run=2, stopped="steps",
         ...                 reason="stopped after 2 optimizer steps (steps=2)",
         ...                 skipped_writes=[SkippedWrite("train.py:9", "torch.save(dict)", "c.pt")])
@@ -504,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         )
     margin = getattr(args, "margin", None)
     if margin is not None:
-        from torchmem.fit._margin import check_margin
+        from torchmem.fit.verdict._margin import check_margin
 
         margin = check_margin(margin.strip())
 
@@ -539,7 +539,7 @@ def run(args: argparse.Namespace) -> int:
                 "--task train (the levers apply to the model the config builds and its AdamW), "
                 "or drop --what-if"
             )
-        from torchmem.fit._whatif import check_levers
+        from torchmem.fit.levers._whatif import check_levers
 
         names = None if levers is None else [n.strip() for n in levers.split(",") if n.strip()]
         check_levers(names)
@@ -564,7 +564,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_text(est)
         if est.what_if:
-            from torchmem.fit._whatif import what_if_lines
+            from torchmem.fit.levers._whatif import what_if_lines
 
             print("\n".join(what_if_lines(est.what_if, est.what_if_best, est)))
         if whatif is not None:

@@ -63,7 +63,7 @@ def gaps(devices: list[int] | None = None, *, measure: bool = True) -> list[tupl
     from torchmem.analysis._gpu_gap import GpuReading, gpu_gap
     from torchmem.devices import measure_cuda_context, read_gpu
     from torchmem.errors import DeviceError
-    from torchmem.fit._catalog import CONTEXT_BYTES
+    from torchmem.fit.verdict._catalog import CONTEXT_BYTES
 
     cuda = _cuda()
     if not cuda.is_available():

@@ -29,6 +29,9 @@ The factory hooks of :meth:`MemLord.hook_into_python` keep torch's factories che
 call-site tracking, auto-GC bands or ``DEBUG=1`` a new storage is only queued (weakly) and
 counted at the next read or write of the counters, or once 4096 events are queued.
 
+Over 800 lines: MemLord's whole public surface is one class whose methods share its counters,
+hooks and queue, and every method documents MemLord's behaviour with an example.
+
 Example:
     >>> import torch
     >>> from torchmem.compat import MemLord

@@ -2,7 +2,7 @@
 
 - :func:`estimate`: run ``build(batch_size, **params)`` and its ``step()`` under fake tensors
   through a simulation of PyTorch's CUDA caching allocator; returns an :class:`Estimate` whose
-  ``fits`` keeps the documented error margin free (:mod:`torchmem.fit._margin`);
+  ``fits`` keeps the documented error margin free (:mod:`torchmem.fit.verdict._margin`);
   ``maximize="seq_len"`` (or any integer parameter) finds the largest value that fits.
 - :func:`estimate_script`: the same for an unmodified script (``python train.py args``, or a
   module like ``python -m``), stopped after a few optimizer steps; returns a
@@ -33,13 +33,13 @@ Example:
 
 from __future__ import annotations
 
-from torchmem.fit._bnb import Adam8bitStandIn
-from torchmem.fit._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
-from torchmem.fit._estimate import Estimate, KVCache, OOMSite
-from torchmem.fit._hf import estimate_hf
-from torchmem.fit._script import ScriptEstimate, estimate_script
-from torchmem.fit._search import estimate
-from torchmem.fit._whatif import WhatIfRow
+from torchmem.fit.fakegpu._bnb import Adam8bitStandIn
+from torchmem.fit.levers._whatif import WhatIfRow
+from torchmem.fit.search._search import estimate
+from torchmem.fit.targets._hf import estimate_hf
+from torchmem.fit.targets._script import ScriptEstimate, estimate_script
+from torchmem.fit.verdict._catalog import CONTEXT_BYTES, GPU, GPUS, gpu
+from torchmem.fit.verdict._estimate import Estimate, KVCache, OOMSite
 
 __all__ = ["Adam8bitStandIn", "CONTEXT_BYTES", "GPU", "GPUS", "Estimate", "KVCache", "OOMSite",
            "ScriptEstimate", "WhatIfRow", "estimate", "estimate_hf", "estimate_script", "gpu"]

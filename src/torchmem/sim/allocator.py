@@ -32,7 +32,7 @@ Not modelled: CUDA graph capture and private pools (MemPool), IPC, ``backend:cud
 A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
 (the simulation has no GPU clock to say when the other stream is done).
 
-This module is over the usual 600 lines because it is one state machine (pools, the
+Over 800 lines: it is one state machine (pools, the
 out-of-memory chain, GC, deferred frees, seeding, views) and half of it is docstrings with
 examples; expandable segments live in :mod:`._expandable`, the seeding checks in :mod:`._checks`.
 

@@ -23,8 +23,10 @@ k-th (the pool of the request it served); every ``alloc`` should land at its rea
 ``segment_map`` at its address with its size; at the end the simulator's segments must equal the
 snapshot's (``final_layout_equal``: the same multiset of segments, each with its size, stream and
 blocks as offset, size and whether active). The peaks of allocated (whole blocks, lowered at ``free_requested``), requested and reserved bytes over the
-trace are reported too. (Over 600 lines: the replay loop, the settling of open slack, which
-reruns it, and the explanation of its divergences share one class's state.)
+trace are reported too.
+
+Over 800 lines: the replay loop, the settling of open slack, which reruns it, and the
+explanation of its divergences share one class's state.
 
 Example:
     >>> from torchmem.io.pytorch_snapshot import from_pytorch

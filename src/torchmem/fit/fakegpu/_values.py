@@ -1,0 +1,237 @@
+"""Values read from fake tensors during an estimate: answered by a documented policy, and listed.
+
+Fake tensors have shapes but no values, so ``loss.item()``, ``float(norm)``, ``if mask.all():``
+and ``t.tolist()`` cannot be computed. Real training code reads such values all the time
+(logging the loss, a gradient norm, a mask check), and none of them changes how much memory a
+step takes unless it decides control flow. While an estimate runs, :class:`ValueReads` answers
+each read with a stand-in chosen from the operator that made the tensor:
+
+=====================================================  ======================================
+the tensor read                                        stand-in
+=====================================================  ======================================
+made by ``all`` (``(mask == 1).all()``, ``isfinite``   ``True``: masks are all ones, values
+...``.all()``), or ``t.sum() == t.numel()``            are finite
+made by ``any`` (``isnan(x).any()``, padding checks)   ``False``: nothing non-finite, no padding
+any other boolean (a comparison: ``loss > 1e6``)       ``False``: the exceptional branch is not
+                                                       taken
+the sum of a boolean or integer tensor (a token count) its element count (all ones)
+any other integer                                      ``1``
+a floating-point value (a loss, a gradient norm)       ``1.0``: finite, non-zero, safe to log,
+                                                       divide by and compare
+=====================================================  ======================================
+
+``Tensor.tolist()`` reads each element so (each element counts as one read of its entry). Every
+answered read is listed (:attr:`ValueReads.reads`: where in the user's code, the operator that
+made the tensor, the value assumed, how many times), so an estimate never hides a decision it made for the program: a read
+that decides control flow (an early stop on the loss) took the branch its stand-in takes, and the
+report names the line. ``strict=True`` refuses every read instead (the estimator's behaviour
+before), with the clear error of :mod:`torchmem.fit.run._engine`.
+
+Example:
+    >>> import torch
+    >>> from torch._subclasses import FakeTensorMode
+    >>> v = ValueReads()
+    >>> with FakeTensorMode():
+    ...     loss = torch.ones(4).mean(); v.note_output(torch.ops.aten.mean.default, loss, ())
+    ...     v.answer(loss)
+    1.0
+    >>> [(r.op, r.value) for r in v.reads]
+    [('aten.mean.default', 1.0)]
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AssumedValue", "ValueReads"]
+
+_ALL = {torch.ops.aten.all.default, torch.ops.aten.all.dim, torch.ops.aten.all.dims}
+_ANY = {torch.ops.aten.any.default, torch.ops.aten.any.dim, torch.ops.aten.any.dims}
+_SUMS = {torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList}
+_EQ = torch.ops.aten.eq.Scalar
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # torchmem/
+
+
+@dataclass
+class AssumedValue:
+    """One place where the estimate answered a value read: ``where`` (``file:line`` of the
+    innermost frame outside torch and torchmem), ``op`` (the operator that made the tensor
+    read, or ``"?"``), ``value`` (the stand-in) and ``count`` (reads answered there so).
+
+    Example:
+        >>> AssumedValue("train.py:12", "aten.mean.default", 1.0, 3).to_dict()
+        {'where': 'train.py:12', 'op': 'aten.mean.default', 'value': 1.0, 'count': 3}
+    """
+
+    where: str
+    op: str
+    value: Any
+    count: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the estimate's ``assumed_values`` entries).
+
+        Example:
+            >>> AssumedValue("a.py:1", "?", True).to_dict()["value"]
+            True
+        """
+        return {"where": self.where, "op": self.op, "value": self.value, "count": self.count}
+
+
+def _where() -> str:
+    """``file:line`` of the innermost frame that is neither torch's nor torchmem's, preferring
+    one in a file (code run by ``eval``/``exec`` reads as ``<string>``) over one that is not."""
+    fallback = None
+    for fr in reversed(traceback.extract_stack()):
+        if fr.filename.startswith("<"):
+            if fallback is None and not fr.filename.startswith("<frozen"):
+                fallback = f"{fr.filename}:{fr.lineno}"
+            continue
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_OWN_DIR):
+            return f"{f}:{fr.lineno}"
+    return fallback or "?"
+
+
+def _has_value(t: Any) -> bool:
+    """True when a read of ``t`` has a real answer: a real tensor, or a fake one that carries its
+    constant (a Python number lifted to a tensor, such as an optimizer's step count).
+
+    Example:
+        >>> _has_value(torch.ones(()))
+        True
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) or getattr(t, "constant", None) is not None
+
+
+class ValueReads:
+    """The policy and the list of the value reads of one estimate (see the module docstring).
+
+    The estimate's dispatch mode calls :meth:`note_output` for each operator's output and
+    :meth:`answer` for each read (``aten._local_scalar_dense``, behind ``.item()``, ``float()``,
+    ``bool()``, ``if t:`` and each element of ``.tolist()``).
+
+    Example:
+        >>> v = ValueReads(strict=True)
+        >>> v.strict, v.reads
+        (True, [])
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        #: the answered reads, one entry per (where, op, value)
+        self.reads: list[AssumedValue] = []
+        self._index: dict[tuple[str, str, Any], AssumedValue] = {}
+        # id(tensor) -> (weakref, op name, rule) for one-element outputs and the sums' numels
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], str, Any]] = {}
+
+    def _remember(self, t: torch.Tensor, op: str, rule: Any) -> None:
+        made = self._made
+        key = id(t)
+        made[key] = (weakref.ref(t, lambda _: made.pop(key, None)), op, rule)
+
+    def _lookup(self, t: torch.Tensor) -> tuple[str, Any]:
+        entry = self._made.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1], entry[2]
+        return "?", None
+
+    def note_output(self, func: Any, out: Any, args: Any) -> None:
+        """Remember what made ``out`` when it may be read (one element) or counted (a sum);
+        in strict mode too (transformers' own reads are still answered then).
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> v = ValueReads()
+            >>> with FakeTensorMode():
+            ...     m = torch.ones(2, 3, dtype=torch.bool)
+            ...     s = m.sum(); v.note_output(torch.ops.aten.sum.default, s, (m,))
+            ...     v.answer(s), v.answer(s == 6)
+            (6, False)
+        """
+        if isinstance(out, (tuple, list)):  # nll_loss_forward and friends: (output, ...)
+            for o in out:
+                if isinstance(o, torch.Tensor) and o.numel() == 1:
+                    self._remember(o, str(func), None)
+            return
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            return
+        op = str(func)
+        if func in _ALL:
+            self._remember(out, op, True)
+        elif func in _ANY:
+            self._remember(out, op, False)
+        elif func in _SUMS and args and isinstance(args[0], torch.Tensor):
+            src = args[0]
+            counts = not (src.dtype.is_floating_point or src.dtype.is_complex)
+            self._remember(out, op, ("numel", src.numel()) if counts else None)
+        elif func is _EQ and len(args) == 2 and isinstance(args[0], torch.Tensor):
+            _, rule = self._lookup(args[0])
+            # transformers' fast_all: t.sum() == t.numel() is an all()
+            if isinstance(rule, tuple) and args[1] == rule[1]:
+                self._remember(out, op, True)
+            else:
+                self._remember(out, op, None)
+        else:
+            self._remember(out, op, None)
+
+    def stand_in(self, t: torch.Tensor) -> tuple[str, Any]:
+        """``(op, value)``: the operator that made ``t`` and the value a read of it gets.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> with FakeTensorMode():
+            ...     ValueReads().stand_in(torch.zeros((), dtype=torch.int64))
+            ('?', 1)
+        """
+        op, rule = self._lookup(t)
+        if t.dtype == torch.bool:
+            return op, rule if isinstance(rule, bool) else False
+        if isinstance(rule, tuple):
+            return op, rule[1]
+        if t.dtype.is_floating_point:
+            return op, 1.0
+        if t.dtype.is_complex:
+            return op, complex(1.0)
+        return op, 1
+
+    def answer(self, t: torch.Tensor) -> Any:
+        """The stand-in for a read of ``t`` (recorded), or ``None`` in strict mode.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> with FakeTensorMode():
+            ...     ValueReads(strict=True).answer(torch.ones(()))
+        """
+        if self.strict or _has_value(t):
+            return None
+        op, value = self.stand_in(t)
+        self.record(op, value)
+        return value
+
+    def record(self, op: str, value: Any, where: str | None = None) -> None:
+        """List one answered read (merged with the same read at the same place).
+
+        Example:
+            >>> v = ValueReads(); v.record("aten.sum.default", 3, "a.py:1")
+            >>> v.record("aten.sum.default", 3, "a.py:1"); v.reads[0].count
+            2
+        """
+        at = where or _where()
+        key = (at, op, value)
+        hit = self._index.get(key)
+        if hit is not None:
+            hit.count += 1
+            return
+        entry = AssumedValue(at, op, value)
+        self._index[key] = entry
+        self.reads.append(entry)

@@ -1,0 +1,106 @@
+"""A script's command-line options: the one a search varies (``--max NAME``) and the batch size
+the levers change (:data:`BATCH_OPTIONS`), read and rewritten in the script's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchmem.errors import InvalidInputError
+
+# -- the API -------------------------------------------------------------------------------------
+
+
+def _option(name: str, args: Sequence[str], source: str = "") -> str:
+    """The command-line option ``--max NAME`` searches: ``--NAME`` as given, or with ``-`` and
+    ``_`` swapped when the script's arguments (or else its source) use that spelling.
+
+    Example:
+        >>> _option("batch_size", ["--batch-size", "8"]), _option("seq-len", [], "'--seq_len'")
+        ('--batch-size', '--seq_len')
+    """
+    bare = name.lstrip("-")
+    if not bare or not bare.replace("-", "_").isidentifier():
+        raise InvalidInputError(
+            f"maximize={name!r}: expected the name of one of the script's integer options, "
+            "e.g. 'batch-size' to search --batch-size"
+        )
+    flags = (f"--{bare}", f"--{bare.replace('_', '-')}", f"--{bare.replace('-', '_')}")
+    for flag in flags:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            return flag
+    for flag in flags:
+        if f"'{flag}'" in source or f'"{flag}"' in source:
+            return flag
+    return f"--{bare}"
+
+
+def _current(flag: str, args: Sequence[str]) -> int | None:
+    """The int value ``flag`` has in ``args`` (the last one), ``None`` when absent."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.partition("=")[2]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise InvalidInputError(
+            f"{flag} {value!r} in the script's arguments: --max searches an integer option, "
+            f"and {value!r} is not an int; fix: give an int or drop it"
+        ) from None
+
+
+#: the batch options the accumulation levers divide, in the order they are looked for
+BATCH_OPTIONS = ("--batch-size", "--batch_size", "--per_device_train_batch_size",
+                 "--per-device-train-batch-size", "--train-batch-size", "--train_batch_size",
+                 "--bs")
+
+
+def _batch_option(args: Sequence[str]) -> tuple[str, int] | None:
+    """The script's batch option as given in ``args`` (one of :data:`BATCH_OPTIONS` with an
+    int value): ``(flag, value)``, or ``None``.
+
+    Example:
+        >>> _batch_option(["--lr", "1e-3", "--batch-size=16"]), _batch_option(["--lr", "1"])
+        (('--batch-size', 16), None)
+        >>> _batch_option(["--per_device_train_batch_size", "4"])
+        ('--per_device_train_batch_size', 4)
+    """
+    for flag in BATCH_OPTIONS:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            try:
+                value = _current(flag, args)
+            except InvalidInputError:
+                continue
+            if value is not None and value > 0:
+                return flag, value
+    return None
+
+
+def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
+    """``args`` with ``flag value`` replaced (every occurrence) or appended.
+
+    Example:
+        >>> with_option(["--lr", "1", "--batch-size", "8"], "--batch-size", 64)
+        ['--lr', '1', '--batch-size', '64']
+        >>> with_option(["--batch-size=8"], "--batch-size", 64), with_option([], "--bs", 2)
+        (['--batch-size=64'], ['--bs', '2'])
+    """
+    out, found, i = [], False, 0
+    args = list(args)
+    while i < len(args):
+        a = args[i]
+        if a == flag and i + 1 < len(args):
+            out += [flag, str(value)]
+            found = True
+            i += 2
+            continue
+        if a.startswith(flag + "="):
+            out.append(f"{flag}={value}")
+            found = True
+        else:
+            out.append(a)
+        i += 1
+    return out if found else [*out, flag, str(value)]

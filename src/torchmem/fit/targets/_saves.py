@@ -1,0 +1,217 @@
+"""What a script saves under the estimate: checkpoints and weights recorded, never written.
+
+While a script runs under :func:`~torchmem.fit.targets._script.estimate_script`, the save
+functions of :data:`_SAVES` (``torch.save``, safetensors, transformers' ``save_pretrained``,
+Lightning's checkpoints) are replaced by stand-ins that record a :class:`SkippedWrite` (where,
+what, which file) instead of writing; :class:`_Writes` installs them (in modules that imported a
+save function by name too) and puts the originals back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchmem.fit.fakegpu._values import _where
+from torchmem.units import format_bytes
+
+
+@dataclass
+class SkippedWrite:
+    """A write the fake run did not make: ``where`` (``file:line`` of the caller), ``what``
+    (the call and what it would have written) and ``path`` (the file, or ``<BytesIO>`` for a
+    file object).
+
+    Example:
+        >>> SkippedWrite("train.py:9", "torch.save(dict of 2 tensors, 1.00 KiB)", "ckpt.pt").to_dict()
+        {'where': 'train.py:9', 'what': 'torch.save(dict of 2 tensors, 1.00 KiB)', 'path': 'ckpt.pt'}
+    """
+
+    where: str
+    what: str
+    path: str
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-ready form (the entries of ``script.skipped_writes``).
+
+        Example:
+            >>> sorted(SkippedWrite("a.py:1", "torch.save(list)", "x.pt").to_dict())
+            ['path', 'what', 'where']
+        """
+        return {"where": self.where, "what": self.what, "path": self.path}
+
+
+def _describe(obj: Any) -> str:
+    """What a save would have written: ``dict of 4 tensors, 1.00 MiB``."""
+    count, size, seen = 0, 0, 0
+    stack = [obj]
+    while stack and seen < 100_000:
+        x = stack.pop()
+        seen += 1
+        if isinstance(x, torch.Tensor):
+            count += 1
+            size += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.nn.Module):
+            stack.extend(x.state_dict().values())
+    kind = type(obj).__name__
+    if not count:
+        return kind
+    return f"{kind} of {count} tensor{'s' * (count != 1)}, {format_bytes(size)}"
+
+
+def _path_of(f: Any) -> str:
+    if isinstance(f, (str, bytes, os.PathLike)):
+        return os.fsdecode(f)
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) else f"<{type(f).__name__}>"
+
+
+def _save_call(obj_at: int, path_at: int, path_key: str) -> Callable[..., tuple[Any, Any]]:
+    """For a save function: ``(what it saves, where)`` from its arguments."""
+    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        obj = args[obj_at] if len(args) > obj_at else next(
+            (kwargs[k] for k in ("obj", "tensors", "model") if k in kwargs), None)
+        return obj, args[path_at] if len(args) > path_at else kwargs.get(path_key)
+    return read
+
+
+def _checkpoint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Trainer._save_checkpoint(self, model, trial)``: the model, the checkpoint folder."""
+    trainer = args[0]
+    step = getattr(getattr(trainer, "state", None), "global_step", "?")
+    return (args[1] if len(args) > 1 else kwargs.get("model"),
+            os.path.join(str(trainer.args.output_dir), f"checkpoint-{step}"))
+
+
+def _save_model(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Trainer.save_model(self, output_dir=None)``: the model, the folder."""
+    trainer = args[0]
+    out = args[1] if len(args) > 1 else kwargs.get("output_dir")
+    return getattr(trainer, "model", None), out or trainer.args.output_dir
+
+
+def _save_pretrained(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``PreTrainedModel.save_pretrained(self, save_directory)``: the model, the folder."""
+    return args[0], args[1] if len(args) > 1 else kwargs.get("save_directory")
+
+
+#: (module, owner in it or "", attribute, label, reader): the writes skipped while a script runs
+#: (transformers' own: its checkpoint code inspects the fake tensors' data pointers before it
+#: gets to safetensors)
+_SAVES: list[tuple[str, str, str, str, Callable[..., tuple[Any, Any]]]] = [
+    ("torch", "", "save", "torch.save", _save_call(0, 1, "f")),
+    ("torch.serialization", "", "save", "torch.save", _save_call(0, 1, "f")),
+    ("safetensors.torch", "", "save_file", "safetensors.torch.save_file",
+     _save_call(0, 1, "filename")),
+    ("safetensors.torch", "", "save_model", "safetensors.torch.save_model",
+     _save_call(0, 1, "filename")),
+    ("transformers.trainer", "Trainer", "_save_checkpoint", "Trainer._save_checkpoint",
+     _checkpoint),
+    ("transformers.trainer", "Trainer", "save_model", "Trainer.save_model", _save_model),
+    ("transformers.modeling_utils", "PreTrainedModel", "save_pretrained",
+     "PreTrainedModel.save_pretrained", _save_pretrained),
+]
+
+
+#: module name -> (id of the module, its globals that held a save function when it was read):
+#: each module is read once per process (imports after that are read when they appear)
+_HOLDERS: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+
+def _globals(mod: Any) -> dict[str, Any]:
+    d = getattr(mod, "__dict__", None)
+    return d if isinstance(d, dict) else {}
+
+
+def _rebind(replace: dict[int, Any], modules: list[Any]) -> list[tuple[Any, str, Any]]:
+    """In ``modules``, a global whose ``id`` is a key of ``replace`` becomes its value;
+    ``(module, name, old value)`` of each."""
+    done = []
+    for mod in modules:
+        d = _globals(mod)
+        for k, v in list(d.items()):
+            new = replace.get(id(v)) if callable(v) else None
+            if new is not None and new is not v:
+                done.append((mod, k, v))
+                d[k] = new
+    return done
+
+
+class _Writes:
+    """While active, the save functions of :data:`_SAVES` record what they would write
+    instead of writing it; on exit every place that holds a stand-in (a module that imported
+    it by name) gets the original back."""
+
+    def __init__(self, skipped: list[SkippedWrite]) -> None:
+        self.skipped = skipped
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.stand_ins: dict[int, Any] = {}  # id(stand-in) -> original
+        self.before: dict[str, int] = {}  # the modules loaded when the run started
+
+    def _stand_in(self, label: str, original: Any, read: Callable[..., tuple[Any, Any]]) -> Any:
+        active = self
+
+        def skipped_save(*args: Any, **kwargs: Any) -> Any:
+            if active.stand_ins.get(id(skipped_save)) is not original:
+                return original(*args, **kwargs)  # held after the estimate: write for real
+            obj, dest = read(args, kwargs)
+            active.skipped.append(SkippedWrite(_where(), f"{label}({_describe(obj)})",
+                                               _path_of(dest)))
+            return None
+
+        skipped_save.__wrapped__ = original  # type: ignore[attr-defined]
+        self.stand_ins[id(skipped_save)] = original
+        return skipped_save
+
+    def __enter__(self) -> _Writes:
+        if "safetensors.torch" not in sys.modules and importlib.util.find_spec("safetensors"):
+            import safetensors.torch  # noqa: F401 - patched before the script imports it
+        by_original: dict[int, Any] = {}
+        for module, owner_name, attr, label, read in _SAVES:
+            owner = sys.modules.get(module)
+            if owner is not None and owner_name:
+                owner = getattr(owner, owner_name, None)
+            original = getattr(owner, attr, None) if owner is not None else None
+            if original is None:
+                continue
+            stand_in = by_original.get(id(original))
+            if stand_in is None:
+                stand_in = by_original[id(original)] = self._stand_in(label, original, read)
+            self.saved.append((owner, attr, original))
+            setattr(owner, attr, stand_in)
+        # modules that imported a save function by name (``from safetensors.torch import
+        # save_file as safe_save_file``) hold the original: they get the stand-in too (each
+        # module's globals are read once per process: reading them all takes 0.1-0.3 s)
+        self.before = {name: id(mod) for name, mod in list(sys.modules.items())}
+        for name, mod in list(sys.modules.items()):
+            seen = _HOLDERS.get(name)
+            if seen is None or seen[0] != id(mod):
+                held = tuple(k for k, v in list(_globals(mod).items())
+                             if callable(v) and id(v) in by_original)
+                _HOLDERS[name] = seen = (id(mod), held)
+            for k in seen[1]:
+                v = _globals(mod).get(k)
+                stand_in = by_original.get(id(v))
+                if stand_in is not None and stand_in is not v:
+                    self.saved.append((mod, k, v))
+                    setattr(mod, k, stand_in)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in reversed(self.saved):
+            setattr(owner, attr, original)
+        # modules imported during the run may hold a stand-in under any name
+        new = [mod for name, mod in list(sys.modules.items())
+               if self.before.get(name) != id(mod)]
+        _rebind(self.stand_ins, new)
+        self.stand_ins.clear()
