@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs everything the tests need, then runs lint, types and tests
 # (the tests build the documentation site and run its examples: tests/test_docs_*.py).
-# Usage: bash scripts/test.sh [extra pytest args]
+# Usage: bash scripts/test.sh [extra pytest args]   (e.g. -n 0 to run the tests in one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,5 +53,7 @@ echo "== import-linter (layers, torch-free core, producers never render, no cycl
 lint-imports --no-logo
 echo "== mypy"
 python -m mypy
-echo "== pytest"
-python -m pytest "$@"
+echo "== pytest (one worker per core; the ten slowest tests are listed at the end)"
+# -n auto: pytest-xdist, one worker per core; --dist loadgroup keeps each file marked
+# xdist_group on one worker (its module fixtures are built once). Pass -n 0 to run serially.
+python -m pytest -n auto --dist loadgroup "$@"

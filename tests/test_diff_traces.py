@@ -19,6 +19,10 @@ from torchmem.cli import main
 from torchmem.errors import InvalidInputError
 from torchmem.model.events import EventKind
 
+# one worker runs this file (bash scripts/test.sh: pytest -n auto --dist loadgroup): its module
+# fixtures and caches are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("diff_traces")
+
 DATA = Path(__file__).resolve().parent / "data"
 SMALL, LARGE = 64, 512  # hidden widths of the two runs
 STEPS = 3

@@ -45,6 +45,10 @@ import pytest
 
 from torchmem.cli import SUBCOMMANDS, subcommand_parser
 
+# one worker runs this file (bash scripts/test.sh: pytest -n auto --dist loadgroup): its module
+# fixtures and caches are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("docs_examples")
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",

@@ -23,7 +23,9 @@ from torchmem.cli import SUBCOMMANDS, subcommand_parser
 from torchmem.cli._reference import option_names
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# one worker runs this file (bash scripts/test.sh: pytest -n auto --dist loadgroup): its module
+# fixtures and caches are built once, not once per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs_site")]
 
 
 @pytest.fixture(scope="module")

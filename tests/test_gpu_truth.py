@@ -70,6 +70,10 @@ from cs336_lm import (  # noqa: E402
     nothanmin_step,
 )
 
+# one worker runs this file (bash scripts/test.sh: pytest -n auto --dist loadgroup): its module
+# fixtures and caches are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("gpu_truth")
+
 DATA = Path(__file__).resolve().parent / "data"
 LOGITS_FP32 = 32 * 256 * 10000 * 4
 _GEMMS = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm}

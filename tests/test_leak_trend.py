@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -109,12 +111,18 @@ NOISY = textwrap.dedent(
 
 def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
          name: str, source: str, *args: str) -> dict[str, Any]:
-    """``torchmem run --json`` on ``source`` saved as ``name``; its JSON document."""
+    """``torchmem run --json`` on ``source`` saved as ``name``, as a user runs it (its own
+    process: the leak explanations search that script's heap, not the test session's); its JSON
+    document. The current folder is ``tmp_path`` afterwards (the trace is ``t.tmtrace``)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / name).write_text(source)
-    capsys.readouterr()
-    assert main(["run", "--json", "--no-host", "-o", "t.tmtrace", name, *args]) == 0
-    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", "--json", "--no-host", "-o", "t.tmtrace", name,
+         *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
 def _growing(data: dict[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:

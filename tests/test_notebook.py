@@ -17,6 +17,10 @@ import pytest
 
 from torchmem.units import format_bytes
 
+# one worker runs this file (bash scripts/test.sh: pytest -n auto --dist loadgroup): its module
+# fixtures and caches are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("notebook")
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
