@@ -5,9 +5,10 @@ Each variant of ``tests/public_truth_cases.py`` runs through transformers' ``Tra
 page's accelerate loop) under :func:`torchmem.estimate` on the catalog's ``V100-16GB`` (no
 margin); the estimate's peak reserved memory plus the CUDA context the page measured
 (1343 MiB) is compared with the published figure (NVML's used memory after ``trainer.train()``).
-Goals: each within 5%, and the ten in the published order; exits 1 when one is missed (the
-sweep is this benchmark's, not the test suite's: tests/test_public_gpu_truth.py runs three). ``shared/data/public-gpu-truth.md``
-gives the facts; the cases module says which 2022 behaviours are reproduced and how.
+Goals: each within 5%, and the ten in the published order; a run at the published settings (no
+``--max-steps``) exits 1 when one is missed. The sweep is this benchmark's, not the test suite's
+(tests/test_public_gpu_truth.py runs three). ``shared/data/public-gpu-truth.md`` gives the facts;
+the cases module says which 2022 behaviours are reproduced and how.
 
 Run:  python benchmarks/bench_public_truth.py [VARIANT ...] [--max-steps N]
       (about 5 minutes on our 2 cores for the ten)
@@ -77,6 +78,11 @@ def main(argv: list[str]) -> int:
         print(f"{name:28s} {est:13.0f} {pub:13d} {diff:+7.2f}% {secs:6.1f}")
     ok, line = verdict(rows)
     print(f"\n{line}")
+    if ns.max_steps is not None:
+        # fewer optimizer steps than the page's runs (a smoke run): not the published run, so
+        # the goals are not judged
+        print(f"goals not judged: --max-steps {ns.max_steps} is not the published run")
+        return 0
     return 0 if ok else 1
 
 

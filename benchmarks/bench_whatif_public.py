@@ -29,7 +29,8 @@ import public_truth_cases as cases  # noqa: E402
 
 def main(argv: list[str]) -> int:
     """Print each variant's what-if figure beside the published one, and whether the worst is
-    within the 5% goal (with ``--max-steps 1`` the figures are not the page's: a smoke run).
+    within the 5% goal (with ``--max-steps 1`` the figures are not the page's: a smoke run);
+    1 when the goal is missed in a run at the variants' own steps.
 
     Example:
         >>> main(["--help"])  # doctest: +SKIP
@@ -57,7 +58,9 @@ def main(argv: list[str]) -> int:
     verdict = "met" if worst <= 0.05 else "NOT met"
     print(f"worst {worst:.2%} (goal 5%: {verdict}); {time.perf_counter() - t:.0f} s for the "
           "what-if")
-    return 0
+    # a run at the variants' own steps is judged (exit 1 when the goal is missed); a smoke run
+    # with --max-steps is not the page's run
+    return 0 if worst <= 0.05 or a.max_steps is not None else 1
 
 
 if __name__ == "__main__":

@@ -429,8 +429,8 @@ def test_a_requested_stop_lands_before_the_next_operator(tmp_path):
     starts: the operator after the request allocates nothing (peak: the first tensor only)."""
     script = _write(tmp_path, "asks.py", """
         import threading, torch
-        from torchmem.fit.run._engine import request_stop
-        from torchmem.fit.targets._script import _StopScript
+        from torchmem.fit.fakegpu._dispatch import request_stop
+        from torchmem.fit.targets._stop import _StopScript
         keep = torch.ones(1 << 20, device="cuda")
         request_stop(threading.get_ident(), _StopScript)
         y = keep * 2
