@@ -49,7 +49,7 @@ python -c "from torchmem.capture.fast import native_available; from torchmem.cap
 
 echo "== ruff"
 python -m ruff check src tests benchmarks scripts
-echo "== import-linter (layers, torch-free core, producers never render, no cycles; see pyproject.toml)"
+echo "== import-linter (layers, torch-free core, producers never render, no cycles, torchmem.fit's rooms; see pyproject.toml)"
 lint-imports --no-logo
 echo "== mypy"
 python -m mypy
