@@ -5,7 +5,7 @@
 - ``_checks``: the build's keyword parameters, the search range and the margin's verdict;
 - ``_bracket``: the search for the largest batch size, sequence length or any integer parameter
   that fits (a bracket narrowed by the memory curve, probes predicted from earlier ones);
-- ``_what_if``: the levers of :mod:`torchmem.fit.levers` run on a build's step, and ``--max``
+- ``_lever_runs``: the levers of :mod:`torchmem.fit.levers` run on a build's step, and ``--max``
   searched again under the best of them.
 
 Example:

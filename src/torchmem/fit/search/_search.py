@@ -32,7 +32,7 @@ from torchmem.fit.fakegpu._dist import check_world_size
 from torchmem.fit.run._engine import BuildFn, run_once
 from torchmem.fit.search._bracket import _search, _stream_search
 from torchmem.fit.search._checks import _apply_margin, _check_params, _check_range, _is_int
-from torchmem.fit.search._what_if import _what_if
+from torchmem.fit.search._lever_runs import _what_if
 from torchmem.fit.verdict._catalog import GPU
 from torchmem.fit.verdict._catalog import gpu as _gpu
 from torchmem.fit.verdict._estimate import Estimate

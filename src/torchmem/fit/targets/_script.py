@@ -523,7 +523,7 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
     as rank 0 of the sharded job; accumulation runs it with its batch option divided
     (:func:`_batch_option`) and makes every k-th optimizer step)."""
     from torchmem.fit.levers._whatif import check_levers
-    from torchmem.fit.search._what_if import what_if_runs
+    from torchmem.fit.search._lever_runs import what_if_runs
 
     if maximize is not None:
         raise InvalidInputError(
