@@ -6,10 +6,14 @@
    ``GLOBAL['k'][3]``; the backward walk cannot see autograd graphs (saved tensors are not
    Python references), so for a tensor saved by a loss kept in a list only ``why_alive`` finds
    a path.
-2. One ``host_memory()`` reading (RSS, USS, PSS of the process tree; reads smaps_rollup) against
+2. A tensor held only by a reference cycle while ``--ring`` other garbage objects (one ring of
+   objects each referring to the next) wait for the collector: ``why_alive`` finds the cycle
+   among the collector's pending garbage (one strongly-connected-components pass; before it,
+   a search per garbage object was quadratic in the ring); the backward walk finds no path.
+3. One ``host_memory()`` reading (RSS, USS, PSS of the process tree; reads smaps_rollup) against
    ``psutil.Process().memory_info()`` (RSS only).
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py [--repeats 5]`` (each search timed
+Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py [--repeats 5] [--ring 4000]`` (each search timed
 as the best of ``--repeats``, each host-memory reading as the best of 4x that).
 """
 
@@ -63,10 +67,45 @@ def best_of(fn, n: int = 5) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
+class _Obj:
+    pass
+
+
+def _cycle_held(ring: int) -> torch.Tensor:
+    """A tensor whose only holder is a two-object cycle, beside a ring of ``ring`` objects."""
+    a, b = _Obj(), _Obj()
+    a.other, b.other = b, a  # type: ignore[attr-defined]
+    a.data = torch.zeros(100)  # type: ignore[attr-defined]
+    objs = [_Obj() for _ in range(ring)]
+    for x, y in zip(objs, objs[1:] + objs[:1]):
+        x.next = y  # type: ignore[attr-defined]
+    return a.data  # type: ignore[attr-defined,no-any-return]
+
+
+def cycle_case(ring: int, reps: int) -> None:
+    gc.collect()
+    gc.disable()  # the cycles wait for the collector, as between two automatic collections
+    try:
+        t = _cycle_held(ring)
+        found = why_alive(t, timeout=600)
+        t_fwd = best_of(lambda: why_alive(t, timeout=600), reps)
+        t0 = time.perf_counter()  # once: each step of the walk scans the whole heap
+        back = backward_walk(t)
+        t_back = time.perf_counter() - t0
+        print(f"tensor held by a reference cycle, {ring} more garbage objects in a ring:")
+        print(f"  why_alive:      {t_fwd:9.3f} s  ratio {t_fwd / t_back:6.2f}  {found[0]}")
+        print(f"  backward walk:  {t_back:9.3f} s  ratio {1.0:6.2f}  {back}")
+    finally:
+        gc.enable()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="best of this many timings (default 5)")
-    reps = ap.parse_args().repeats
+    ap.add_argument("--ring", type=int, default=4000,
+                    help="garbage objects in the ring of case 2 (default 4000)")
+    args = ap.parse_args()
+    reps = args.repeats
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)
     LOSSES.append((x @ w).sum())
@@ -84,6 +123,8 @@ def main() -> None:
     print("tensor saved by a loss kept in LOSSES (through the autograd graph):")
     print(f"  why_alive:      {why_alive(x, max_paths=1)[0]}")
     print(f"  backward walk:  {backward_walk(x)}  (the graph is invisible to gc)")
+    print()
+    cycle_case(args.ring, reps)
     print()
     t_host = best_of(lambda: host_memory(), n=4 * reps)
     proc = psutil.Process()

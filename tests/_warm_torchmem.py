@@ -1,11 +1,15 @@
-"""``python -m torchmem ARGS`` many times without paying for ``import torch`` each time.
+"""``python -m torchmem ARGS`` or ``python SCRIPT ARGS`` many times without paying for
+``import torch`` each time.
 
-tests/test_docs_examples.py runs every documented command line. Started once, this process
-imports torch and torchmem's command modules, then for each request on stdin (one JSON line:
-``{"argv": [...], "cwd": ..., "stdout": PATH, "stderr": PATH}``) forks a child that runs
-``python -m torchmem ARGV`` (``runpy``, ``sys.argv`` and ``sys.path[0]`` as python sets them) in
-``cwd`` with its output in those files, and answers with the child's exit code (one line). Each
-command gets a fresh process, as from a shell: only the imports are shared.
+tests/test_docs_examples.py runs every documented command line, tests/test_benchmarks_smoke.py
+every benchmark. Started once, this process imports torch and torchmem's command modules, then
+for each request on stdin (one JSON line: ``{"argv": [...], "cwd": ..., "stdout": PATH,
+"stderr": PATH}``, plus ``"script": PATH`` to run a script instead of ``-m torchmem``) forks a
+child that runs ``python -m torchmem ARGV`` or ``python SCRIPT ARGV`` (``runpy``, ``sys.argv``
+and ``sys.path[0]`` as python sets them) in ``cwd`` with its output in those files, and answers
+with the child's exit code (one line; before it ``pid N`` when the request has
+``"report_pid": true``). Each command gets a fresh process, as from a shell: only
+the imports are shared.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ def _child(req: dict[str, object]) -> None:
         os.dup2(f, fd)
         os.close(f)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the child's whole life
+    script = req.get("script")
+    if script is not None:  # python SCRIPT ARGV: the script's folder first on the path
+        sys.argv = [str(script), *[str(a) for a in req["argv"]]]  # type: ignore[attr-defined]
+        sys.path[0] = os.path.dirname(os.path.abspath(str(script)))
+        runpy.run_path(str(script), run_name="__main__")
+        return
     sys.argv = ["torchmem", *[str(a) for a in req["argv"]]]  # type: ignore[attr-defined]
     sys.path[0] = os.getcwd()  # what `python -m` puts first
     runpy.run_module("torchmem", run_name="__main__", alter_sys=True)
@@ -48,6 +58,8 @@ def main() -> None:
             sys.stdout.flush()
             _child(req)
             sys.exit(0)  # leaves the loop: the interpreter ends as after `python -m torchmem`
+        if req.get("report_pid"):  # first the child's pid (a caller's time limit kills it)
+            print(f"pid {pid}", flush=True)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
 

@@ -20,8 +20,9 @@ from torchmem.units import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A DataLoader (2 workers) over 1.5 million small dicts, or over one NumPy array of the same
-# numbers. Each worker writes its own USS every 50,000 items (the ground truth the
+# A DataLoader (2 workers) over half a million dicts (each with a 600-character string, so that
+# reading half of them writes about 200 MiB of refcount pages in each worker), or over one NumPy
+# array of the same numbers. Each worker writes its own USS every 50,000 items (the ground truth the
 # sampler's peaks are checked against).
 DATALOADER = textwrap.dedent(
     """
@@ -29,14 +30,14 @@ DATALOADER = textwrap.dedent(
     import numpy as np, psutil, torch
     from torch.utils.data import DataLoader, Dataset
 
-    N = 1_500_000
+    N = 500_000
     OUT = sys.argv[2]
 
     class Data(Dataset):
         def __init__(self, kind):
             self.kind = kind
             if kind == "dicts":
-                self.items = [{"a": i, "b": float(i), "c": str(i)} for i in range(N)]
+                self.items = [{"a": i, "b": float(i), "c": f"{i:0>600}"} for i in range(N)]
             else:
                 self.items = np.stack([np.arange(N)] * 3, 1).astype(np.float64)
             self.seen = 0
@@ -203,7 +204,7 @@ def test_dataloader_copy_on_read_is_flagged_for_python_objects_only(
 # A DataLoader (2 workers, forked) over one NumPy array whose items are made into tensors: no
 # copy-on-read, but every item is an operator (``torch.tensor``) in the worker. Each worker writes
 # its USS every 20,000 items.
-TENSOR_LOADER = DATALOADER.replace("N = 1_500_000", "N = 200_000").replace(
+TENSOR_LOADER = DATALOADER.replace("N = 500_000", "N = 200_000").replace(
     "self.seen % 50_000 == 0", "self.seen % 20_000 == 0").replace(
     "item = int(r[0]), float(r[1]), 1", "item = torch.tensor(r)").replace(
     'print("items", sum(len(b[0]) for b in loader))', 'print("items", sum(len(b) for b in loader))')

@@ -378,3 +378,37 @@ def test_objects_with_a_catch_all_getattr_are_never_probed():
     box = CatchAll([t])
     paths = why_alive(t, roots={"BOX": box})
     assert [str(p) for p in paths][:1] == ["BOX (CatchAll) -> CatchAll.held (list) [0] -> Tensor float32[64] 256 B"]
+
+
+def test_cycle_members_among_pending_garbage_are_found_in_one_pass() -> None:
+    """_on_cycles marks exactly the objects on a cycle (built by hand here): a ring of 300, a
+    self-loop, and not the objects that only hang off a cycle; the path then starts at the
+    cycle whose member holds the tensor, past the long ring beside it."""
+    import gc
+    import time
+
+    from torchmem.capture.retention import _on_cycles
+
+    gc.disable()
+    try:
+        ring = [_Node() for _ in range(300)]
+        for x, y in zip(ring, ring[1:] + ring[:1]):
+            x.next = y  # type: ignore[attr-defined]
+        loop = _Node()
+        loop.me = loop  # type: ignore[attr-defined]
+        tail = _Node()  # held by the loop, not on a cycle
+        loop.tail = tail  # type: ignore[attr-defined]
+        tail.data = torch.zeros(10)  # type: ignore[attr-defined]
+        objs = [*ring, loop, tail]
+        on = _on_cycles(objs, {id(o) for o in objs}, time.perf_counter() + 60)
+        assert on == {id(o) for o in ring} | {id(loop)}
+        t = tail.data  # type: ignore[attr-defined]
+        del ring, loop, tail, objs, x, y
+        paths = why_alive(t, timeout=T)
+        assert _texts(paths) == [
+            "reference cycle waiting for the garbage collector: <_Node object> -> _Node.me -> "
+            "(back to the start); held from it: <_Node object> -> _Node.tail (_Node) -> "
+            "_Node.data -> Tensor float32[10] 40 B"
+        ], (paths.stopped, paths.note)
+    finally:
+        gc.enable()

@@ -522,6 +522,10 @@ def _roots(skip_frames: set[int], extra: Optional[Mapping[str, Any]]) -> list[tu
 
 
 class _Search:
+    """Breadth-first search; the loop is the hot path of a whole-heap search (hundreds of
+    thousands of objects), so it decides per type, once, whether an object can end a path
+    (``_MAY_MATCH``), has nothing to follow (``_ATOMIC``) or is walked."""
+
     def __init__(self, match: Callable[[Any], bool], max_depth: int, deadline: float,
                  max_paths: int, skip: set[int]) -> None:
         self.match = match
@@ -532,49 +536,63 @@ class _Search:
         self.stopped: Optional[str] = None
         self.depth_cut = False
         self.searched = 0
-        self.keep: dict[int, Any] = {}  # strong references while searching: ids stay valid
-        # id -> (parent id or None for a root, label)
-        self.parent: dict[int, tuple[Optional[int], Optional[str]]] = {}
+        self.keep: dict[int, Any] = {}  # the targets found: strong references, ids stay valid
+        # id -> (parent id or None for a root, label, the object: a strong reference while
+        # searching, so that ids stay valid)
+        self.parent: dict[int, tuple[Optional[int], Optional[str], Any]] = {}
 
     def run(self, roots: list[tuple[str, Any]], allowed: Optional[set[int]] = None
             ) -> list[tuple[list[tuple[Optional[str], Any]], Any]]:
         """Breadth-first from ``roots``; each hit is (the chain of (label, object), the target)."""
         found: list[tuple[list[tuple[Optional[str], Any]], Any]] = []
         queue: collections.deque[tuple[Any, int]] = collections.deque()
+        match, parent, keep, skip = self.match, self.parent, self.keep, self.skip
         for label, obj in roots:
             if self.match(obj):
                 found.append(([(label, None)], obj))
                 continue
-            if isinstance(obj, _ATOMIC) or id(obj) in self.parent:
+            if isinstance(obj, _ATOMIC) or id(obj) in parent:
                 continue
-            self.keep[id(obj)] = obj
-            self.parent[id(obj)] = (None, label)
+            parent[id(obj)] = (None, label, obj)
             queue.append((obj, 0))
-        while queue and len(found) < self.max_paths:
+        kinds = _KINDS
+        handlers = _HANDLERS
+        max_paths, max_depth, deadline = self.max_paths, self.max_depth, self.deadline
+        searched = self.searched
+        while queue and len(found) < max_paths:
             obj, depth = queue.popleft()
-            self.searched += 1
-            if self.searched % 512 == 0 and time.perf_counter() > self.deadline:
-                self.stopped = f"time limit reached after {self.searched} objects"
+            searched += 1
+            if not searched & 511 and time.perf_counter() > deadline:
+                self.stopped = f"time limit reached after {searched} objects"
                 break
-            if depth >= self.max_depth:
+            if depth >= max_depth:
                 self.depth_cut = True
                 continue
             try:
-                edges = list(_children(obj))
+                fn = handlers.get(type(obj)) or _handler(obj)
+                edges = list(fn(obj))
             except Exception:  # noqa: BLE001 - an object whose attributes raise: skip it
                 continue
+            oid = id(obj)
+            below = depth + 1
             for link, child in edges:
-                if self.match(child):
+                cid = id(child)
+                if cid in parent:  # seen (a target is never entered here: it stays findable)
+                    continue
+                kind = kinds.get(type(child))
+                if kind is None:
+                    kind = _kind(child)
+                if kind is _SKIP:
+                    continue
+                if kind is _MAY_MATCH and match(child):
                     found.append((self.chain(obj) + [(link, child)], child))
-                    self.keep[id(child)] = child
+                    keep[cid] = child
                     continue
-                if isinstance(child, _ATOMIC) or id(child) in self.parent or id(child) in self.skip:
+                if cid in skip or (allowed is not None and cid not in allowed):
                     continue
-                if allowed is not None and id(child) not in allowed:
-                    continue
-                self.keep[id(child)] = child
-                self.parent[id(child)] = (id(obj), link)
-                queue.append((child, depth + 1))
+                parent[cid] = (oid, link, child)
+                queue.append((child, below))
+        self.searched = searched
         return found
 
     def chain(self, obj: Any) -> list[tuple[Optional[str], Any]]:
@@ -582,11 +600,30 @@ class _Search:
         out: list[tuple[Optional[str], Any]] = []
         oid: Optional[int] = id(obj)
         while oid is not None:
-            pid, label = self.parent[oid]
-            out.append((label, self.keep[oid]))
+            pid, label, o = self.parent[oid]
+            out.append((label, o))
             oid = pid
         out.reverse()
         return out
+
+
+# what the search does with an object of a type: nothing to follow, may end a path, walk it
+_SKIP, _MAY_MATCH, _WALK = "skip", "may match", "walk"
+_KINDS: dict[type, str] = {}
+
+
+def _kind(o: Any) -> str:
+    """The search's decision for the type of ``o`` (made once per type)."""
+    t = type(o)
+    if issubclass(t, _ATOMIC):
+        kind = _SKIP
+    elif issubclass(t, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage,
+                        torch.nn.Module)):
+        kind = _MAY_MATCH
+    else:
+        kind = _WALK
+    _KINDS[t] = kind
+    return kind
 
 
 def _to_path(chain: list[tuple[Optional[str], Any]], target: Any,
@@ -617,6 +654,70 @@ def _pending_garbage() -> list[Any]:
     found = gc.garbage[before:]
     del gc.garbage[before:]
     return found
+
+
+def _on_cycles(objs: list[Any], allowed: set[int], deadline: float) -> set[int]:
+    """The ids of the objects of ``objs`` that lie on a reference cycle inside ``allowed``.
+
+    One pass of Tarjan's strongly-connected-components algorithm (iterative): an object is on
+    a cycle when its component has more than one object or it refers to itself. Linear in the
+    links, where asking each object for a cycle through it would be quadratic.
+    """
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    on_stack: set[int] = set()
+    stack: list[int] = []
+    out: set[int] = set()
+    counter = 0
+    by_id = {id(o): o for o in objs}
+
+    def succ(o: Any) -> list[int]:
+        try:
+            return [id(c) for _, c in _children(o) if id(c) in allowed]
+        except Exception:  # noqa: BLE001 - an object whose attributes raise: no links
+            return []
+
+    for start in objs:
+        if id(start) in index:
+            continue
+        if time.perf_counter() > deadline:
+            break
+        work: list[tuple[int, list[int], int]] = [(id(start), succ(start), 0)]
+        index[id(start)] = low[id(start)] = counter
+        counter += 1
+        stack.append(id(start))
+        on_stack.add(id(start))
+        while work:
+            v, nexts, i = work[-1]
+            if i < len(nexts):
+                work[-1] = (v, nexts, i + 1)
+                w = nexts[i]
+                if w == v:
+                    out.add(v)
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, succ(by_id[w]), 0))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.update(component)
+    return out
 
 
 def _cycle_through(start: Any, allowed: set[int], deadline: float) -> Optional[tuple[str, ...]]:
@@ -727,18 +828,18 @@ def _why_alive(obj: Any, max_depth: int, timeout: float, max_paths: int,
         garbage = _pending_garbage()
         try:
             allowed = {id(g) for g in garbage}
-            cyc_roots = []
-            for g in garbage:
-                if time.perf_counter() > deadline:
-                    break
-                links = _cycle_through(g, allowed, deadline)
-                if links is not None:
-                    cyc_roots.append((g, links))
-            found_cycles = {id(g): links for g, links in cyc_roots}
+            in_cycle = _on_cycles(garbage, allowed, deadline)
             gsearch = _Search(match, max_depth, deadline, max_paths, skip)
-            ghits = gsearch.run([(f"<{type(g).__name__} object>", g) for g, _ in cyc_roots])
+            ghits = gsearch.run([(f"<{type(g).__name__} object>", g) for g in garbage
+                                 if id(g) in in_cycle])
+            found_cycles: dict[int, Optional[tuple[str, ...]]] = {}
             for chain, target in ghits:
-                paths.append(_to_path(chain, target, cycle=found_cycles[id(chain[0][1])]))
+                root = chain[0][1]
+                if id(root) not in found_cycles:  # the links named for the roots of hits only
+                    found_cycles[id(root)] = _cycle_through(root, allowed, deadline)
+                cycle = found_cycles[id(root)]
+                if cycle is not None:
+                    paths.append(_to_path(chain, target, cycle=cycle))
             search.searched += gsearch.searched
             search.stopped = search.stopped or gsearch.stopped
         finally:
