@@ -266,9 +266,12 @@ def test_max_batch_size_equals_the_build_function_search(train, capsys):
     assert d["max_batch_size"] == want.max_batch_size > 1000
     assert d["peak_reserved_bytes"] == want.peak_reserved_bytes
     assert d["params"] == {"batch-size": want.max_batch_size}
-    assert d["script"]["args"] == ["--steps", "1000", "--batch-size", str(want.max_batch_size)]
-    assert "torchmem estimate: batch 1: fits" in captured.err  # progress, as for build functions
-    assert [p["batch_size"] for p in d["probes"]] == [v for v, _ in want.probes]
+    # appended as one word (what configurator scripts accept too)
+    assert d["script"]["args"] == ["--steps", "1000", f"--batch-size={want.max_batch_size}"]
+    # the search starts at the script's own default (argparse default=8), not at 1 (issue 41)
+    assert "torchmem estimate: batch 8: fits" in captured.err  # progress, as for build functions
+    assert d["probes"][0]["batch_size"] == 8
+    assert {p["batch_size"] for p in d["probes"] if p["fits"]} <= {v for v in range(1, want.max_batch_size + 1)}
 
 
 def test_a_script_without_optimizer_runs_to_its_end_or_to_the_time_limit(tmp_path, capsys):
@@ -290,13 +293,30 @@ def test_a_script_without_optimizer_runs_to_its_end_or_to_the_time_limit(tmp_pat
     # 3 s: the limit counts from the script's start (a loaded machine may still be setting up)
     code = main(["estimate", "--gpu", "T4", "--time-limit", "3", forever])
     out = capsys.readouterr().out
-    assert code == 0, capsys.readouterr().err
+    # no optimizer step of the 2 asked for: no verdict (issue 41), exit 4
+    assert code == 4, capsys.readouterr().err
     assert "stopped at the time limit (3 s) after 0 optimizer steps" in out
+    assert ("T4: INCOMPLETE, no verdict (stopped at the time limit (3 s) after 0 of 2 "
+            "optimizer steps; raise --time-limit); peak reserved so far") in out
+    assert ": FITS" not in out and "DOES NOT FIT" not in out
     # long enough for the loop to run twice even on a loaded machine (the limit counts from the
     # script's start: under load 0.5 s could pass before its first tensor)
     e = estimate_script(forever, [], "T4", time_limit=3)
     assert e.script.stopped == "time_limit" and e.peak_requested_bytes == 3 * (4 << 20)  # keep, y, the next y
     assert "the script was stopped at the time limit (3 s)" in e.notes
+    assert e.fits is False and e.incomplete is not None and e.to_dict()["incomplete"] == (
+        "stopped at the time limit (3 s) after 0 of 2 optimizer steps; raise --time-limit")
+    # the same loop after 2 optimizer steps is complete: a verdict
+    stepped = _write(tmp_path, "stepped.py", """
+        import torch
+        net = torch.nn.Linear(256, 256).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        while True:
+            net(torch.ones(8, 256, device="cuda")).sum().backward()
+            opt.step()
+    """)
+    e = estimate_script(stepped, [], "T4", time_limit=300)
+    assert e.script.stopped == "steps" and e.fits is True and e.incomplete is None
 
 
 def _code_in(path: str, inner=None):

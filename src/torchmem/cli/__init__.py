@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import traceback
@@ -122,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _debug():
             traceback.print_exc()
         print(f"torchmem {name}: error: {e}", file=sys.stderr)
+        _json_error(ns, e)
         return 2
     except KeyboardInterrupt:
         print(f"torchmem {name}: interrupted", file=sys.stderr)
@@ -147,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _json_error(ns: argparse.Namespace, e: BaseException) -> None:
+    """With ``--json``, stdout is a JSON document even when the command fails: ``{"error":
+    message, "type": the error's class, "exit_code": 2}`` (a program reading stdout sees why)."""
+    if getattr(ns, "json", False) is True:
+        print(json.dumps({"error": str(e), "type": type(e).__name__, "exit_code": 2}, indent=2))
 
 
 def entry_point() -> None:

@@ -434,7 +434,8 @@ def _write_atomic(path: str, snapshot: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the build function, estimate, print; exit code 0 when it fits, 3 when it does not.
+    """Load the build function, estimate, print; exit code 0 when it fits, 3 when it does not,
+    4 when a script stopped at its time limit before its optimizer steps (no verdict).
 
     Example:
         >>> run(argparse.Namespace(list_gpus=False, spec=None))  # doctest: +ELLIPSIS
@@ -571,6 +572,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(render_whatif(whatif))
     if maximize is not None:
         return 0 if est.max_value else 3
+    if est.incomplete:
+        return 4  # no verdict: a script stopped before its steps
     return 0 if est.fits else 3
 
 

@@ -96,7 +96,7 @@ def estimate_html(est: Any) -> str:
         >>> "DOES NOT FIT" in page and "-110.00 MiB" in page
         True
     """
-    colour = "#1a7f37" if est.fits else "#cf222e"
+    colour = "#9a6700" if est.incomplete else "#1a7f37" if est.fits else "#cf222e"
     parts = [f'<div style="font-weight:bold;color:{colour}">'
              f"{html.escape(est.verdict_line())}</div>"]
     if est.searched:

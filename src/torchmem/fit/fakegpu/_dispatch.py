@@ -115,6 +115,14 @@ def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[A
 #: starts: a script's time limit (from its timer signal or timer thread) lands there, where no
 #: bookkeeping is half done (:func:`request_stop`)
 _STOPS: dict[int, Callable[[], BaseException]] = {}
+# what C++ asks of a tensor's metadata through the dispatch (where it cannot throw)
+_METADATA = frozenset(
+    op for packet in (torch.ops.prim.device, torch.ops.prim.layout, torch.ops.aten.sym_size,
+                      torch.ops.aten.sym_stride, torch.ops.aten.sym_numel,
+                      torch.ops.aten.sym_storage_offset, torch.ops.aten.is_contiguous,
+                      torch.ops.aten.is_strides_like_format,
+                      torch.ops.aten.is_non_overlapping_and_dense)
+    for op in (getattr(packet, name) for name in packet.overloads()))
 
 
 def request_stop(ident: int, exc: Callable[[], BaseException] | None) -> None:
@@ -167,7 +175,11 @@ class _SimMode(FastDispatchMode):
         if frame_callback() is not None:  # compiled code runs: under torch._dynamo.disable
             return self._under_disable(func, types, args, kwargs)
         pl = self.state.pl
-        if _STOPS and pl.depth == 0:
+        if (_STOPS and pl.depth == 0 and func not in _METADATA
+                and torch._C._current_autograd_node() is None):
+            # never inside backward nor in a metadata query (``prim.device``, sizes): C++ asks
+            # those where it cannot throw, and an exception there aborts the process; the stop
+            # waits for the next operator
             stop = _STOPS.pop(threading.get_ident(), None)
             if stop is not None:
                 raise stop()  # before this operator: nothing of it is recorded yet
@@ -212,7 +224,7 @@ class _SimMode(FastDispatchMode):
             out = self.shapes.run(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **(kwargs or {}))
-        values.note_output(func, out, args)
+        values.note_output(func, out, args, kwargs)
         self.shapes.note_output(func, args, out)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:
             self.zeros = weakref.ref(out)

@@ -22,6 +22,7 @@ written for CUDA this module makes that work:
   simulator, in ``torch.cuda`` and ``torch.cuda.memory`` (:mod:`torchmem.fit.fakegpu._readings`);
   streams and events are stand-ins (everything runs on the default stream);
   ``get_rng_state()`` gives a 16-byte host tensor (checkpointing saves it);
+  ``f"{t:.4f}"`` of a 0-d tensor formats its (answered) value, as for a real tensor;
   without a placement ``.pin_memory()`` returns the tensor;
 - ``nn.init.trunc_normal_`` samples without rejection (the real loop reads tensor values);
   ``GradScaler.step`` steps the optimizer without asking (with ``.item()``) whether a gradient
@@ -214,6 +215,14 @@ def _fake_deepcopy(t: torch.Tensor, memo: dict[int, Any] | None) -> torch.Tensor
     if memo is not None:
         memo[id(t)] = out
     return out
+
+
+def _fake_format(self: torch.Tensor, spec: str) -> str:
+    """``format(t, spec)`` of a fake tensor as of a real one: a 0-d tensor formats its value
+    (a read, answered and listed as any other), so ``f"{loss:.4f}"`` logs."""
+    if self.dim() == 0:
+        return format(self.item(), spec)
+    return object.__format__(self, spec)
 
 
 def _rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -589,6 +598,7 @@ def fake_cuda(
         if placement is not None:
             FakeTensor.device = placement.device_property(fake_device)  # type: ignore[method-assign,assignment]
             FakeTensor.__new__ = staticmethod(_cpu_fake_new(fake_new))  # type: ignore[method-assign,assignment]
+        FakeTensor.__format__ = _fake_format  # type: ignore[method-assign,assignment]
         for k, v in accel_patches.items():
             setattr(accel, k, v)
         for k, v in c_patches.items():
@@ -609,6 +619,8 @@ def fake_cuda(
     finally:
         FakeTensor.device = fake_device  # type: ignore[method-assign]
         FakeTensor.__new__ = staticmethod(fake_new)  # type: ignore[method-assign,assignment]
+        if "__format__" in FakeTensor.__dict__:
+            del FakeTensor.__format__
         for k, v in accel_saved.items():
             setattr(accel, k, v)
         for k, v in c_saved.items():

@@ -20,6 +20,15 @@ a floating-point value (a loss, a gradient norm)       ``1.0``: finite, non-zero
                                                        divide by and compare
 =====================================================  ======================================
 
+**Real values first.** Integer and boolean tensors of up to ``SHADOW_NUMEL`` elements carry a
+*shadow*: the same operator run for real on the host, on the shadows of its inputs (a real
+tensor is its own shadow; ``torch.randint`` draws real random numbers; a device argument becomes
+the host). A read of such a tensor gets its real value, and is not listed: nanoGPT's
+``i = torch.randint(len(data) - block_size, ...)`` lies in its range and ``data[i:i + block_size]``
+has ``block_size`` rows, as in the real run. The chain stops at an operator with an input that
+has no shadow (a float tensor, a large one): reads past it get the stand-ins below. An in-place
+operator on a shadowed tensor updates the shadow, or drops it when it cannot be computed.
+
 ``Tensor.tolist()`` reads each element so (each element counts as one read of its entry). Every
 answered read is listed (:attr:`ValueReads.reads`: where in the user's code, the operator that
 made the tensor, the value assumed, how many times), so an estimate never hides a decision it made for the program: a read
@@ -49,7 +58,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["AssumedValue", "ValueReads"]
+__all__ = ["SHADOW_NUMEL", "AssumedValue", "ValueReads"]
+
+#: The largest integer or boolean tensor (in elements) whose real values are kept beside the
+#: fake one (a batch of token indices: 64 x 1024).
+SHADOW_NUMEL = 1 << 16
+_SHADOW_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                            torch.bool})
+# operators that write all of their first argument: its old value is not needed
+_OVERWRITE = frozenset({"copy_", "fill_", "zero_", "random_", "uniform_", "normal_",
+                        "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
 
 _ALL = {torch.ops.aten.all.default, torch.ops.aten.all.dim, torch.ops.aten.all.dims}
 _ANY = {torch.ops.aten.any.default, torch.ops.aten.any.dim, torch.ops.aten.any.dims}
@@ -133,6 +151,105 @@ class ValueReads:
         self._index: dict[tuple[str, str, Any], AssumedValue] = {}
         # id(tensor) -> (weakref, op name, rule) for one-element outputs and the sums' numels
         self._made: dict[int, tuple[weakref.ref[torch.Tensor], str, Any]] = {}
+        # id(fake tensor) -> (weakref, its real values on the host): see "Real values first"
+        self._shadows: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        #: reads answered with a real value (not listed in :attr:`reads`)
+        self.real_reads = 0
+
+    def shadow(self, t: Any) -> torch.Tensor | None:
+        """The real values of ``t`` on the host, or ``None`` when they are not known: a real
+        tensor is its own, a fake one has those computed for it (``SHADOW_NUMEL``) or its
+        constant.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> from torch.utils._python_dispatch import TorchDispatchMode
+            >>> v = ValueReads()
+            >>> class Note(TorchDispatchMode):
+            ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ...         out = func(*args, **(kwargs or {}))
+            ...         v.note_output(func, out, args, kwargs)
+            ...         return out
+            >>> with FakeTensorMode(), Note():
+            ...     i = torch.arange(10)[7] + 100
+            >>> v.shadow(i).item(), v.answer(i), v.reads
+            (107, 107, [])
+        """
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(t, FakeTensor):
+            return t if isinstance(t, torch.Tensor) else None
+        entry = self._shadows.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        constant = getattr(t, "constant", None)
+        return constant if isinstance(constant, torch.Tensor) else None
+
+    def _keep_shadow(self, t: torch.Tensor, real: torch.Tensor) -> None:
+        shadows = self._shadows
+        key = id(t)
+        shadows[key] = (weakref.ref(t, lambda _: shadows.pop(key, None)), real)
+
+    def _note_shadow(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        """Run ``func`` for real on the shadows of its inputs when its outputs are small
+        integer or boolean tensors (see "Real values first")."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        fakes = [o for o in outs if isinstance(o, FakeTensor)]
+        if not fakes:
+            return
+        name = getattr(func, "__name__", "").split(".")[0]
+        mutates = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
+        small = all(o.dtype in _SHADOW_DTYPES and isinstance(o.numel(), int)
+                    and o.numel() <= SHADOW_NUMEL for o in fakes)
+        if not small and not mutates:
+            return
+        real = self._run_on_shadows(func, name, args, kwargs) if small else None
+        if real is None:
+            if mutates:  # the written tensor's old shadow is stale now
+                for o in fakes:
+                    self._shadows.pop(id(o), None)
+            return
+        reals = real if isinstance(real, (tuple, list)) else (real,)
+        for o, r in zip(outs, reals):
+            if isinstance(o, FakeTensor) and isinstance(r, torch.Tensor) and r.shape == o.shape:
+                self._keep_shadow(o, r)
+
+    def _run_on_shadows(self, func: Any, name: str, args: Any, kwargs: Any) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_map
+
+        missing = False
+        first = args[0] if args else None
+
+        def real(x: Any) -> Any:
+            nonlocal missing
+            if isinstance(x, torch.Tensor):
+                s = self.shadow(x)
+                if s is None:
+                    t: torch.Tensor = x
+                    if id(t) == id(first) and name in _OVERWRITE and t.dtype in _SHADOW_DTYPES:
+                        s = torch.empty(tuple(t.shape), dtype=t.dtype)  # all written next
+                        self._keep_shadow(t, s)
+                        return s
+                    missing = True
+                return s
+            if isinstance(x, torch.device) and x.type != "cpu":
+                return torch.device("cpu")
+            return x
+
+        sargs = tree_map(real, args)
+        skwargs = tree_map(real, kwargs or {})
+        if missing:
+            return None
+        if skwargs.get("pin_memory"):
+            skwargs["pin_memory"] = False
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                return func(*sargs, **skwargs)
+        except Exception:  # noqa: BLE001 - a value that cannot be had this way: a stand-in
+            return None
 
     def _remember(self, t: torch.Tensor, op: str, rule: Any) -> None:
         made = self._made
@@ -145,7 +262,7 @@ class ValueReads:
             return entry[1], entry[2]
         return "?", None
 
-    def note_output(self, func: Any, out: Any, args: Any) -> None:
+    def note_output(self, func: Any, out: Any, args: Any, kwargs: Any = None) -> None:
         """Remember what made ``out`` when it may be read (one element) or counted (a sum);
         in strict mode too (transformers' own reads are still answered then).
 
@@ -158,6 +275,7 @@ class ValueReads:
             ...     v.answer(s), v.answer(s == 6)
             (6, False)
         """
+        self._note_shadow(func, out, args, kwargs)
         if isinstance(out, (tuple, list)):  # nll_loss_forward and friends: (output, ...)
             for o in out:
                 if isinstance(o, torch.Tensor) and o.numel() == 1:
@@ -214,6 +332,13 @@ class ValueReads:
         """
         if self.strict or _has_value(t):
             return None
+        known = self.shadow(t)
+        if known is not None and known.numel() == 1:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            self.real_reads += 1
+            with _disable_current_modes():  # the host's own read, below the estimate's modes
+                return known.item()
         op, value = self.stand_in(t)
         self.record(op, value)
         return value

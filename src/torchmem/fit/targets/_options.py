@@ -4,6 +4,7 @@ the levers change (:data:`BATCH_OPTIONS`), read and rewritten in the script's ar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from torchmem.errors import InvalidInputError
@@ -86,7 +87,7 @@ def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
         >>> with_option(["--lr", "1", "--batch-size", "8"], "--batch-size", 64)
         ['--lr', '1', '--batch-size', '64']
         >>> with_option(["--batch-size=8"], "--batch-size", 64), with_option([], "--bs", 2)
-        (['--batch-size=64'], ['--bs', '2'])
+        (['--batch-size=64'], ['--bs=2'])
     """
     out, found, i = [], False, 0
     args = list(args)
@@ -103,4 +104,42 @@ def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
         else:
             out.append(a)
         i += 1
-    return out if found else [*out, flag, str(value)]
+    # appended as one word: argparse, click and HfArgumentParser read ``--name=value`` too, and
+    # configurators like nanoGPT's take only that form
+    return out if found else [*out, f"{flag}={value}"]
+
+
+def _default(flag: str, source: str, args: Sequence[str] = (), folder: str = ".") -> int | None:
+    """The value the script gives ``flag`` when the command line does not: an argparse
+    ``default=N``, a dataclass field's ``= N`` / ``default=N`` (HfArgumentParser), or a global
+    ``name = N`` (a configurator script, nanoGPT's) where a ``.py`` file among ``args`` (a
+    config file, read after the script) may set it again; ``None`` when none is found.
+
+    Example:
+        >>> src = "p.add_argument('--batch-size', type=int, default=32)"
+        >>> _default("--batch-size", src), _default("--batch_size", "batch_size = 12\\n")
+        (32, 12)
+    """
+    import re
+
+    ident = re.escape(flag.lstrip("-").replace("-", "_"))
+    patterns = (
+        rf"""add_argument\(\s*['"]{re.escape(flag)}['"][^()]*?default\s*=\s*(\d+)""",
+        rf"^\s*{ident}\s*:\s*int\s*=\s*(?:field\([^()]*?default\s*=\s*)?(\d+)",
+        rf"^{ident}\s*=\s*(\d+)\b",
+    )
+    texts = [source]
+    for a in args:
+        if a.endswith(".py") and not a.startswith("-"):
+            try:
+                with open(os.path.join(folder, a)) as f:
+                    texts.append(f.read())
+            except OSError:
+                continue
+    value = None
+    for text in texts:
+        for pat in patterns:
+            hits = re.findall(pat, text, re.M | re.S)
+            if hits:
+                value = int(hits[-1])
+    return value

@@ -81,7 +81,13 @@ from torchmem.fit.fakegpu._dist import check_world_size
 from torchmem.fit.run._engine import _hint, _user_frame, run_once
 from torchmem.fit.search._bracket import _search
 from torchmem.fit.search._checks import _apply_margin, _check_range
-from torchmem.fit.targets._options import _batch_option, _current, _option, with_option
+from torchmem.fit.targets._options import (
+    _batch_option,
+    _current,
+    _default,
+    _option,
+    with_option,
+)
 from torchmem.fit.targets._sandbox import ScratchFiles
 from torchmem.fit.targets._saves import SkippedWrite, _Writes
 from torchmem.fit.targets._stop import _argparse_errors, _ArgparseRejected, _StopScript, _time_limit
@@ -374,7 +380,8 @@ class _Run:
             )
         if exc is not None and not isinstance(exc, SystemExit):
             err = ScriptError(
-                f"{name} raised {type(exc).__name__}{self._at(exc)}: {str(exc).strip()[:300]} "
+                f"{name} raised {type(exc).__name__}{self._at(exc)}: "
+                f"{str(exc).strip()[:300] or '(no message)'} "
                 f"({peak}).{_hint(exc)} (torchmem runs it under fake tensors; set "
                 "TORCHMEM_DEBUG=1 for the full traceback)", estimate=e)
             err.__cause__ = exc
@@ -402,6 +409,11 @@ class _Run:
             rec.reason = f"ran to its end after {steps}"
         values = {f.name: getattr(e, f.name) for f in fields(Estimate)}
         values.update(batch_size=None, steps=n)
+        if rec.stopped == "time_limit" and n < rec.steps_requested and e.oom is None:
+            # peaks of a part of the step: no verdict on them (an OOM already reached stands)
+            values.update(fits=False, incomplete=(
+                f"stopped at the time limit ({rec.time_limit_s:g} s) after {n} of "
+                f"{rec.steps_requested} optimizer steps; raise --time-limit"))
         out = ScriptEstimate(**values, script=rec)
         if rec.stopped == "time_limit":
             out.notes.append(f"the script was stopped at the time limit ({rec.time_limit_s:g} s)")
@@ -487,9 +499,18 @@ def estimate_script(
 
     def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
-        e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
-                     strict_values=strict_values, default_device=default_device,
-                     routing=routing, world_size=world_size)
+        try:
+            e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
+                         strict_values=strict_values, default_device=default_device,
+                         routing=routing, world_size=world_size)
+        except InvalidInputError as err:
+            if r.record.stopped != "time_limit" or "put nothing on the GPU" not in str(err):
+                raise
+            raise ScriptError(
+                f"{r.record.command()} was stopped at the time limit ({float(time_limit):g} s) "
+                "before it put anything on the GPU: nothing to estimate yet (it spent the time "
+                "on the host: imports, data preparation, building the model); expected a run "
+                "that reaches its training step; fix: raise --time-limit") from None
         out = r.finish(_apply_margin(e, spec, card))
         out.params = dict(shown or {})
         return out
@@ -499,6 +520,8 @@ def estimate_script(
     flag = _option(maximize, args, target.source)
     ident = flag.lstrip("-").replace("-", "_")
     current = _current(flag, args)
+    if current is None:  # the value the script itself sets (argparse default, config file)
+        current = _default(flag, target.source, args)  # config files: relative to the cwd
     start = lo if lo is not None else current or 1
 
     def probe(v: int, snap: bool = False) -> ScriptEstimate:

@@ -45,6 +45,10 @@ def _safe_to_stop(frame: Any) -> bool:
     are looked through up to the first other frame: the script's own code, a library it uses,
     torch's public modules (``torch.nn``, ``torch.optim``) are safe.
 
+    Never while this thread runs a backward pass (a node of the autograd engine): raised there,
+    the exception crosses the engine's C++ and aborts the process (``terminate called after
+    throwing an instance of 'python_error'``); the stop then lands after the backward.
+
     Example:
         >>> import sys
         >>> _safe_to_stop(sys._getframe())    # a doctest's frame is nobody's bookkeeping
@@ -52,6 +56,10 @@ def _safe_to_stop(frame: Any) -> bool:
         >>> _safe_to_stop(None)   # no frame (a thread that ended)
         True
     """
+    import torch
+
+    if torch._C._current_autograd_node() is not None:
+        return False
     return _owner(frame, True) != "torchmem"
 
 

@@ -146,7 +146,9 @@ class Estimate:
     values in ``predicted_probes``. ``stopped_over`` is set on a search's check of the value
     above its answer when that run stopped as soon as its reserved bytes passed this many
     (the most that fits with the margin): it does not fit, as the full run would not, and its
-    peaks are those reached when it stopped.
+    peaks are those reached when it stopped. ``incomplete`` says why a run gives no verdict
+    (a script stopped at its time limit before the optimizer steps asked for): its peaks are
+    those until then, ``fits`` is false and the verdict line says INCOMPLETE.
 
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
@@ -199,6 +201,7 @@ class Estimate:
     predicted: bool = False
     predicted_probes: list[int] = field(default_factory=list)
     stopped_over: int | None = None
+    incomplete: str | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -247,6 +250,10 @@ class Estimate:
         if self.world_size is not None:
             what += f", rank 0 of {self.world_size}"
         kept = f"; margin {format_bytes(self.margin_bytes)} kept free" if self.margin_bytes else ""
+        if self.incomplete:
+            return (f"{self.gpu}{what}: INCOMPLETE, no verdict ({self.incomplete}); peak "
+                    f"reserved so far {format_bytes(self.peak_reserved_bytes)} of "
+                    f"{format_bytes(self.usable_bytes)} usable")
         return (f"{self.gpu}{what}: {'FITS' if self.fits else 'DOES NOT FIT'} (headroom "
                 f"{format_bytes(self.headroom_bytes)} of {format_bytes(self.usable_bytes)} "
                 f"usable{kept})")
@@ -308,6 +315,7 @@ class Estimate:
                 d["max_batch_size"] = self.max_batch_size
             d["maximized"] = name
         d.update(
+            incomplete=self.incomplete,
             margin_bytes=self.margin_bytes,
             fits_without_margin=self.fits if self.fits_without_margin is None
             else self.fits_without_margin,
