@@ -267,3 +267,59 @@ def test_max_on_a_configurator_script_uses_its_spelling_and_starts_at_its_value(
     assert e.probes[0][0] == 64                       # the config file's value, not 1
     assert e.script.args == ["cfg.py", f"--batch_size={want.max_batch_size}"]
     assert e.peak_reserved_bytes == want.peak_reserved_bytes
+
+
+def test_paths_the_script_names_under_the_temp_folder_go_to_scratch(tmp_path, capsys):
+    """transformers' README runs ``--output_dir /tmp/test-clm``: what a script writes to a path it
+    names under the temporary folder is scratch and listed; what ``tempfile`` makes for it is real
+    (and the script reads its own writes back in both)."""
+    import os
+    import tempfile
+    import uuid
+
+    out_dir = os.path.join(tempfile.gettempdir(), f"torchmem-test-{uuid.uuid4().hex}")
+    script = tmp_path / "writes.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, tempfile
+        import torch
+        os.makedirs({out_dir!r}, exist_ok=True)
+        with open(os.path.join({out_dir!r}, "all_results.json"), "w") as f:
+            json.dump({{"loss": 1.0}}, f)
+        assert json.load(open(os.path.join({out_dir!r}, "all_results.json"))) == {{"loss": 1.0}}
+        with tempfile.TemporaryDirectory() as d:     # the run's own temporary files: real
+            with open(os.path.join(d, "part.bin"), "wb") as f:
+                f.write(b"x" * 10)
+            assert os.path.getsize(os.path.join(d, "part.bin")) == 10
+            print("tempdir", d)
+        with tempfile.NamedTemporaryFile("w", delete=False) as f:
+            f.write("kept")
+        print("named", f.name)
+        # an atomic save (Lightning's, Fabric.save): a temporary file renamed onto the target
+        with tempfile.NamedTemporaryFile("w", delete=False) as f:
+            f.write("checkpoint")
+        os.makedirs("ckpt", exist_ok=True)
+        os.replace(f.name, "ckpt/epoch=0.ckpt")
+        assert open("ckpt/epoch=0.ckpt").read() == "checkpoint"      # read back from scratch
+        net = torch.nn.Linear(4, 4).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net(torch.ones(1, 4, device="cuda")).sum().backward(); opt.step()
+    """))
+    os.chdir(tmp_path)
+    try:
+        e = estimate_script(str(script), [], "T4")
+    finally:
+        os.chdir(os.path.dirname(os.path.dirname(__file__)))
+    out = capsys.readouterr().out
+    assert not os.path.exists(out_dir)                      # nothing of it on the real disk
+    assert not (tmp_path / "ckpt").exists()
+    listed = {(w.what.split(" from ")[0], w.path) for w in e.script.skipped_writes}
+    assert listed == {("os.makedirs", out_dir),
+                      ("open(mode='w')", os.path.join(out_dir, "all_results.json")),
+                      ("os.makedirs", str(tmp_path / "ckpt")),
+                      ("os.replace", str(tmp_path / "ckpt" / "epoch=0.ckpt"))}
+    named = next(line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("named "))
+    try:
+        assert open(named).read() == "kept"                 # tempfile's file is real
+    finally:
+        os.remove(named)

@@ -13,10 +13,13 @@ that change files are redirected (:class:`ScratchFiles`):
   does not delete real ones); on scratch copies they act on the copies.
 
 Each redirected or skipped call is recorded once per path (``record(where, what, path)``), and
-the scratch folder is deleted when the run ends. Left alone: the system's temporary folder
-(``tempfile``'s files are scratch by design), ``/dev`` and ``/proc``, calls made by torchmem
-itself and by torch's private modules (compiler caches), and functions a library bound under
-another name before the run (``from os import makedirs``).
+the scratch folder is deleted when the run ends. Under the system's temporary folder only what
+the run makes through ``tempfile`` (and ``multiprocessing``, which uses it) is real, with what
+is written inside it: those files are scratch by design. A path the script names there itself
+(transformers' ``--output_dir /tmp/test-clm``, nanoGPT's ``out_dir`` in a folder under
+``/tmp``) goes to the scratch folder like any other. Left alone: ``/dev`` and ``/proc``, calls
+made by torchmem itself and by torch's private modules (compiler caches), and functions a
+library bound under another name before the run (``from os import makedirs``).
 
 Example:
     >>> import os, tempfile
@@ -120,7 +123,9 @@ class ScratchFiles:
         self.root = ""
         self.noted: set[tuple[str, str]] = set()
         self.saved: list[tuple[Any, str, Any]] = []
-        self.keep = (os.path.realpath(tempfile.gettempdir()), "/dev", "/proc")
+        self.keep = ("/dev", "/proc")
+        self.temp = os.path.realpath(tempfile.gettempdir())
+        self.made: list[str] = []  # made by tempfile during the run: real, as is what is inside
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -131,9 +136,26 @@ class ScratchFiles:
         except TypeError:
             return None
         real = os.path.realpath(p)
-        if p == os.devnull or any(real == k or real.startswith(k + os.sep) for k in self.keep):
+        if p == os.devnull or any(real == k or real.startswith(k + os.sep)
+                                  for k in (*self.keep, self.root, *self.made) if k):
             return None
         return os.path.join(self.root, p.lstrip(os.sep))
+
+    def _temp_made(self, frame: Any, path: Any) -> bool:
+        """Whether ``path`` is made by ``tempfile`` (the caller's frame is its code) under the
+        temporary folder: then it is real, and so is what the run writes inside it."""
+        if frame is None or frame.f_code.co_filename != tempfile.__file__:
+            return False
+        try:
+            real = os.path.realpath(os.path.abspath(os.fsdecode(os.fspath(path))))
+        except TypeError:
+            return False
+        if real == self.temp:  # TemporaryFile: an unnamed file (O_TMPFILE) in the folder
+            return True
+        if real.startswith(self.temp + os.sep):
+            self.made.append(real)
+            return True
+        return False
 
     def _note(self, what: str, path: Any) -> None:
         shown = os.path.abspath(os.fsdecode(os.fspath(path)))
@@ -154,7 +176,8 @@ class ScratchFiles:
             real_makedirs(os.path.dirname(m), exist_ok=True)
 
         def scratch_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-            if isinstance(file, int) or _ours(sys._getframe(1)):
+            if isinstance(file, int) or self._temp_made(sys._getframe(1), file) \
+                    or _ours(sys._getframe(1)):
                 return real_open(file, mode, *args, **kwargs)
             m = self._mirror(file)
             if m is None:
@@ -168,7 +191,8 @@ class ScratchFiles:
             return real_open(m if exists(m) else file, mode, *args, **kwargs)
 
         def scratch_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-            m = None if kwargs.get("dir_fd") is not None or _ours(sys._getframe(1)) \
+            m = None if kwargs.get("dir_fd") is not None \
+                or self._temp_made(sys._getframe(1), path) or _ours(sys._getframe(1)) \
                 else self._mirror(path)
             if m is None:
                 return real_os_open(path, flags, *args, **kwargs)
@@ -192,7 +216,8 @@ class ScratchFiles:
             return real_makedirs(m, mode, True)
 
         def scratch_mkdir(path: Any, mode: int = 0o777, *, dir_fd: Any = None) -> None:
-            m = None if dir_fd is not None or _ours(sys._getframe(1)) else self._mirror(path)
+            m = None if dir_fd is not None or self._temp_made(sys._getframe(1), path) \
+                or _ours(sys._getframe(1)) else self._mirror(path)
             if m is None:
                 return real_mkdir(path, mode, dir_fd=dir_fd)
             if exists(path) or exists(m):
@@ -220,8 +245,17 @@ class ScratchFiles:
 
         def renaming(real: Callable[..., Any], label: str) -> Callable[..., Any]:
             def scratch_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-                ms = None if args or kwargs or _ours(sys._getframe(1)) else self._mirror(src)
+                ours = bool(args or kwargs) or _ours(sys._getframe(1))
+                ms = None if ours else self._mirror(src)
                 if ms is None:
+                    md = None if ours else self._mirror(dst)
+                    if md is not None and exists(src):
+                        # a real file (a temporary one: an atomic save) moved onto a path of the
+                        # user's: it lands in the scratch folder, not on their disk
+                        parent(md)
+                        self._note(f"{label} from {os.path.abspath(os.fsdecode(os.fspath(src)))}",
+                                   dst)
+                        return real(src, md)
                     return real(src, dst, *args, **kwargs)
                 if exists(ms):  # a file the run wrote: moved within the scratch folder
                     md = self._mirror(dst)
