@@ -19,14 +19,15 @@ and without step markers (issue 26: an inference loop), the same events but no `
                     frees the one before it): the tracker's map from autograd nodes to modules
                     gains an entry at every module too (now kept to ``within`` entries)
 
-Each variant runs in a fresh subprocess. Memory: Python's tracemalloc (the trace's columns are
+Each variant runs in a fresh process (forked from the benchmark's, which has imported torch and
+torchmem once; a subprocess where there is no fork). Memory: Python's tracemalloc (the trace's columns are
 ``array`` buffers and the aggregate's tables are Python objects: all of it is traced; torch's
 tensor memory is not), measured from just before the block to after it (``held``: what the
 tracker keeps once the run is over, the trace and the aggregate; ``peak``: the most at any
 moment, compaction's transient copies included), the process's RSS growth over the run
 (psutil) and its peak RSS growth (``VmHWM`` of /proc/self/status, reset through
 /proc/self/clear_refs just before the block, minus the RSS there). Time: CPU time of the run
-per event, in separate subprocesses without tracemalloc (which slows Python allocations), over
+per event, in separate processes without tracemalloc (which slows Python allocations), over
 ``--speed-events`` events (default 2,000,000).
 Each child first runs a short tracked block, so the modules the tracker imports on first use are
 not counted as its memory.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -134,7 +136,44 @@ def child(mode: str, events: int, traced: bool) -> dict[str, Any]:
     return out
 
 
+_WARM: list[bool] = []
+
+
 def _spawn(mode: str, events: int, traced: bool) -> dict[str, Any]:
+    if hasattr(os, "fork"):
+        # a fresh process forked from this one, which imported torch and torchmem once (the
+        # child still warms the tracker's first-use imports before it measures)
+        if not _WARM:  # the tracker's first-use imports, once, before any child is forked
+            import contextlib
+            import io
+
+            with contextlib.redirect_stderr(io.StringIO()):
+                for m in ("full", "agg-nosteps-grad"):
+                    child(m, 2 * PER_STEP + 1, False)
+            _WARM.append(True)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            code = 0
+            try:
+                data = json.dumps(child(mode, events, traced)).encode()
+                with os.fdopen(w, "wb") as f:
+                    f.write(data)
+            except BaseException:  # noqa: BLE001 - reported by the parent through the exit code
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not data:
+            raise SystemExit(f"the {mode} child failed (exit {os.waitstatus_to_exitcode(status)})")
+        forked: dict[str, Any] = json.loads(data)
+        return forked
     cmd = [sys.executable, __file__, "--child", mode, "--events", str(events)]
     if not traced:
         cmd.append("--untraced")

@@ -44,8 +44,9 @@ def main() -> None:
 
     import torchmem.cli
 
-    for module in [m for m, _ in torchmem.cli.SUBCOMMANDS.values()] + ["torchmem.fit",
-                                                                        "matplotlib.pyplot"]:
+    # torch._dynamo: what FakeTensorMode imports when an estimate starts (about 2 s)
+    for module in [m for m, _ in torchmem.cli.SUBCOMMANDS.values()] + [
+            "torchmem.fit", "matplotlib.pyplot", "torch._dynamo", "torch.distributed.fsdp"]:
         try:
             importlib.import_module(module)
         except ImportError:  # an optional part: the command imports (and reports) it itself

@@ -271,4 +271,10 @@ def test_trace_of_a_snapshot_without_a_trace_says_so(
     p.write_bytes(pickle.dumps(raw, protocol=4))
     for extra in ((), ("--json",), ("--jsonl",)):
         code, out, err = _run(capsys, "trace", str(p), *extra)
-        assert code == 2 and out == "" and "has no trace entries" in err and "_record_memory_history" in err
+        assert code == 2 and "has no trace entries" in err and "_record_memory_history" in err
+        if extra == ("--json",):  # stdout stays a JSON document: the error, as on stderr
+            doc = json.loads(out)
+            assert doc["exit_code"] == 2 and doc["type"] == "InvalidInputError"
+            assert f"torchmem trace: error: {doc['error']}" in err
+        else:
+            assert out == ""

@@ -20,7 +20,7 @@ Cost is bounded: the search stops after ``max_depth`` steps from a root (default
 frames of :func:`why_alive` and of its caller are left out, so the caller's own variable does
 not count as a holder.
 
-Why one module over 600 lines: the edge functions (which references each type has), the labels
+Over 800 lines: the edge functions (which references each type has), the labels
 (how each reference reads) and the two searches (from the roots, then through the collector's
 garbage) share one notion of a link and change together; split, each part would be read
 against the others anyway.

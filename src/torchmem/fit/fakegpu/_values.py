@@ -323,14 +323,16 @@ class ValueReads:
         return op, 1
 
     def answer(self, t: torch.Tensor) -> Any:
-        """The stand-in for a read of ``t`` (recorded), or ``None`` in strict mode.
+        """The real value of ``t`` when it is known (see "Real values first"; strict mode too:
+        it assumes nothing), else the stand-in for the read (recorded), or ``None`` in strict
+        mode.
 
         Example:
             >>> from torch._subclasses import FakeTensorMode
             >>> with FakeTensorMode():
             ...     ValueReads(strict=True).answer(torch.ones(()))
         """
-        if self.strict or _has_value(t):
+        if _has_value(t):
             return None
         known = self.shadow(t)
         if known is not None and known.numel() == 1:
@@ -339,6 +341,8 @@ class ValueReads:
             self.real_reads += 1
             with _disable_current_modes():  # the host's own read, below the estimate's modes
                 return known.item()
+        if self.strict:
+            return None
         op, value = self.stand_in(t)
         self.record(op, value)
         return value
