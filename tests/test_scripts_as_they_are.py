@@ -177,9 +177,9 @@ def test_a_time_limit_landing_in_backward_or_a_metadata_query_never_aborts(tmp_p
         from torchmem.errors import InvalidInputError
         from torchmem.fit import estimate_script
         out = []
-        for i in range(10):
+        for i in range(6):
             try:
-                e = estimate_script({str(loop)!r}, [], "T4", time_limit=1.5 + 0.21 * i)
+                e = estimate_script({str(loop)!r}, [], "T4", time_limit=1.5 + 0.35 * i)
             except InvalidInputError as err:   # stopped before the model reached the GPU
                 out.append(("error", str(err)))
                 continue
@@ -190,7 +190,7 @@ def test_a_time_limit_landing_in_backward_or_a_metadata_query_never_aborts(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     runs = json.loads(r.stdout.strip().splitlines()[-1])
     done = [run for run in runs if run[0] != "error"]
-    assert len(done) >= 5, runs
+    assert len(done) >= 3, runs
     for stopped, incomplete, fits, peak in done:
         assert stopped == "time_limit" and fits is False and incomplete.startswith(
             "stopped at the time limit") and peak > 0
