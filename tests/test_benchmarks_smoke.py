@@ -16,9 +16,8 @@ import itertools
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,34 +87,22 @@ class _Warm:
     and torchmem already (tests/_warm_torchmem.py): each benchmark still runs in a process of
     its own, as ``python benchmarks/<script>`` from a shell, without paying for the import."""
 
-    proc: subprocess.Popen[str] | None = None
+    client: Any = None
 
     @classmethod
     def run(cls, script: Path, args: list[str], timeout: float) -> tuple[int, str]:
-        import json
-        import select
-        import signal
         import tempfile
 
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_warm_torchmem.py")],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(),
-                                        text=True, cwd=ROOT)
-            assert cls.proc.stdout is not None and cls.proc.stdout.readline() == "ready\n"
-        assert cls.proc.stdin is not None and cls.proc.stdout is not None
+        from _warm_torchmem import WarmClient
+
+        if cls.client is None or not cls.client.alive():
+            cls.client = WarmClient(_env(), ROOT)
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            cls.proc.stdin.write(json.dumps({"script": str(script), "argv": args, "cwd": str(ROOT),
-                                             "stdout": str(out), "stderr": str(err),
-                                             "report_pid": True}) + "\n")
-            cls.proc.stdin.flush()
-            pid = int(cls.proc.stdout.readline().split()[1])
-            ready, _, _ = select.select([cls.proc.stdout], [], [], timeout)
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-            code = int(cls.proc.stdout.readline())
+            code = cls.client.run({"script": str(script), "argv": args, "cwd": str(ROOT),
+                                   "stdout": str(out), "stderr": str(err)}, timeout)
             text = out.read_text() + err.read_text()
-        assert ready, f"{script.name} {' '.join(args)} ran over {timeout} s:\n{text[-6000:]}"
+        assert code is not None, f"{script.name} {' '.join(args)} ran over {timeout} s:\n{text[-6000:]}"
         return code, text
 
 

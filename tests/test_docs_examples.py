@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import textwrap
 import threading
@@ -229,24 +227,19 @@ class WarmTorchmem:
     imported torch already (tests/_warm_torchmem.py: the import is most of a short command)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_warm_torchmem.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(),
-                                     text=True, cwd=ROOT)
-        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+        from _warm_torchmem import WarmClient
+
+        self.client = WarmClient(_env(), ROOT)
 
     def run(self, argv: list[str], cwd: Path) -> tuple[int, str, str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         out, err = cwd / ".torchmem-stdout", cwd / ".torchmem-stderr"
-        self.proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out),
-                                          "stderr": str(err)}) + "\n")
-        self.proc.stdin.flush()
-        code = int(self.proc.stdout.readline())
+        code = self.client.run({"argv": argv, "cwd": str(cwd), "stdout": str(out),
+                                "stderr": str(err)})
+        assert code is not None
         return code, out.read_text(), err.read_text()
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        self.client.close()
 
 
 @pytest.fixture(scope="module")
