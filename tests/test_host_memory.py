@@ -238,7 +238,12 @@ def test_dataloader_workers_cost_under_torchmem_run_what_they_cost_under_python(
     assert all(t <= p + 6 * MiB for p, t in zip(plain, tracked)), (plain, tracked)
     workers = [p for p in host["processes"] if p["role"] == "worker"]
     assert len(workers) == 2
-    assert all(w["uss_growth_bytes"] < 8 * MiB for w in workers), workers
+    # The sampler's peak for each worker is no more than a plain run's worker holds near its end
+    # (recording in the workers would add about 330 B per item: 31 MiB for each one's 100,000).
+    # Not its growth since its first sample: under load that sample can come right after the
+    # fork, before the worker has touched anything, and the growth then counts its start-up.
+    peaks = [w["uss_peak_bytes"] for w in workers]
+    assert all(q <= max(plain) + 8 * MiB for q in peaks), (peaks, plain)
     assert host["copy_on_read_suspect"] is False
 
 
