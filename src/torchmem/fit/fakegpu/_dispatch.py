@@ -50,6 +50,7 @@ _FLOPS: dict[Any, Any] = dict(flop_registry)
 
 
 _CONV_BACKWARD = _aten.convolution_backward.default
+_EQUAL = _aten.equal.default  # torch.equal: answered by ValueReads.equal
 _ADD, _ADD_ = _aten.add.Tensor, _aten.add_.Tensor
 
 
@@ -205,6 +206,10 @@ class _SimMode(FastDispatchMode):
             value = values.answer(args[0])
             if value is not None:
                 return value
+        if func is _EQUAL and len(args) == 2 and not kwargs:
+            same = values.equal(args[0], args[1])
+            if same is not None:
+                return same
         if func is _CONV_BACKWARD and self.state.emu is not None and not kwargs:
             halves = _conv_backward_halves(args)
             if halves is not None:

@@ -348,6 +348,11 @@ class _CudaToCpu(TorchFunctionMode):
                 return out
         if func is torch.device or func is _PARSE_TO:
             # a CUDA device stays one: where it is used says the placement
+            if (func is torch.device and len(args) == 1 and not kwargs
+                    and isinstance(args[0], int) and not isinstance(args[0], bool)):
+                # torch.device(0): the current accelerator's device 0, which a CPU-only
+                # PyTorch refuses ("Cannot access accelerator device"); here the GPU
+                return func("cuda", args[0])
             return func(*args, **kwargs)
         if func is torch.Tensor.pin_memory:
             src = args[0]
@@ -590,6 +595,11 @@ def fake_cuda(
     accel_saved = {k: getattr(accel, k) for k in accel_patches}
     c_saved = {k: getattr(torch._C, k) for k in c_patches}
     mode = _CudaToCpu(placement)
+    loads: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if placement is not None:  # weights are never read: see _checkpoints
+        from torchmem.fit.fakegpu._checkpoints import checkpoints_without_weights
+
+        loads = checkpoints_without_weights()
     from torch._subclasses.fake_tensor import FakeTensor
 
     fake_device = FakeTensor.__dict__["device"]
@@ -614,7 +624,7 @@ def fake_cuda(
         RandomSampler.__iter__ = _real_indices(sampler_iter)  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = _real_init(loader_iter_init)  # type: ignore[method-assign]
         DataLoader._get_iterator = _single_process_iterator  # type: ignore[method-assign]
-        with mode:
+        with loads, mode:
             yield
     finally:
         FakeTensor.device = fake_device  # type: ignore[method-assign]

@@ -29,6 +29,11 @@ has ``block_size`` rows, as in the real run. The chain stops at an operator with
 has no shadow (a float tensor, a large one): reads past it get the stand-ins below. An in-place
 operator on a shadowed tensor updates the shadow, or drops it when it cannot be computed.
 
+``torch.equal(a, b)`` (transformers asks it of tied weights loaded from a checkpoint) is answered
+for real where the shapes or dtypes differ (``False``), where both views are the same memory
+(``True``: tied weights that share storage) and where both have shadows; otherwise the stand-in is
+``True`` (equal), listed as op ``aten.equal.default``.
+
 ``Tensor.tolist()`` reads each element so (each element counts as one read of its entry). Every
 answered read is listed (:attr:`ValueReads.reads`: where in the user's code, the operator that
 made the tensor, the value assumed, how many times), so an estimate never hides a decision it made for the program: a read
@@ -346,6 +351,45 @@ class ValueReads:
         op, value = self.stand_in(t)
         self.record(op, value)
         return value
+
+    def equal(self, a: Any, b: Any) -> bool | None:
+        """``torch.equal(a, b)``: the real answer when it is known without values (shapes or
+        dtypes differ; the same memory), from shadows, else the stand-in ``True`` (listed); in
+        strict mode ``None`` for an unknown answer.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> v = ValueReads()
+            >>> with FakeTensorMode():
+            ...     w = torch.empty(3, 4)
+            ...     same, other, shape = v.equal(w, w[:]), v.equal(w, torch.empty(3, 4)), v.equal(w, w.t())
+            >>> same, other, shape, [r.value for r in v.reads]
+            (True, True, False, [True])
+        """
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return None
+        if _has_value(a) and _has_value(b):
+            return None  # PyTorch computes it
+        if a.shape != b.shape or a.dtype != b.dtype:
+            self.real_reads += 1
+            return False
+        with torch._C.DisableTorchFunction():
+            same = (a.untyped_storage()._cdata == b.untyped_storage()._cdata
+                    and a.stride() == b.stride() and a.storage_offset() == b.storage_offset())
+        if same:
+            self.real_reads += 1
+            return True
+        sa, sb = self.shadow(a), self.shadow(b)
+        if sa is not None and sb is not None:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            self.real_reads += 1
+            with _disable_current_modes():
+                return bool(torch.equal(sa, sb))
+        if self.strict:
+            return None
+        self.record("aten.equal.default", True)
+        return True
 
     def record(self, op: str, value: Any, where: str | None = None) -> None:
         """List one answered read (merged with the same read at the same place).

@@ -357,18 +357,14 @@ class _Run:
             return ""
         return f" at {fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
 
-    def finish(self, e: Estimate) -> ScriptEstimate:
-        """The estimate with the script's run; bad ends raise (see the module docstring)."""
-        rec = self.record
-        n = rec.steps_run
-        steps = f"{n} optimizer step{'s' * (n != 1)}"
-        name = rec.command()
-        peak = (f"simulated up to then: peak allocated {format_bytes(e.peak_allocated_bytes)}, "
-                f"peak reserved {format_bytes(e.peak_reserved_bytes)} on {e.gpu} after {steps}")
+    def raise_bad_end(self, peak: str, e: Estimate | None = None) -> None:
+        """Raise what the script's own bad end says (rejected arguments, a non-zero exit, an
+        exception), with ``peak`` (what was simulated up to then); nothing for a good end."""
+        name = self.record.command()
         exc = self.exit
         if isinstance(exc, _ArgparseRejected):
             raise InvalidInputError(
-                f"{self.target.name} rejected its arguments {rec.args!r}: {exc.message} "
+                f"{self.target.name} rejected its arguments {self.record.args!r}: {exc.message} "
                 f"({exc.usage}); expected arguments the script accepts: fix them after the "
                 "script's name (torchmem's own options go before it)"
             )
@@ -386,6 +382,17 @@ class _Run:
                 "TORCHMEM_DEBUG=1 for the full traceback)", estimate=e)
             err.__cause__ = exc
             raise err
+
+    def finish(self, e: Estimate) -> ScriptEstimate:
+        """The estimate with the script's run; bad ends raise (see the module docstring)."""
+        rec = self.record
+        n = rec.steps_run
+        steps = f"{n} optimizer step{'s' * (n != 1)}"
+        name = rec.command()
+        peak = (f"simulated up to then: peak allocated {format_bytes(e.peak_allocated_bytes)}, "
+                f"peak reserved {format_bytes(e.peak_reserved_bytes)} on {e.gpu} after {steps}")
+        self.raise_bad_end(peak, e)
+        exc = self.exit
         if n == 0 and e.peak_requested_bytes == 0 and e.oom is None and rec.stopped != "time_limit":
             how = (f"exited with status 0{self._at(exc)}" if exc is not None
                    else "ran to its end")
@@ -504,7 +511,11 @@ def estimate_script(
                          strict_values=strict_values, default_device=default_device,
                          routing=routing, world_size=world_size)
         except InvalidInputError as err:
-            if r.record.stopped != "time_limit" or "put nothing on the GPU" not in str(err):
+            if "put nothing on the GPU" not in str(err):
+                raise
+            # the script's own error (or exit) before it reached the GPU says more
+            r.raise_bad_end("before it put anything on the GPU")
+            if r.record.stopped != "time_limit":
                 raise
             raise ScriptError(
                 f"{r.record.command()} was stopped at the time limit ({float(time_limit):g} s) "

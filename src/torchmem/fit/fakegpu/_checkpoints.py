@@ -1,0 +1,448 @@
+"""Checkpoints under an estimate: loaded with their shapes and dtypes, never their weight bytes.
+
+A fine-tuning script loads weights (``torch.load``, safetensors, ``from_pretrained``). The
+estimate needs only what each tensor is (shape, dtype, which tensors share storage) and where the
+code puts it, never its values, so inside :func:`checkpoints_without_weights`:
+
+- **safetensors** (``safe_open``, ``safetensors.torch.load_file``, ``load``, ``load_model``,
+  and transformers' ``from_pretrained``, which reads through ``safe_open``): the file's header
+  (8 bytes of length, then JSON) is parsed and checked as safetensors does; each tensor asked for
+  is a new fake tensor of the header's shape and dtype on the device the call names (``"cpu"``
+  by default: host memory, as the real load's copy is). A header that does not parse, or a file
+  shorter than its header says, raises safetensors' own ``SafetensorError`` with the file named.
+- **torch.load**: the pickle is read for real (it holds the structure), the weights are not: a
+  file in PyTorch's zip format is memory-mapped and its storages handed over as empty ``meta``
+  storages (nothing is read; a sparse 140 GB file costs nothing), then each storage becomes one
+  fake storage where the real load would put it: the device it was saved from, or where
+  ``map_location`` (a device, a string, a dict of locations) sends it. Tensors that shared a
+  storage in the file share one here (tied weights, views), ``nn.Parameter`` stays one, with its
+  ``requires_grad``. Files that cannot be mapped (the legacy format, a file object) go through
+  PyTorch's own load under the fake mode, which does not read weights either (sharing between
+  tensors is then not kept).
+- transformers loads on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``): its loader's worker
+  threads would run outside the estimate's modes.
+
+The host side of a load (the rule the host peak follows): every loaded tensor is host memory
+from the call that makes it until nothing references it, as with the real load's copy
+(``torch.load`` without ``mmap=True`` and safetensors' ``get_tensor``); transformers asks for one
+tensor at a time, moves or converts it, and drops it. ``torch.load(..., mmap=True)`` keeps its
+tensors as host memory too (page cache the process maps; the real run reads those pages when it
+copies them).
+
+Example:
+    >>> import os, tempfile, torch
+    >>> from safetensors.torch import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> save_file({"w": torch.zeros(3, 5, dtype=torch.bfloat16)}, path)
+    >>> from torch._subclasses import FakeTensorMode
+    >>> with FakeTensorMode(), checkpoints_without_weights():
+    ...     from safetensors.torch import load_file
+    ...     w = load_file(path)["w"]
+    >>> type(w).__name__, tuple(w.shape), w.dtype
+    ('FakeTensor', (3, 5), torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["checkpoints_without_weights", "read_safetensors_header"]
+
+#: safetensors' own limit on a header's size (bytes)
+HEADER_MAX = 100_000_000
+
+#: safetensors' dtype names (its ``safetensors.torch._TYPES``)
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+}
+
+
+def _safetensor_error(message: str) -> Exception:
+    """safetensors' own error type (what the real load raises), else ``ValueError``."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is what calls us
+        return ValueError(message)
+    return SafetensorError(message)
+
+
+def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str, Any]:
+    """The header of a safetensors file (a path) or buffer (bytes), checked as safetensors does:
+    ``{"tensors": {name: (dtype, shape)}, "metadata": dict | None}``. Reads the header only.
+
+    Raises safetensors' ``SafetensorError`` (with the file named) when the header is too small,
+    too large, not JSON, names an unknown dtype, gives offsets that disagree with a tensor's
+    shape, or promises more data than the file holds.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> save_file({"w": torch.zeros(2, 3)}, path, metadata={"format": "pt"})
+        >>> h = read_safetensors_header(path)
+        >>> h["tensors"]["w"], h["metadata"]
+        ((torch.float32, (2, 3)), {'format': 'pt'})
+    """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        what, size = "the buffer", len(source)
+        head = bytes(source[:8])
+    else:
+        what = os.fspath(source)
+        size = os.path.getsize(what)
+        with open(what, "rb") as f:
+            head = f.read(8)
+
+    def bad(reason: str) -> Exception:
+        return _safetensor_error(f"Error while deserializing header: {reason} ({what}, "
+                                 f"{size:,} bytes; expected a safetensors file: 8 bytes of header "
+                                 "length, a JSON header, then the tensors' data)")
+
+    if len(head) < 8:
+        raise bad("header too small")
+    (n,) = struct.unpack("<Q", head)
+    if n > HEADER_MAX:
+        raise bad("header too large")
+    if 8 + n > size:
+        raise bad(f"invalid header length: the header says {n:,} bytes")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        raw = bytes(source[8:8 + n])
+    else:
+        with open(what, "rb") as f:
+            f.seek(8)
+            raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"invalid JSON in header: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("invalid JSON in header: not an object")
+    metadata = header.pop("__metadata__", None)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, stop = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets: "
+                      f"{info!r}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if stop - begin != nbytes:
+            raise bad(f"tensor {name!r}: data_offsets {begin}..{stop} hold {stop - begin:,} "
+                      f"bytes, its shape {list(shape)} of {info['dtype']} needs {nbytes:,}")
+        tensors[name] = (dtype, shape)
+        end = max(end, stop)
+    if 8 + n + end != size:
+        raise bad("incomplete metadata, file not fully covered: the tensors end at byte "
+                  f"{8 + n + end:,} of the file")
+    return {"tensors": tensors, "metadata": metadata}
+
+
+def _device(device: Any) -> torch.device:
+    """safetensors' ``device`` argument (``"cpu"``, ``"cuda:0"``, ``0``) as a torch device."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _sliced_shape(shape: tuple[int, ...], index: Any) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape`` (ints, slices, ``...``)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in idx):
+        at = next(k for k, i in enumerate(idx) if i is Ellipsis)
+        fill = len(shape) - (len(idx) - 1)
+        idx = idx[:at] + (slice(None),) * fill + idx[at + 1:]
+    if len(idx) > len(shape):
+        raise IndexError(f"too many indices: {len(idx)} for a tensor of {len(shape)} dims")
+    out: list[int] = []
+    for k, n in enumerate(shape):
+        i = idx[k] if k < len(idx) else slice(None)
+        if isinstance(i, slice):
+            out.append(len(range(*i.indices(n))))
+        elif isinstance(i, int):
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for dimension {k} of size {n}")
+        else:
+            raise TypeError(f"a safetensors slice takes ints, slices and ..., got {i!r}")
+    return tuple(out)
+
+
+class _Slice:
+    """``safe_open(...).get_slice(name)``: its shape and dtype; ``[index]`` makes a fake tensor
+    of the indexed part (only that part is host memory, as the real slice reads only it)."""
+
+    def __init__(self, dtype: torch.dtype, dtype_name: str, shape: tuple[int, ...],
+                 device: torch.device) -> None:
+        self._dtype, self._name, self._shape, self._device = dtype, dtype_name, shape, device
+
+    def get_shape(self) -> list[int]:
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        return self._name
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return torch.empty(_sliced_shape(self._shape, index), dtype=self._dtype,
+                           device=self._device)
+
+
+class _SafeOpen:
+    """``safetensors.safe_open(path, framework="pt", device=...)`` over the header alone."""
+
+    def __init__(self, filename: Any, framework: str = "pt", device: Any = "cpu",
+                 backend: str | None = None) -> None:
+        self._path = os.fspath(filename)
+        header = read_safetensors_header(self._path)
+        self._tensors = header["tensors"]
+        self._metadata = header["metadata"]
+        self._device = _device(device)
+        with open(self._path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            raw = json.loads(f.read(n))
+        raw.pop("__metadata__", None)
+        self._names = {k: v["dtype"] for k, v in raw.items()}
+        self._offsets = sorted(raw, key=lambda k: raw[k]["data_offsets"][0])
+
+    def __enter__(self) -> _SafeOpen:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def offset_keys(self) -> list[str]:
+        return list(self._offsets)
+
+    def metadata(self) -> dict[str, str] | None:
+        return self._metadata
+
+    def _entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise _safetensor_error(f"File does not contain tensor {name}") from None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        dtype, shape = self._entry(name)
+        return torch.empty(shape, dtype=dtype, device=self._device)
+
+    def get_slice(self, name: str) -> _Slice:
+        dtype, shape = self._entry(name)
+        return _Slice(dtype, self._names[name], shape, self._device)
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: self.get_tensor(k) for k in self.offset_keys()}
+
+
+def _safe_open(filename: Any, framework: str = "pt", device: Any = "cpu",
+               backend: str | None = None, _real: Any = None) -> Any:
+    if framework not in ("pt", "torch", "pytorch"):  # numpy, flax: not ours to fake
+        return _real(filename, framework=framework, device=device)
+    return _SafeOpen(filename, framework, device, backend)
+
+
+def _load_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load(data)``: host tensors from the header in ``data``."""
+    header = read_safetensors_header(data)
+    return {k: torch.empty(shape, dtype=dtype) for k, (dtype, shape) in header["tensors"].items()}
+
+
+# -- torch.load ----------------------------------------------------------------------------------
+
+def _target(location: str, map_location: Any) -> torch.device:
+    """Where the real ``torch.load`` puts a storage saved from ``location``."""
+    if map_location is None:
+        return torch.device(location)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(location, location))
+    if isinstance(map_location, (str, torch.device, int)):
+        return _device(map_location)
+    if callable(map_location):  # called with an empty storage: where it says it goes
+        with torch._C.DisableTorchFunction():
+            got = map_location(torch.UntypedStorage(0, device="meta"), location)
+        dev = getattr(got, "device", None)
+        return torch.device(location) if dev is None or dev.type == "meta" else dev
+    return torch.device(location)
+
+
+def _mapped_load(original: Any, f: Any, map_location: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.device]] | None:
+    """The real ``torch.load`` on the memory-mapped file with every storage handed over empty
+    (``meta``); ``None`` when the file cannot be mapped (then PyTorch's fake load is used)."""
+    if not isinstance(f, (str, os.PathLike)):
+        return None
+    import zipfile
+
+    if not zipfile.is_zipfile(f):
+        return None
+    where: dict[int, torch.device] = {}
+    # PyTorch keeps a loaded storage for the next tensor on it only when it has data; an empty
+    # one is asked for again, with the same mapped bytes: the same empty storage comes back
+    handed: dict[tuple[int, int], Any] = {}
+
+    def hand_over(storage: Any, location: str) -> Any:
+        key = (storage.data_ptr(), storage.nbytes())
+        empty = handed.get(key)
+        if empty is None:
+            empty = handed[key] = torch.UntypedStorage(storage.nbytes(), device="meta")
+            where[empty._cdata] = _target(location, map_location)
+        return empty
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    kwargs = {**kwargs, "mmap": True}
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        out = original(f, hand_over, *args, **kwargs)
+    return out, where
+
+
+class _Rebuild:
+    """Meta tensors from :func:`_mapped_load` made into fake tensors on their devices, one fake
+    storage per file storage."""
+
+    def __init__(self, where: dict[int, torch.device]) -> None:
+        self.where = where
+        self.bases: dict[int, torch.Tensor] = {}
+        self.memo: dict[int, Any] = {}
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            st = t.untyped_storage()
+            key, nbytes = st._cdata, st.nbytes()
+            size, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+            dtype, grad = t.dtype, t.requires_grad
+        base = self.bases.get(key)
+        if base is None:
+            dev = self.where.get(key, torch.device("cpu"))
+            base = self.bases[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        item = dtype.itemsize
+        view = base if dtype == torch.uint8 else base[: nbytes - nbytes % item].view(dtype)
+        out = view.as_strided(size, stride, offset)
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=grad)
+        if grad and (dtype.is_floating_point or dtype.is_complex):
+            out.requires_grad_(True)
+        return out
+
+    def __call__(self, obj: Any) -> Any:
+        memo = self.memo.get(id(obj))
+        if memo is not None:
+            return memo
+        if isinstance(obj, torch.Tensor):
+            with torch._C.DisableTorchFunction():
+                meta = obj.device.type == "meta"
+            out = self.tensor(obj) if meta else obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                obj[k] = self(v)
+            out = obj
+        elif isinstance(obj, list):
+            obj[:] = [self(v) for v in obj]
+            out = obj
+        elif isinstance(obj, tuple):
+            items = [self(v) for v in obj]
+            out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        elif isinstance(obj, torch.nn.Module):
+            for m in obj.modules():
+                for k, p in m._parameters.items():
+                    if p is not None:
+                        m._parameters[k] = self(p)
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[k] = self(b)
+            out = obj
+        else:
+            out = obj
+        self.memo[id(obj)] = out
+        return out
+
+
+def _torch_load(original: Any) -> Any:
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        mapped = _mapped_load(original, f, map_location, args, kwargs)
+        if mapped is None:  # PyTorch's own load under the fake mode: reads no weights
+            return original(f, map_location, *args, **kwargs)
+        out, where = mapped
+        return _Rebuild(where)(out)
+
+    load.__wrapped__ = original  # type: ignore[attr-defined]
+    return load
+
+
+# -- installing ------------------------------------------------------------------------------------
+
+def _replace_everywhere(old: Any, new: Any, undo: list[Any]) -> None:
+    """Every module attribute that is ``old`` (``from safetensors import safe_open`` copies it
+    into the importing module) becomes ``new``; ``undo`` gets what puts them back."""
+    for mod in list(sys.modules.values()):
+        d = getattr(mod, "__dict__", None)
+        if not isinstance(d, dict):
+            continue
+        for k, v in list(d.items()):
+            if v is old:
+                d[k] = new
+                undo.append((d, k, old))
+
+
+@contextlib.contextmanager
+def checkpoints_without_weights() -> Iterator[None]:
+    """Inside, ``torch.load`` and safetensors' loaders give fake tensors with the file's shapes,
+    dtypes and sharing, and read no weight bytes (see the module's text); restored on exit.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.pt")
+        >>> torch.save({"w": torch.zeros(4, 4)}, path)
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode(), checkpoints_without_weights():
+        ...     w = torch.load(path)["w"]
+        >>> type(w).__name__, tuple(w.shape)
+        ('FakeTensor', (4, 4))
+    """
+    undo: list[Any] = []
+    real_load = torch.load
+    fake_load = _torch_load(real_load)
+    _replace_everywhere(real_load, fake_load, undo)
+    torch.load = fake_load  # type: ignore[assignment]
+    if importlib.util.find_spec("safetensors") is not None:
+        import safetensors
+        import safetensors.torch as st
+
+        real_open = safetensors.safe_open
+
+        def fake_open(filename: Any, framework: str = "pt", device: Any = "cpu",
+                      backend: str | None = None) -> Any:
+            return _safe_open(filename, framework, device, backend, _real=real_open)
+
+        for old, new in ((real_open, fake_open), (st.load, _load_bytes)):
+            _replace_everywhere(old, new, undo)
+    async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        torch.load = real_load  # type: ignore[assignment]
+        for d, k, old in reversed(undo):
+            d[k] = old
+        if async_load is None:
+            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = async_load
