@@ -42,6 +42,7 @@ def R() -> str:
 # (test_every_benchmark_has_a_smoke_run).
 SMOKE: dict[str, list[str]] = {
     "bench_aggregate.py": ["--events", "2000", "--speed-events", "2000"],
+    "bench_checkpoint_load.py": ["--models", "tiny"],
     "bench_copy.py": ["--vocab", "1000", "--repeats", "1"],
     "bench_diff.py": ["--events", "5000", "--repeats", "1"],
     "bench_estimate.py": ["--smoke"],
@@ -160,6 +161,14 @@ def test_bench_aggregate() -> None:
           rf" = -?{NUM} B/event \(target <= 64 MiB: met\)" for m in ("agg-nosteps", "agg-nosteps-grad")),
         rf"^aggregate / full: held {R()}, peak {R()}, RSS {NUM}; CPU time per event {R()}x",
         r"target <= 64 MiB: met\); same peak as full: True")
+
+
+def test_bench_checkpoint_load() -> None:
+    pytest.importorskip("transformers")
+    out = smoke("bench_checkpoint_load.py")
+    has(out, rf"^tiny +{NUM} G estimate, T4: load +{NUM} +{NUM} G +{NUM} G$",
+        rf"^tiny +{NUM} G estimate, T4: config +{NUM} +{NUM} G +{NUM} G$",
+        rf"^tiny +checkpoint / config: wall {R()}x, peak RSS {R()}x$")
 
 
 def test_bench_copy() -> None:

@@ -260,6 +260,11 @@ def command_folder(tmp_path_factory: pytest.TempPathFactory, torchmem_cli: WarmT
     shutil.copytree(COMMAND_FILES, base, dirs_exist_ok=True, ignore=shutil.ignore_patterns("README.md"))
     for name, real in SNAPSHOTS.items():
         shutil.copyfile(DATA / real, base / name)
+    from _sparse_checkpoint import llama_config, llama_tensors, write_sparse_checkpoint
+
+    tiny = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256)
+    # README: `finetune.py ./Llama-2-7b-hf`, a downloaded checkpoint (here tiny, weights as holes)
+    write_sparse_checkpoint(base / "Llama-2-7b-hf", llama_config(**tiny), llama_tensors(**tiny))
     (base / "tests").mkdir()
     (base / "tests" / "data").symlink_to(DATA)
     with open(base / "decomfl_oom.pickle", "wb") as f:  # oom.md: DeComFL's trace ended by an OOM

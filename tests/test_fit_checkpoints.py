@@ -1,0 +1,273 @@
+"""Checkpoints under an estimate (issue 40): loads give the file's shapes, dtypes and sharing
+and read no weights; a model loaded from a checkpoint has the peaks of the same model built
+from its config; a Llama-2-70B-shaped checkpoint (a sparse file) is estimated in little memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchmem.fit.fakegpu._checkpoints import read_safetensors_header
+from torchmem.fit.run._engine import run_once
+from torchmem.fit.targets._script import ScriptError, estimate_script
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sparse_checkpoint import (  # noqa: E402
+    LLAMA2_70B,
+    llama_config,
+    llama_tensors,
+    write_sparse_checkpoint,
+)
+
+safetensors = pytest.importorskip("safetensors")
+from safetensors import SafetensorError, safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_safetensors_header_is_what_safetensors_reads(tmp_path: Path) -> None:
+    tensors = {"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16),
+               "c": torch.zeros(2, 2, 2, dtype=torch.int64), "d": torch.zeros((), dtype=torch.bool),
+               "e": torch.zeros(0, 4, dtype=torch.float16)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"step": "10"})
+    header = read_safetensors_header(path)
+    with safe_open(str(path), "pt") as f:
+        real = {k: (f.get_tensor(k).dtype, tuple(f.get_tensor(k).shape)) for k in f.keys()}
+        meta = f.metadata()
+    assert header["tensors"] == real
+    assert header["metadata"] == meta == {"step": "10"}
+    # the same from bytes
+    assert read_safetensors_header(path.read_bytes())["tensors"] == real
+
+
+@pytest.mark.parametrize("damage", ["truncated", "short", "not json", "huge header", "offsets"])
+def test_a_damaged_safetensors_file_fails_as_safetensors_fails(tmp_path: Path,
+                                                               damage: str) -> None:
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.zeros(100, 10)}, str(good))
+    data = good.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "short":
+        data = data[:5]
+    elif damage == "not json":
+        data = data[:8] + b"{" * n + data[8 + n:]
+    elif damage == "huge header":
+        data = (10**12).to_bytes(8, "little") + data[8:]
+    else:  # offsets that do not match the shape (JSON of the same length)
+        head = data[8:8 + n].decode().replace('"shape":[100,10]', '"shape":[100,11]')
+        data = data[:8] + head.encode() + data[8 + n:]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data)
+    with pytest.raises(SafetensorError):  # the real reader refuses it too
+        with safe_open(str(bad), "pt") as f:
+            f.get_tensor("w")
+    with pytest.raises(SafetensorError, match="Error while deserializing header") as err:
+        read_safetensors_header(bad)
+    assert str(bad) in str(err.value) and "expected a safetensors file" in str(err.value)
+
+
+def _in_estimate(body: Any, gpu: str = "T4") -> Any:
+    """Run ``body()`` as the build of an estimate (nothing on the GPU after it) and return what
+    it returned, with the estimate."""
+    got: dict[str, Any] = {}
+
+    def build(batch_size: int) -> Any:
+        got["out"] = body()
+        x = torch.ones(1, device="cuda")
+        return lambda: x + 1
+
+    e = run_once(build, 1, gpu, steps=1)
+    return got["out"], e
+
+
+def test_torch_load_keeps_sharing_parameters_and_places_storages(tmp_path: Path) -> None:
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    buf = torch.zeros(1000)
+    path = tmp_path / "ck.pt"
+    torch.save({"w": w, "tied": w, "view": w[8:], "buf": buf, "step": 7, "nested": [buf]},
+               path)
+
+    def load() -> dict[str, Any]:
+        sd = torch.load(path, map_location="cuda")  # every storage to the GPU
+        host = torch.load(path)  # saved from the host: stays there
+        return {
+            "types": (isinstance(sd["w"], torch.nn.Parameter), sd["w"].requires_grad,
+                      isinstance(sd["view"], torch.nn.Parameter)),
+            "tied": sd["tied"] is sd["w"],
+            "view_shares": sd["view"].untyped_storage()._cdata == sd["w"].untyped_storage()._cdata,
+            "view_offset": (sd["view"].storage_offset(), tuple(sd["view"].shape)),
+            "nested_shares": sd["nested"][0].untyped_storage()._cdata
+            == sd["buf"].untyped_storage()._cdata,
+            "devices": (sd["w"].device.type, host["w"].device.type),
+            "gpu_bytes": torch.cuda.memory_allocated(),
+            "step": sd["step"],
+            "index": torch.device(0).type,
+        }
+
+    out, _ = _in_estimate(load)
+    assert out["types"] == (True, True, False)
+    assert out["tied"] and out["view_shares"] and out["nested_shares"]
+    assert out["view_offset"] == (8 * 64, (56, 64))
+    assert out["devices"] == ("cuda", "cpu")
+    assert out["step"] == 7
+    assert out["index"] == "cuda"
+    # two storages on the GPU: 64 x 64 fp32 and 1000 fp32, each rounded up to 512 bytes
+    assert out["gpu_bytes"] == 64 * 64 * 4 + 4096
+
+
+def test_torch_load_map_location_dict_and_safetensors_devices(tmp_path: Path) -> None:
+    path = tmp_path / "ck.pt"
+    torch.save({"a": torch.zeros(256)}, path)
+    st = tmp_path / "ck.safetensors"
+    save_file({"a": torch.zeros(512), "b": torch.zeros(128, dtype=torch.float16)}, str(st))
+
+    def load() -> dict[str, Any]:
+        from safetensors.torch import load, load_file
+
+        a = torch.load(path, map_location={"cpu": "cuda:0"})["a"]
+        before = torch.cuda.memory_allocated()
+        on_gpu = load_file(str(st), device="cuda")
+        with safe_open(str(st), "pt") as f:
+            part = f.get_slice("a")[10:20]
+            shape, dtype = f.get_slice("b").get_shape(), f.get_slice("b").get_dtype()
+        from_bytes = load(st.read_bytes())
+        return {"a": (a.device.type, before), "gpu": torch.cuda.memory_allocated() - before,
+                "on_gpu": sorted((k, v.device.type, v.dtype) for k, v in on_gpu.items()),
+                "part": (tuple(part.shape), part.device.type), "slice": (shape, dtype),
+                "bytes": {k: tuple(v.shape) for k, v in from_bytes.items()}}
+
+    out, _ = _in_estimate(load)
+    assert out["a"] == ("cuda", 1024)
+    assert out["gpu"] == 512 * 4 + 512  # 2048 and 256 rounded to 512
+    assert out["on_gpu"] == [("a", "cuda", torch.float32), ("b", "cuda", torch.float16)]
+    assert out["part"] == ((10,), "cpu")
+    assert out["slice"] == ([128], "F16")
+    assert out["bytes"] == {"a": (512,), "b": (128,)}
+
+
+TRAIN = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path, how = sys.argv[1], sys.argv[2]
+    if how == "config":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    model.train()  # from_pretrained returns the model in eval mode (no dropout)
+    model.to("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        x = torch.randint(0, 1000, (4, 64), device="cuda")
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("gpt2")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000,
+                                  n_positions=128, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.save_pretrained(root / "one")
+    model.save_pretrained(root / "sharded", max_shard_size="200KB")
+    (root / "bin").mkdir()
+    (root / "bin" / "config.json").write_text((root / "one" / "config.json").read_text())
+    torch.save(model.state_dict(), root / "bin" / "pytorch_model.bin")  # lm_head tied to wte
+    (root / "train.py").write_text(TRAIN)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["one", "sharded", "bin"])
+def test_from_pretrained_has_the_peaks_of_the_model_built_from_its_config(
+    gpt2_checkpoints: Path, kind: str
+) -> None:
+    root = gpt2_checkpoints
+    assert len(list((root / "sharded").glob("*.safetensors"))) > 1
+    script = str(root / "train.py")
+    ck = estimate_script(script, [str(root / kind), "checkpoint"], "T4", steps=2)
+    cf = estimate_script(script, [str(root / kind), "config"], "T4", steps=2)
+    assert ck.script.steps_run == cf.script.steps_run == 2
+    for key in ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
+        assert getattr(ck, key) == getattr(cf, key), key
+    # the parameters, their gradients and AdamW's two states are on the GPU (not the host)
+    params = sum(p.numel() * 4 for p in torch.nn.Module.parameters(
+        __import__("transformers").GPT2LMHeadModel.from_pretrained(root / "one")))
+    assert ck.peak_requested_bytes > 4 * params
+    assert ck.assumed_values == []  # the tied weights' torch.equal is answered, not assumed
+
+
+def test_a_script_that_fails_while_loading_says_so(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    script = tmp_path / "load.py"
+    # a host tensor first: the run then has host memory and nothing on the GPU, which alone
+    # would read "put nothing on the GPU"; the script's own error says more
+    script.write_text("import torch\nfrom safetensors.torch import load_file\n"
+                      f"x = torch.zeros(1000)\nsd = load_file({str(bad)!r})\n")
+    with pytest.raises(ScriptError) as err:
+        estimate_script(str(script), [], "T4")
+    msg = str(err.value)
+    assert "raised SafetensorError at" in msg and "load.py:4" in msg
+    assert "invalid JSON in header" in msg and str(bad) in msg
+    assert "before it put anything on the GPU" in msg and "put nothing on the GPU" not in msg
+
+
+FORWARD = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16,
+                                                 device_map="cuda")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    print("PARAMS", params, torch.cuda.memory_allocated(), file=sys.stderr)
+    x = torch.randint(0, 32000, (1, 16), device="cuda")
+    with torch.no_grad():
+        model(x)
+""")
+
+
+@pytest.mark.slow
+def test_a_llama2_70b_shaped_checkpoint_is_estimated_without_its_weights(tmp_path: Path) -> None:
+    """A sparse checkpoint (27 shards, 128.5 GiB of holes) loaded in bf16 onto an H200 and run
+    forward: the parameters on the simulated GPU are the header's bytes, and the estimator's
+    own peak RSS stays far below the checkpoint."""
+    pytest.importorskip("transformers")
+    folder = tmp_path / "llama70b"
+    total = write_sparse_checkpoint(folder, llama_config(**LLAMA2_70B), llama_tensors(**LLAMA2_70B))
+    assert total == 137_953_296_384  # 68.98 B parameters x 2 bytes
+    assert sum(f.stat().st_blocks for f in folder.iterdir()) * 512 < 2**20  # holes on disk
+    script = tmp_path / "fwd.py"
+    script.write_text(FORWARD)
+    # a fresh parent whose only child is the estimate: its children's peak RSS is the estimate's
+    wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print('RSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+               "file=sys.stderr); sys.exit(r.returncode)")
+    res = subprocess.run(
+        [sys.executable, "-c", wrapper, sys.executable, "-m", "torchmem", "estimate", "--json",
+         "--gpu", "H200", str(script), str(folder)], capture_output=True, text=True,
+        timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(ln for ln in res.stderr.splitlines() if ln.startswith("PARAMS"))
+    params, allocated = (int(v) for v in line.split()[1:])
+    assert params == total
+    assert total <= allocated < total + 2**20  # the weights are on the GPU (plus a rope buffer)
+    data = json.loads(res.stdout[res.stdout.index("{"):])
+    assert data["fits"] is True and data["peak_requested_bytes"] >= total
+    rss_kib = int(next(ln for ln in res.stderr.splitlines() if ln.startswith("RSS")).split()[1])
+    assert rss_kib * 1024 < 2 * 2**30, rss_kib
