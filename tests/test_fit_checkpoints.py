@@ -5,6 +5,7 @@ from its config; a Llama-2-70B-shaped checkpoint (a sparse file) is estimated in
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -271,3 +272,102 @@ def test_a_llama2_70b_shaped_checkpoint_is_estimated_without_its_weights(tmp_pat
     assert data["fits"] is True and data["peak_requested_bytes"] >= total
     rss_kib = int(next(ln for ln in res.stderr.splitlines() if ln.startswith("RSS")).split()[1])
     assert rss_kib * 1024 < 2 * 2**30, rss_kib
+
+
+LORA = textwrap.dedent("""
+    import sys, torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path, how = sys.argv[1], sys.argv[2]
+    if how == "config":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    if how == "adapter":  # the adapter saved by a LoRA run, loaded for more training
+        model = PeftModel.from_pretrained(model, sys.argv[3], is_trainable=True)
+    else:
+        model = get_peft_model(model, LoraConfig(r=8, target_modules=["c_attn"],
+                                                 task_type="CAUSAL_LM"))
+    model.train()
+    model.to("cuda")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    for _ in range(2):
+        x = torch.randint(0, 1000, (4, 64), device="cuda")
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+""")
+
+
+@pytest.mark.slow
+def test_lora_on_a_loaded_model_and_a_loaded_adapter_have_the_config_models_peaks(
+    gpt2_checkpoints: Path, tmp_path: Path
+) -> None:
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    root = gpt2_checkpoints
+    adapter = tmp_path / "adapter"
+    base = transformers.GPT2LMHeadModel.from_pretrained(root / "one")
+    peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["c_attn"],
+                                              task_type="CAUSAL_LM")).save_pretrained(adapter)
+    script = tmp_path / "lora.py"
+    script.write_text(LORA)
+    runs = {how: estimate_script(str(script), [str(root / "one"), how, str(adapter)], "T4")
+            for how in ("config", "checkpoint", "adapter")}
+    keys = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+    want = [getattr(runs["config"], k) for k in keys]
+    for how in ("checkpoint", "adapter"):
+        assert [getattr(runs[how], k) for k in keys] == want, how
+        assert runs[how].script.steps_run == 2
+
+
+DISPATCH = textwrap.dedent("""
+    import sys, torch
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path, device = sys.argv[1], sys.argv[2]
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                                 dtype=torch.bfloat16)
+    model = load_checkpoint_and_dispatch(model, path, dtype=torch.bfloat16,
+                                         device_map={"": 0 if device == "cuda" else "cpu"})
+    x = torch.randint(0, 256, (2, 32), device=device)
+    with torch.no_grad():
+        model(x)
+""")
+PRETRAINED = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16,
+                                                 device_map={"": 0})
+    x = torch.randint(0, 256, (2, 32), device="cuda")
+    with torch.no_grad():
+        model(x)
+""")
+
+
+@pytest.mark.slow
+def test_accelerate_init_empty_weights_and_dispatch(tmp_path: Path, gpt2_checkpoints: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untied weights: the same peaks as ``from_pretrained(device_map={"": 0})``. GPT-2's tied
+    head stays on the meta device under accelerate's dispatch (the checkpoint stores it once),
+    and moving it fails as it fails for real (checked on the CPU here)."""
+    pytest.importorskip("accelerate")
+    tiny = dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256)
+    folder = tmp_path / "llama"
+    write_sparse_checkpoint(folder, llama_config(**tiny), llama_tensors(**tiny))
+    (tmp_path / "dispatch.py").write_text(DISPATCH)
+    (tmp_path / "pretrained.py").write_text(PRETRAINED)
+    a = estimate_script(str(tmp_path / "dispatch.py"), [str(folder), "cuda"], "T4")
+    b = estimate_script(str(tmp_path / "pretrained.py"), [str(folder)], "T4")
+    weights = sum(math.prod(s) * 2 for _, s in llama_tensors(**tiny).values())
+    assert a.peak_requested_bytes == b.peak_requested_bytes >= weights
+    # the tied GPT-2: the real run on the CPU and the estimate fail alike
+    monkeypatch.setattr(sys, "argv", ["dispatch.py", str(gpt2_checkpoints / "one"), "cpu"])
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as real:
+        exec(compile(DISPATCH, "dispatch.py", "exec"), {"__name__": "__main__"})
+    with pytest.raises(ScriptError, match="Cannot copy out of meta tensor") as est:
+        estimate_script(str(tmp_path / "dispatch.py"), [str(gpt2_checkpoints / "one"), "cuda"],
+                        "T4")
+    assert "NotImplementedError" in str(est.value) and real.value is not None

@@ -101,7 +101,10 @@ def _fake_apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.n
             except RuntimeError:
                 self._parameters[k] = p = new
         else:
-            p.data = q
+            try:
+                p.data = q
+            except RuntimeError:  # another device type (a meta parameter): PyTorch replaces it
+                self._parameters[k] = p = torch.nn.Parameter(q, requires_grad=p.requires_grad)
         g = p.grad
         if g is not None:
             with torch.no_grad():
@@ -180,12 +183,21 @@ def _cpu_fake_new(original: Callable[..., Any]) -> Callable[..., Any]:
     """``FakeTensor.__new__`` that makes a fake tensor of a CUDA device one of the fake CPU
     device: code that runs below this module's function mode (inside an operator, e.g.
     DTensor's sharding propagation on a ``"cuda"`` mesh) may still ask for ``"cuda"``; a
-    CPU-only PyTorch cannot run such tensors (the estimate's placement says where they are)."""
+    CPU-only PyTorch cannot run such tensors (the estimate's placement says where they are).
 
-    def __new__(cls: Any, fake_mode: Any, elem: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+    A fake parameter's type is ``FakeTensor`` (``nn.Parameter`` of a tensor subclass keeps the
+    subclass), so the common idiom ``type(param)(data, requires_grad=...)`` (accelerate's
+    ``init_empty_weights`` and ``set_module_tensor_to_device``) calls this with a tensor first:
+    it makes the parameter that idiom means, ``nn.Parameter(data, requires_grad)``."""
+
+    def __new__(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            grad = kwargs.get("requires_grad", args[1] if len(args) > 1 else True)
+            return torch.nn.Parameter(args[0], requires_grad=bool(grad))
+        fake_mode, elem, device, *rest = args
         if device.type == "cuda":
             device = _CPU
-        return original(cls, fake_mode, elem, device, *args, **kwargs)
+        return original(cls, fake_mode, elem, device, *rest, **kwargs)
 
     return __new__
 
@@ -283,6 +295,11 @@ def _fake_record_stream(self: torch.Tensor, stream: Any) -> None:
         raise TypeError(f"record_stream expects a stream, got {type(stream).__name__}")
 
 
+def _is_index(x: Any) -> bool:
+    """``x`` is a device index (``.to(0)``, ``torch.device(0)``): an int, not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_cpu(x: Any) -> bool:
     return _is_type(x, "cpu")
 
@@ -348,11 +365,12 @@ class _CudaToCpu(TorchFunctionMode):
                 return out
         if func is torch.device or func is _PARSE_TO:
             # a CUDA device stays one: where it is used says the placement
-            if (func is torch.device and len(args) == 1 and not kwargs
-                    and isinstance(args[0], int) and not isinstance(args[0], bool)):
+            if func is torch.device and len(args) == 1 and not kwargs and _is_index(args[0]):
                 # torch.device(0): the current accelerator's device 0, which a CPU-only
                 # PyTorch refuses ("Cannot access accelerator device"); here the GPU
                 return func("cuda", args[0])
+            if func is _PARSE_TO and args and _is_index(args[0]):  # module.to(0)
+                args = (torch.device("cuda", args[0]), *args[1:])
             return func(*args, **kwargs)
         if func is torch.Tensor.pin_memory:
             src = args[0]
@@ -372,6 +390,8 @@ class _CudaToCpu(TorchFunctionMode):
             target = False
         elif func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], torch.Tensor):
             target = pl.is_gpu(args[1])  # .to(other): other's device
+        elif func is torch.Tensor.to and len(args) > 1 and _is_index(args[1]):
+            args = (args[0], "cuda", *args[2:])  # .to(0): CUDA device 0 (rewritten below)
         for a in args:
             t = _target(a)
             if t is not None:
@@ -399,6 +419,10 @@ class _CudaToCpu(TorchFunctionMode):
         try:
             if func in _COPIES:
                 src = args[0]
+                if isinstance(src, torch.Tensor) and src.is_meta:
+                    # a tensor without data (the meta device: init_empty_weights, a parameter
+                    # a checkpoint did not fill) cannot be copied to a device, as in PyTorch
+                    raise NotImplementedError("Cannot copy out of meta tensor; no data!")
                 out = src if func is not torch.Tensor.to else func(*args, **kwargs)
                 if out is src and pl.is_gpu(src) is not None and pl.is_gpu(src) != target:
                     out = src.clone()  # a copy to the other side (PyTorch's .to does one)
