@@ -371,3 +371,91 @@ def test_accelerate_init_empty_weights_and_dispatch(tmp_path: Path, gpt2_checkpo
         estimate_script(str(tmp_path / "dispatch.py"), [str(gpt2_checkpoints / "one"), "cuda"],
                         "T4")
     assert "NotImplementedError" in str(est.value) and real.value is not None
+
+
+def _hub_cache(home: Path, repo: str, files: dict[str, Path]) -> None:
+    """A Hugging Face cache entry for ``repo`` (``HF_HOME=home``) holding ``files``."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    entry = home / "hub" / f"models--{repo.replace('/', '--')}"
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(sha)
+    snap = entry / "snapshots" / sha
+    snap.mkdir(parents=True)
+    for name, src in files.items():
+        (snap / name).write_bytes(src.read_bytes())
+
+
+@pytest.mark.slow
+def test_a_hub_name_from_the_offline_cache_with_or_without_weights(
+    gpt2_checkpoints: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``from_pretrained("org/name")`` with ``HF_HUB_OFFLINE=1``: from the cached weights, and
+    from a cached ``config.json`` alone (a note says so), the same peaks as the local folder;
+    with nothing cached, one error naming the file to fetch."""
+    one = gpt2_checkpoints / "one"
+    home = tmp_path / "hf"
+    _hub_cache(home, "acme/gpt2-full", {"config.json": one / "config.json",
+                                        "model.safetensors": one / "model.safetensors"})
+    _hub_cache(home, "acme/gpt2-config", {"config.json": one / "config.json"})
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(home / "hub"))
+    import transformers.utils.hub as thub
+
+    monkeypatch.setattr(thub, "TRANSFORMERS_CACHE", str(home / "hub"), raising=False)
+    script = str(gpt2_checkpoints / "train.py")
+    local = estimate_script(script, [str(one), "checkpoint"], "T4")
+    full = estimate_script(script, ["acme/gpt2-full", "checkpoint"], "T4")
+    config = estimate_script(script, ["acme/gpt2-config", "checkpoint"], "T4")
+    keys = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+    assert [getattr(full, k) for k in keys] == [getattr(local, k) for k in keys]
+    assert [getattr(config, k) for k in keys] == [getattr(local, k) for k in keys]
+    assert not any("no weights at hand" in n for n in full.notes)
+    assert any(n.startswith("acme/gpt2-config: no weights at hand") and "float32" in n
+               for n in config.notes), config.notes
+    with pytest.raises(ScriptError) as err:
+        estimate_script(script, ["acme/missing", "checkpoint"], "T4")
+    assert "acme/missing: no config.json in the local Hugging Face cache" in str(err.value)
+    assert "`hf download acme/missing config.json`" in str(err.value)
+
+
+LIGHTNING = textwrap.dedent("""
+    import sys, torch
+    from lightning.fabric import Fabric
+    from lightning.fabric.utilities.load import _lazy_load
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    if sys.argv[1] == "lazy":
+        net.load_state_dict(_lazy_load(sys.argv[2]))
+    elif sys.argv[1] == "fabric":
+        Fabric(accelerator="cuda", devices=1).load(sys.argv[2], {"model": net})
+    net.to("cuda")
+    opt = torch.optim.AdamW(net.parameters())
+    x = torch.randn(64, 256, device="cuda")
+    net(x).sum().backward()
+    opt.step()
+""")
+
+
+def test_lightning_lazy_load_and_fabric_load_read_no_weights(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from lightning.fabric import Fabric
+
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256))
+    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    Fabric(accelerator="cpu", devices=1).save(tmp_path / "fabric.ckpt", {"model": net})
+    script = tmp_path / "l.py"
+    script.write_text(LIGHTNING)
+    runs = {how: estimate_script(str(script), [how, str(tmp_path / f)], "T4")
+            for how, f in (("none", "sd.pt"), ("lazy", "sd.pt"), ("fabric", "fabric.ckpt"))}
+    keys = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+    want = [getattr(runs["none"], k) for k in keys]
+    for how in ("lazy", "fabric"):
+        assert [getattr(runs[how], k) for k in keys] == want, how
+    # the lazy state dict reads one tensor at a time when load_state_dict copies it: the host
+    # peak is the model's own weights plus the largest tensor (as a real lazy load holds)
+    weights = sum(p.numel() * 4 for p in net.parameters())
+    assert runs["none"].host_peak_bytes == weights
+    assert runs["lazy"].host_peak_bytes == weights + 1024 * 256 * 4

@@ -16,9 +16,18 @@ code puts it, never its values, so inside :func:`checkpoints_without_weights`:
   fake storage where the real load would put it: the device it was saved from, or where
   ``map_location`` (a device, a string, a dict of locations) sends it. Tensors that shared a
   storage in the file share one here (tied weights, views), ``nn.Parameter`` stays one, with its
-  ``requires_grad``. Files that cannot be mapped (the legacy format, a file object) go through
-  PyTorch's own load under the fake mode, which does not read weights either (sharing between
-  tensors is then not kept).
+  ``requires_grad``. An open file at its start is mapped from its path (Lightning opens
+  checkpoints through fsspec). Files that cannot be mapped (the legacy format, a buffer) go
+  through PyTorch's own load under the fake mode, which does not read weights either (sharing
+  between tensors is then not kept, and a callable ``map_location`` leaves each tensor on the
+  device it was saved from).
+- Lightning's lazy load (``_lazy_load``: ``Fabric.load``, litgpt's checkpoints): each tensor
+  asked for is a new host tensor, as the real one reads its record anew each time.
+- transformers' ``from_pretrained`` of a model whose weights are not at hand (a Hugging Face
+  cache entry or folder with ``config.json`` alone): the model is loaded from a stand-in
+  checkpoint with the shapes its state dict has (floating tensors in the config's dtype), and
+  the report says so in a note. Without a ``config.json`` either, the error says which file to
+  fetch (``hf download NAME config.json``): the estimate needs no weights.
 - transformers loads on the calling thread (``HF_DEACTIVATE_ASYNC_LOAD=1``): its loader's worker
   threads would run outside the estimate's modes.
 
@@ -283,11 +292,32 @@ def _target(location: str, map_location: Any) -> torch.device:
     return torch.device(location)
 
 
+def _file_path(f: Any) -> str | None:
+    """The path of the file ``torch.load`` was given: a path, or an open file at its start
+    (Lightning opens checkpoints through fsspec: its file object wraps the real one in ``.f``)."""
+    for _ in range(3):
+        if isinstance(f, (str, os.PathLike)):
+            return os.fspath(f)
+        for attr in ("name", "path"):
+            name = getattr(f, attr, None)
+            if isinstance(name, str) and os.path.isfile(name):
+                try:
+                    at_start = f.tell() == 0
+                except (AttributeError, OSError, ValueError):
+                    at_start = False
+                return name if at_start else None
+        f = getattr(f, "f", None)
+        if f is None:
+            return None
+    return None
+
+
 def _mapped_load(original: Any, f: Any, map_location: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.device]] | None:
     """The real ``torch.load`` on the memory-mapped file with every storage handed over empty
     (``meta``); ``None`` when the file cannot be mapped (then PyTorch's fake load is used)."""
-    if not isinstance(f, (str, os.PathLike)):
+    f = _file_path(f)
+    if f is None:
         return None
     import zipfile
 
@@ -318,8 +348,11 @@ class _Rebuild:
     """Meta tensors from :func:`_mapped_load` made into fake tensors on their devices, one fake
     storage per file storage."""
 
-    def __init__(self, where: dict[int, torch.device]) -> None:
+    def __init__(self, where: dict[int, torch.device], every: bool = False) -> None:
         self.where = where
+        #: rebuild every tensor (PyTorch's own fake load: fake tensors the run did not make, on
+        #: the device they report), not only the meta ones
+        self.every = every
         self.bases: dict[int, torch.Tensor] = {}
         self.memo: dict[int, Any] = {}
 
@@ -331,7 +364,9 @@ class _Rebuild:
             dtype, grad = t.dtype, t.requires_grad
         base = self.bases.get(key)
         if base is None:
-            dev = self.where.get(key, torch.device("cpu"))
+            with torch._C.DisableTorchFunction():
+                own = t.device if self.every else None
+            dev = self.where.get(key, own if own is not None else torch.device("cpu"))
             base = self.bases[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         item = dtype.itemsize
         view = base if dtype == torch.uint8 else base[: nbytes - nbytes % item].view(dtype)
@@ -346,10 +381,11 @@ class _Rebuild:
         memo = self.memo.get(id(obj))
         if memo is not None:
             return memo
+        out: Any
         if isinstance(obj, torch.Tensor):
             with torch._C.DisableTorchFunction():
                 meta = obj.device.type == "meta"
-            out = self.tensor(obj) if meta else obj
+            out = self.tensor(obj) if meta or self.every else obj
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 obj[k] = self(v)
@@ -379,12 +415,138 @@ def _torch_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         mapped = _mapped_load(original, f, map_location, args, kwargs)
         if mapped is None:  # PyTorch's own load under the fake mode: reads no weights
-            return original(f, map_location, *args, **kwargs)
+            # (it refuses a callable map_location; the tensors keep their saved devices)
+            out = original(f, None if callable(map_location) else map_location, *args, **kwargs)
+            return _Rebuild({}, every=True)(out)  # storages the run knows, on those devices
         out, where = mapped
         return _Rebuild(where)(out)
 
     load.__wrapped__ = original  # type: ignore[attr-defined]
     return load
+
+
+# -- Lightning's lazy load ---------------------------------------------------------------------------
+
+def _lazy_tensor(self: Any) -> torch.Tensor:
+    """Lightning's ``_NotYetLoadedTensor._load_tensor`` (``_lazy_load``, ``Fabric.load``, litgpt):
+    a new host tensor per call, as the real one reads its storage's record anew each time."""
+    meta = self.metatensor
+    size = self.storageinfo[4]
+    offset, shape, stride, requires_grad = self.rebuild_args[:4]
+    base = torch.empty(size, dtype=meta.dtype)
+    out = base.as_strided(shape, stride, offset)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _patch_lazy_load(module: Any) -> Any:
+    cls = getattr(module, "_NotYetLoadedTensor", None)
+    if cls is None:
+        return None
+    original = cls.__dict__["_load_tensor"]
+    cls._load_tensor = _lazy_tensor
+    return lambda: setattr(cls, "_load_tensor", original)
+
+
+# -- transformers: a model with no weights at hand ---------------------------------------------------
+
+#: what transformers says when a model's folder or cache entry has no weights
+_NO_WEIGHTS = ("does not appear to have a file named", "Error no file named")
+
+#: notes for the estimate's report, from the last :func:`checkpoints_without_weights`
+NOTES: list[str] = []
+
+
+def _stand_in(klass: Any, name: str, config: Any) -> str:
+    """A folder with ``config`` and a sparse safetensors checkpoint of ``klass``'s state dict
+    (floating tensors in the config's dtype, float32 without one): the shapes a checkpoint of
+    this model has, to load in place of weights that are not at hand."""
+    import tempfile
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    with _disable_current_modes(), torch.device("meta"):
+        model = klass._from_config(config)
+    names = {v: k for k, v in _DTYPES.items()}
+    entries: dict[str, tuple[str, list[int]]] = {}
+    seen: set[int] = set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:  # tied weights: stored once, as save_pretrained does
+            continue
+        seen.add(id(t))
+        d = dtype if t.dtype.is_floating_point else t.dtype
+        entries[key] = (names[d], list(t.shape))
+    folder = tempfile.mkdtemp(prefix="torchmem-weights-")
+    config.save_pretrained(folder)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for key, (dname, shape) in entries.items():
+        n = math.prod(shape) * _DTYPES[dname].itemsize
+        header[key] = {"dtype": dname, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    os.truncate(path, 8 + len(raw) + at)  # the weights: a hole
+    NOTES.append(f"{name}: no weights at hand, so the model was loaded from its config.json with "
+                 f"the shapes its checkpoint has ({str(dtype).replace('torch.', '')} weights, "
+                 "the config's dtype); a checkpoint stored in another dtype loads with that one")
+    return folder
+
+
+def _patch_from_pretrained(module: Any) -> Any:
+    cls = module.PreTrainedModel
+    original = cls.__dict__["from_pretrained"]
+    func = original.__func__
+
+    def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(klass, name, *args, **kwargs)
+        except OSError as e:
+            if not any(m in str(e) for m in _NO_WEIGHTS) or kwargs.get("state_dict") is not None:
+                raise
+            config = kwargs.pop("config", None)
+            if not hasattr(config, "save_pretrained"):
+                from transformers import AutoConfig
+
+                keys = ("revision", "cache_dir", "token", "local_files_only", "subfolder",
+                        "trust_remote_code")
+                config = AutoConfig.from_pretrained(
+                    name, **{k: kwargs[k] for k in keys if k in kwargs})
+            folder = _stand_in(klass, str(name), config)
+            kwargs.pop("subfolder", None)
+            return func(klass, folder, *args, config=config, **kwargs)
+
+    cls.from_pretrained = classmethod(from_pretrained)
+    return lambda: setattr(cls, "from_pretrained", original)
+
+
+def _patch_config_dict(module: Any) -> Any:
+    cls = module.PreTrainedConfig if hasattr(module, "PreTrainedConfig") else module.PretrainedConfig
+    original = cls.__dict__["get_config_dict"]
+    func = original.__func__
+
+    def get_config_dict(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(klass, name, *args, **kwargs)
+        except OSError as e:
+            if os.path.isdir(str(name)) or "config.json" in str(e) and str(name) in str(e):
+                raise
+            raise OSError(
+                f"{name}: no config.json in the local Hugging Face cache, and it could not be "
+                f"fetched; the estimate needs that file alone, no weights: `hf download {name} "
+                "config.json` (or give a folder holding it)") from e
+
+    cls.get_config_dict = classmethod(get_config_dict)
+    return lambda: setattr(cls, "get_config_dict", original)
 
 
 # -- installing ------------------------------------------------------------------------------------
@@ -436,8 +598,18 @@ def checkpoints_without_weights() -> Iterator[None]:
             _replace_everywhere(old, new, undo)
     async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    NOTES.clear()
+    from torchmem.fit.fakegpu._imports import when_imported
+
+    libraries: dict[str, Any] = {
+        "lightning.fabric.utilities.load": _patch_lazy_load,
+        "lightning_fabric.utilities.load": _patch_lazy_load,
+        "transformers.modeling_utils": _patch_from_pretrained,
+        "transformers.configuration_utils": _patch_config_dict,
+    }
     try:
-        yield
+        with when_imported(libraries):
+            yield
     finally:
         torch.load = real_load  # type: ignore[assignment]
         for d, k, old in reversed(undo):

@@ -1,0 +1,106 @@
+"""Patch a library when it is imported: a script under the estimate imports transformers or
+Lightning itself, after the estimate's patches were put in place.
+
+:func:`when_imported` calls ``patch(module)`` for each named module: at once when it is already
+imported, else right after the script's import of it has run (a finder on ``sys.meta_path`` wraps
+that module's loader). ``patch`` returns what undoes it; everything is undone on exit, and the
+finder is removed.
+
+Example:
+    >>> seen = []
+    >>> with when_imported({"json": lambda m: seen.append(m.__name__)}):
+    ...     import json
+    >>> seen
+    ['json']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
+
+__all__ = ["when_imported"]
+
+Patch = Callable[[ModuleType], "Callable[[], None] | None"]
+
+
+class _Loader(importlib.abc.Loader):
+    """The module's own loader, then the patch (every other attribute is the loader's)."""
+
+    def __init__(self, inner: Any, after: Callable[[ModuleType], None]) -> None:
+        self._inner = inner
+        self._after = after
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._after(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... (tracebacks)
+        return getattr(self._inner, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, patches: dict[str, Patch], undo: list[Callable[[], None]]) -> None:
+        self.patches = patches
+        self.undo = undo
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        spec = None
+        for finder in sys.meta_path:  # the finders after this one find it as they would
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, self._apply(patch))
+        return spec
+
+    def _apply(self, patch: Patch) -> Callable[[ModuleType], None]:
+        def after(module: ModuleType) -> None:
+            undo = patch(module)
+            if undo is not None:
+                self.undo.append(undo)
+
+        return after
+
+
+@contextlib.contextmanager
+def when_imported(patches: Mapping[str, Patch]) -> Iterator[None]:
+    """``patch(module)`` for each ``{module name: patch}``, now or when the module is imported
+    inside; what each patch returns (a callable, or ``None``) is called on exit.
+
+    Example:
+        >>> import types
+        >>> with when_imported({"types": lambda m: None}):
+        ...     pass
+    """
+    undo: list[Callable[[], None]] = []
+    finder = _Finder({}, undo)
+    for name, patch in patches.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            finder._apply(patch)(module)
+        else:
+            finder.patches[name] = patch
+    if finder.patches:
+        sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        for u in reversed(undo):
+            u()
