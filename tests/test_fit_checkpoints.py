@@ -459,3 +459,50 @@ def test_lightning_lazy_load_and_fabric_load_read_no_weights(tmp_path: Path) -> 
     weights = sum(p.numel() * 4 for p in net.parameters())
     assert runs["none"].host_peak_bytes == weights
     assert runs["lazy"].host_peak_bytes == weights + 1024 * 256 * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["finetune_lora", "finetune_full", "finetune_adapter"])
+def test_litgpt_finetune_scripts_load_their_checkpoint_without_weights(
+    tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """litgpt's own CLI, unmodified (``python -m litgpt finetune_lora CKPT ...``), on a
+    pythia-14m checkpoint: two optimizer steps; its weights read one tensor at a time through
+    Lightning's lazy load (the host peak is the largest tensor, the embedding) and on the GPU."""
+    pytest.importorskip("litgpt")
+    from dataclasses import asdict
+
+    import yaml
+    from litgpt import GPT, Config
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = Config.from_name("pythia-14m")
+    ck = tmp_path / "checkpoints" / "EleutherAI" / "pythia-14m"
+    ck.mkdir(parents=True)
+    model = GPT(cfg)
+    torch.save(model.state_dict(), ck / "lit_model.pth")
+    (ck / "model_config.yaml").write_text(yaml.dump(asdict(cfg)))
+    words = "the a of to and in is it you that".split()
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "<unk>": 1,
+                                      **{w: i + 2 for i, w in enumerate(words)}},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ck / "tokenizer.json"))
+    (ck / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": False,
+         "tokenizer_class": "GPTNeoXTokenizer"}))
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": "say it", "input": "",
+                                 "output": "the a of to and in is it " * 4}] * 16))
+    monkeypatch.chdir(tmp_path)
+    args = [command, str(ck), "--data", "JSON", "--data.json_path", str(data),
+            "--data.val_split_fraction", "0.25", "--train.max_steps", "2",
+            "--train.micro_batch_size", "2", "--train.global_batch_size", "2",
+            "--eval.interval", "1000", "--eval.initial_validation", "false",
+            "--eval.final_validation", "false", "--devices", "1", "--precision", "bf16-true",
+            "--logger_name", "csv", "--out_dir", str(tmp_path / "out")]
+    est = estimate_script("litgpt", args, "A100-40GB", module=True)
+    assert est.script.steps_run == 2
+    weights = {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}
+    assert est.host_peak_bytes == max(weights.values())  # one fp32 tensor read at a time
+    assert est.peak_requested_bytes > sum(weights.values()) // 2  # bf16 weights on the GPU

@@ -192,3 +192,38 @@ def test_policy_table():
             assert v.answer(out) == want, op
         assert v.answer(torch.zeros((), dtype=torch.int32)) == 1
         assert v.answer(m[0, 0] == m[0, 1]) is False
+
+
+def _infer_build(read: str):
+    """A forward pass under ``torch.inference_mode()`` that reads a value (litgpt's generate
+    reads each new token with ``token.item()`` so): ``item()`` and ``bool()`` reach the
+    estimate whole there, not as ``_local_scalar_dense``."""
+    def build(batch: int):
+        net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                  torch.nn.Linear(256, 8)).to("cuda")
+        x = torch.randn(batch, 64, device="cuda")
+
+        def step() -> None:
+            with torch.inference_mode():
+                out = net(x)
+                eval(read, {"torch": torch}, {"out": out})
+        return step
+    return build
+
+
+@pytest.mark.parametrize("read,value", [
+    ("out.sum().item()", 1.0),
+    ("bool(out.max() > 1e6)", False),
+    ("out.argmax().item()", 1),
+    ("None", None),
+])
+def test_reads_under_inference_mode_are_answered_as_with_autograd(read, value):
+    base = torchmem.estimate(_infer_build("None"), gpu="T4", batch_size=16, margin=0, steps=1)
+    est = torchmem.estimate(_infer_build(read), gpu="T4", batch_size=16, margin=0, steps=1)
+    assert est.peak_requested_bytes == base.peak_requested_bytes
+    assert [a["value"] for a in est.assumed_values] == ([] if value is None else [value])
+    if value is not None:
+        # the same read with autograd on is answered with the same stand-in
+        (a,) = torchmem.estimate(_mlp_build(read.replace("out.sum()", "loss")), gpu="T4",
+                                 batch_size=16, margin=0, default_device="cuda").assumed_values
+        assert a["value"] == value

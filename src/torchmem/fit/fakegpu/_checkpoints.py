@@ -433,7 +433,11 @@ def _lazy_tensor(self: Any) -> torch.Tensor:
     meta = self.metatensor
     size = self.storageinfo[4]
     offset, shape, stride, requires_grad = self.rebuild_args[:4]
-    base = torch.empty(size, dtype=meta.dtype)
+    # read inside the operator that uses it (load_state_dict's copy_ into a GPU parameter),
+    # where new storages would go to that operator's device: the record is read to the host
+    force = PLACEMENT.force(False) if PLACEMENT is not None else contextlib.nullcontext()
+    with force:
+        base = torch.empty(size, dtype=meta.dtype)
     out = base.as_strided(shape, stride, offset)
     if requires_grad:
         out.requires_grad_(True)
@@ -456,6 +460,10 @@ _NO_WEIGHTS = ("does not appear to have a file named", "Error no file named")
 
 #: notes for the estimate's report, from the last :func:`checkpoints_without_weights`
 NOTES: list[str] = []
+
+#: the estimate's placement (host or GPU per storage) while :func:`checkpoints_without_weights`
+#: is active, when it was given one
+PLACEMENT: Any = None
 
 
 def _stand_in(klass: Any, name: str, config: Any) -> str:
@@ -565,7 +573,7 @@ def _replace_everywhere(old: Any, new: Any, undo: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def checkpoints_without_weights() -> Iterator[None]:
+def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
     """Inside, ``torch.load`` and safetensors' loaders give fake tensors with the file's shapes,
     dtypes and sharing, and read no weight bytes (see the module's text); restored on exit.
 
@@ -599,6 +607,8 @@ def checkpoints_without_weights() -> Iterator[None]:
     async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
     NOTES.clear()
+    global PLACEMENT
+    PLACEMENT = placement
     from torchmem.fit.fakegpu._imports import when_imported
 
     libraries: dict[str, Any] = {
@@ -611,6 +621,7 @@ def checkpoints_without_weights() -> Iterator[None]:
         with when_imported(libraries):
             yield
     finally:
+        PLACEMENT = None
         torch.load = real_load  # type: ignore[assignment]
         for d, k, old in reversed(undo):
             d[k] = old

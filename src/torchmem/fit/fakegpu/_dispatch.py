@@ -50,6 +50,10 @@ _FLOPS: dict[Any, Any] = dict(flop_registry)
 
 
 _CONV_BACKWARD = _aten.convolution_backward.default
+_IS_NONZERO = _aten.is_nonzero.default
+#: value reads that are composite (they become _local_scalar_dense with autograd on); under
+#: torch.inference_mode the dispatch mode receives them as they are
+_READS = frozenset({_aten.item.default, _IS_NONZERO})
 _EQUAL = _aten.equal.default  # torch.equal: answered by ValueReads.equal
 _ADD, _ADD_ = _aten.add.Tensor, _aten.add_.Tensor
 
@@ -196,6 +200,9 @@ class _SimMode(FastDispatchMode):
     def _dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         gen = self.gen
         values = self.values
+        if func in _READS:  # under torch.inference_mode item() and bool() arrive whole
+            value = self._dispatch(LOCAL_SCALAR, types, args, kwargs)
+            return bool(value) if func is _IS_NONZERO else value
         if func is LOCAL_SCALAR:
             if gen.installed:
                 value = gen.answer(args[0])

@@ -623,7 +623,7 @@ def fake_cuda(
     if placement is not None:  # weights are never read: see _checkpoints
         from torchmem.fit.fakegpu._checkpoints import checkpoints_without_weights
 
-        loads = checkpoints_without_weights()
+        loads = checkpoints_without_weights(placement)
     from torch._subclasses.fake_tensor import FakeTensor
 
     fake_device = FakeTensor.__dict__["device"]

@@ -112,6 +112,21 @@ STOP_REASONS = {
 }
 
 
+def _clip(text: str, limit: int = 2000) -> str:
+    """``text`` whole up to ``limit`` characters, else cut at the last line or word end before
+    it, with how much was left out (never mid-word: a size-mismatch list stays readable).
+
+    Example:
+        >>> _clip("one two three", 9)
+        'one two [... 5 more characters]'
+    """
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind("\n", 0, limit), text.rfind(" ", 0, limit))
+    cut = cut if cut > limit // 2 else limit
+    return f"{text[:cut].rstrip()} [... {len(text[cut:].strip()):,} more characters]"
+
+
 class ScriptError(InvalidInputError):
     """The script crashed under the estimate: the message says where (``file:line``) and why;
     ``estimate`` holds what had been simulated up to then (the peaks so far).
@@ -377,7 +392,7 @@ class _Run:
         if exc is not None and not isinstance(exc, SystemExit):
             err = ScriptError(
                 f"{name} raised {type(exc).__name__}{self._at(exc)}: "
-                f"{str(exc).strip()[:300] or '(no message)'} "
+                f"{_clip(str(exc).strip()) or '(no message)'} "
                 f"({peak}).{_hint(exc)} (torchmem runs it under fake tensors; set "
                 "TORCHMEM_DEBUG=1 for the full traceback)", estimate=e)
             err.__cause__ = exc
