@@ -97,12 +97,14 @@ def test_torch_load_keeps_sharing_parameters_and_places_storages(tmp_path: Path)
     w = torch.nn.Parameter(torch.randn(64, 64))
     buf = torch.zeros(1000)
     path = tmp_path / "ck.pt"
-    torch.save({"w": w, "tied": w, "view": w[8:], "buf": buf, "step": 7, "nested": [buf]},
-               path)
+    import argparse
+
+    torch.save({"w": w, "tied": w, "view": w[8:], "buf": buf, "step": 7, "nested": [buf],
+                "args": argparse.Namespace(lr=0.1, buf=buf)}, path)
 
     def load() -> dict[str, Any]:
-        sd = torch.load(path, map_location="cuda")  # every storage to the GPU
-        host = torch.load(path)  # saved from the host: stays there
+        sd = torch.load(path, map_location="cuda", weights_only=False)  # every storage to the GPU
+        host = torch.load(path, weights_only=False)  # saved from the host: stays there
         return {
             "types": (isinstance(sd["w"], torch.nn.Parameter), sd["w"].requires_grad,
                       isinstance(sd["view"], torch.nn.Parameter)),
@@ -110,7 +112,8 @@ def test_torch_load_keeps_sharing_parameters_and_places_storages(tmp_path: Path)
             "view_shares": sd["view"].untyped_storage()._cdata == sd["w"].untyped_storage()._cdata,
             "view_offset": (sd["view"].storage_offset(), tuple(sd["view"].shape)),
             "nested_shares": sd["nested"][0].untyped_storage()._cdata
-            == sd["buf"].untyped_storage()._cdata,
+            == sd["buf"].untyped_storage()._cdata
+            == sd["args"].buf.untyped_storage()._cdata,  # inside an object pickled whole
             "devices": (sd["w"].device.type, host["w"].device.type),
             "gpu_bytes": torch.cuda.memory_allocated(),
             "step": sd["step"],

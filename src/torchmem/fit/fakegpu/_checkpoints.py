@@ -60,6 +60,7 @@ import math
 import os
 import struct
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -404,6 +405,15 @@ class _Rebuild:
                 for k, b in m._buffers.items():
                     if b is not None:
                         m._buffers[k] = self(b)
+            out = obj
+        elif isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(
+                obj, (type, types.ModuleType, types.FunctionType)):
+            # an object pickled whole (argparse.Namespace, a dataclass): its tensors too
+            self.memo[id(obj)] = obj
+            for k, v in list(vars(obj).items()):
+                new = self(v)
+                if new is not v:
+                    vars(obj)[k] = new
             out = obj
         else:
             out = obj
