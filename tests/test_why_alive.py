@@ -198,6 +198,9 @@ class _Node:
 def test_reference_cycle_waiting_for_the_collector_is_named_with_the_cycle() -> None:
     import gc
 
+    # the garbage earlier tests in this process left (a worker of the whole run holds a lot)
+    # is collected first: the search looks through all pending garbage
+    gc.collect()
     gc.disable()  # so that no automatic collection frees the cycle before the search
     try:
         a, b = _Node(), _Node()
@@ -389,6 +392,7 @@ def test_cycle_members_among_pending_garbage_are_found_in_one_pass() -> None:
 
     from torchmem.capture.retention import _on_cycles
 
+    gc.collect()  # earlier tests' garbage: the search looks through all of it
     gc.disable()
     try:
         ring = [_Node() for _ in range(300)]
