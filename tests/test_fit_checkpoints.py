@@ -509,3 +509,22 @@ def test_litgpt_finetune_scripts_load_their_checkpoint_without_weights(
     weights = {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}
     assert est.host_peak_bytes == max(weights.values())  # one fp32 tensor read at a time
     assert est.peak_requested_bytes > sum(weights.values()) // 2  # bf16 weights on the GPU
+
+
+def test_a_truncated_torch_save_file_fails_as_torch_load_fails_with_the_file_named(
+    tmp_path: Path,
+) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.zeros(64, 64)}, good)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises((RuntimeError, OSError)) as real:  # where it is cut decides which
+        torch.load(bad)
+    script = tmp_path / "load.py"
+    script.write_text(f"import torch\nsd = torch.load({str(bad)!r})\n")
+    with pytest.raises(ScriptError) as err:
+        estimate_script(str(script), [], "T4")
+    msg = str(err.value)
+    assert f"raised {type(real.value).__name__} at" in msg
+    assert f"torch.load({str(bad)!r})" in msg and "expected a file written by torch.save" in msg
+    assert str(real.value).split(":")[0] in msg  # PyTorch's own words

@@ -58,6 +58,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import struct
 import sys
 import types
@@ -423,11 +424,21 @@ class _Rebuild:
 
 def _torch_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        mapped = _mapped_load(original, f, map_location, args, kwargs)
-        if mapped is None:  # PyTorch's own load under the fake mode: reads no weights
-            # (it refuses a callable map_location; the tensors keep their saved devices)
-            out = original(f, None if callable(map_location) else map_location, *args, **kwargs)
-            return _Rebuild({}, every=True)(out)  # storages the run knows, on those devices
+        try:
+            mapped = _mapped_load(original, f, map_location, args, kwargs)
+            if mapped is None:  # PyTorch's own load under the fake mode: reads no weights
+                # (it refuses a callable map_location; the tensors keep their saved devices)
+                plain = original(f, None if callable(map_location) else map_location,
+                                 *args, **kwargs)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
+            if isinstance(e, OSError) and type(e) is not OSError:
+                raise  # a missing file, a folder, no permission: PyTorch's words name it
+            # a damaged file: PyTorch's own error, with the file named
+            path = _file_path(f) or repr(f)
+            raise type(e)(f"torch.load({path!r}): {e} (expected a file written by "
+                          "torch.save; is it complete?)") from e
+        if mapped is None:
+            return _Rebuild({}, every=True)(plain)  # storages the run knows, on those devices
         out, where = mapped
         return _Rebuild(where)(out)
 
