@@ -528,3 +528,29 @@ def test_a_truncated_torch_save_file_fails_as_torch_load_fails_with_the_file_nam
     assert f"raised {type(real.value).__name__} at" in msg
     assert f"torch.load({str(bad)!r})" in msg and "expected a file written by torch.save" in msg
     assert str(real.value).split(":")[0] in msg  # PyTorch's own words
+
+
+def test_modules_imported_during_an_estimate_keep_no_stand_in(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module the script imports binds the loaders by name while they are stand-ins; after
+    the estimate it holds the originals again (the next estimate patches it again)."""
+    import safetensors
+
+    (tmp_path / "myloader.py").write_text(
+        "from safetensors import safe_open\nfrom torch import load\n")
+    script = tmp_path / "s.py"
+    script.write_text("import sys, torch, myloader\n"
+                      "print('IN', myloader.safe_open.__name__, myloader.load.__module__,"
+                      " file=sys.stderr)\n"
+                      "x = torch.ones(4, device='cuda')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "myloader", raising=False)
+    for _ in range(2):
+        estimate_script(str(script), [], "T4")
+        mod = sys.modules["myloader"]
+        assert mod.safe_open is safetensors.safe_open and mod.load is torch.load
+        assert torch.load.__module__ == "torch.serialization"
+    from torchmem.fit.fakegpu._checkpoints import checkpoints_without_weights
+
+    with checkpoints_without_weights():  # scanned once: patched again on the next estimate
+        assert mod.safe_open.__name__ == "fake_open" and mod.load is torch.load

@@ -580,17 +580,51 @@ def _patch_config_dict(module: Any) -> Any:
 
 # -- installing ------------------------------------------------------------------------------------
 
-def _replace_everywhere(old: Any, new: Any, undo: list[Any]) -> None:
-    """Every module attribute that is ``old`` (``from safetensors import safe_open`` copies it
-    into the importing module) becomes ``new``; ``undo`` gets what puts them back."""
-    for mod in list(sys.modules.values()):
+#: module name -> (its dict's id, the names in it that held a replaced function when it was
+#: scanned): a module is scanned once per process; later estimates look at those names only
+_SCANNED: dict[str, tuple[int, tuple[str, ...]]] = {}
+
+
+def _replace_everywhere(replace: dict[int, tuple[Any, Any]], undo: list[Any]) -> None:
+    """Every module attribute that is one of the ``old`` functions of ``replace`` (``{id(old):
+    (old, new)}``; ``from safetensors import safe_open`` copies it into the importing module)
+    becomes its ``new``; ``undo`` gets what puts them back."""
+    for name, mod in list(sys.modules.items()):
         d = getattr(mod, "__dict__", None)
         if not isinstance(d, dict):
             continue
+        seen = _SCANNED.get(name)
+        if seen is not None and seen[0] == id(d):
+            keys: Any = seen[1]
+        else:
+            keys = tuple(k for k, v in list(d.items()) if id(v) in replace)
+            _SCANNED[name] = (id(d), keys)
+        for k in keys:
+            v = d.get(k)
+            hit = replace.get(id(v))
+            if hit is not None and hit[0] is v:
+                d[k] = hit[1]
+                undo.append((d, k, v))
+
+
+def _restore_imported(restore: dict[int, tuple[Any, Any]]) -> None:
+    """Modules imported inside (never scanned): a name bound to one of the stand-ins
+    (``restore``: ``{id(new): (new, old)}``) gets the original back, so that nothing imported
+    during an estimate keeps a stand-in after it."""
+    for name, mod in list(sys.modules.items()):
+        d = getattr(mod, "__dict__", None)
+        if not isinstance(d, dict):
+            continue
+        seen = _SCANNED.get(name)
+        if seen is not None and seen[0] == id(d):
+            continue
+        keys = []
         for k, v in list(d.items()):
-            if v is old:
-                d[k] = new
-                undo.append((d, k, old))
+            hit = restore.get(id(v))
+            if hit is not None and hit[0] is v:
+                d[k] = hit[1]
+                keys.append(k)
+        _SCANNED[name] = (id(d), tuple(keys))
 
 
 @contextlib.contextmanager
@@ -611,8 +645,7 @@ def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
     undo: list[Any] = []
     real_load = torch.load
     fake_load = _torch_load(real_load)
-    _replace_everywhere(real_load, fake_load, undo)
-    torch.load = fake_load  # type: ignore[assignment]
+    replace: dict[int, tuple[Any, Any]] = {id(real_load): (real_load, fake_load)}
     if importlib.util.find_spec("safetensors") is not None:
         import safetensors
         import safetensors.torch as st
@@ -623,8 +656,10 @@ def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
                       backend: str | None = None) -> Any:
             return _safe_open(filename, framework, device, backend, _real=real_open)
 
-        for old, new in ((real_open, fake_open), (st.load, _load_bytes)):
-            _replace_everywhere(old, new, undo)
+        replace[id(real_open)] = (real_open, fake_open)
+        replace[id(st.load)] = (st.load, _load_bytes)
+    _replace_everywhere(replace, undo)
+    torch.load = fake_load  # type: ignore[assignment]
     async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
     NOTES.clear()
@@ -646,6 +681,7 @@ def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
         torch.load = real_load  # type: ignore[assignment]
         for d, k, old in reversed(undo):
             d[k] = old
+        _restore_imported({id(new): (new, old) for old, new in replace.values()})
         if async_load is None:
             os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
         else:
