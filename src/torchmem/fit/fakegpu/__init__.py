@@ -16,7 +16,10 @@ A run's operators flow through here, from the user's code down to the simulated 
   documented policy and listed (transformers' own reads as on a GPU);
 - ``_accelerate``, ``_bnb``: libraries that decide on the device (accelerate's mixed precision)
   or cannot run here (bitsandbytes' 8-bit Adam, :class:`~torchmem.fit.Adam8bitStandIn`);
-- ``_dist``: the other ranks of a job (a fake process group, :class:`FakeWorld`).
+- ``_dist``: the other ranks of a job (a fake process group, :class:`FakeWorld`);
+- ``_checkpoints``: checkpoints loaded from their shapes, never their weights (``torch.load``,
+  safetensors, transformers' ``from_pretrained``, Lightning's lazy load), with ``_imports``
+  patching libraries when the script imports them.
 
 It imports :mod:`torchmem.fit.verdict` only; the run (:mod:`torchmem.fit.run`) assembles it.
 
