@@ -81,6 +81,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
 }
+#: a dtype's safetensors name
+_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def _safetensor_error(message: str) -> Exception:
@@ -94,7 +96,8 @@ def _safetensor_error(message: str) -> Exception:
 
 def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str, Any]:
     """The header of a safetensors file (a path) or buffer (bytes), checked as safetensors does:
-    ``{"tensors": {name: (dtype, shape)}, "metadata": dict | None}``. Reads the header only.
+    ``{"tensors": {name: (dtype, shape)}, "metadata": dict | None}``, the tensors in the file's
+    order (by data offset). Reads the header only.
 
     Raises safetensors' ``SafetensorError`` (with the file named) when the header is too small,
     too large, not JSON, names an unknown dtype, gives offsets that disagree with a tensor's
@@ -143,7 +146,7 @@ def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str,
     if not isinstance(header, dict):
         raise bad("invalid JSON in header: not an object")
     metadata = header.pop("__metadata__", None)
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    entries: list[tuple[int, str, torch.dtype, tuple[int, ...]]] = []
     end = 0
     for name, info in header.items():
         try:
@@ -157,12 +160,14 @@ def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str,
         if stop - begin != nbytes:
             raise bad(f"tensor {name!r}: data_offsets {begin}..{stop} hold {stop - begin:,} "
                       f"bytes, its shape {list(shape)} of {info['dtype']} needs {nbytes:,}")
-        tensors[name] = (dtype, shape)
+        entries.append((begin, name, dtype, shape))
         end = max(end, stop)
     if 8 + n + end != size:
         raise bad("incomplete metadata, file not fully covered: the tensors end at byte "
                   f"{8 + n + end:,} of the file")
-    return {"tensors": tensors, "metadata": metadata}
+    entries.sort(key=lambda e: e[0])  # the file's order (safetensors' offset_keys)
+    return {"tensors": {name: (dtype, shape) for _, name, dtype, shape in entries},
+            "metadata": metadata}
 
 
 def _device(device: Any) -> torch.device:
@@ -223,12 +228,6 @@ class _SafeOpen:
         self._tensors = header["tensors"]
         self._metadata = header["metadata"]
         self._device = _device(device)
-        with open(self._path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            raw = json.loads(f.read(n))
-        raw.pop("__metadata__", None)
-        self._names = {k: v["dtype"] for k, v in raw.items()}
-        self._offsets = sorted(raw, key=lambda k: raw[k]["data_offsets"][0])
 
     def __enter__(self) -> _SafeOpen:
         return self
@@ -240,7 +239,7 @@ class _SafeOpen:
         return sorted(self._tensors)
 
     def offset_keys(self) -> list[str]:
-        return list(self._offsets)
+        return list(self._tensors)  # in the file's order
 
     def metadata(self) -> dict[str, str] | None:
         return self._metadata
@@ -257,7 +256,7 @@ class _SafeOpen:
 
     def get_slice(self, name: str) -> _Slice:
         dtype, shape = self._entry(name)
-        return _Slice(dtype, self._names[name], shape, self._device)
+        return _Slice(dtype, _NAMES[dtype], shape, self._device)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         return {k: self.get_tensor(k) for k in self.offset_keys()}
@@ -502,7 +501,6 @@ def _stand_in(klass: Any, name: str, config: Any) -> str:
         dtype = torch.float32
     with _disable_current_modes(), torch.device("meta"):
         model = klass._from_config(config)
-    names = {v: k for k, v in _DTYPES.items()}
     entries: dict[str, tuple[str, list[int]]] = {}
     seen: set[int] = set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -510,7 +508,7 @@ def _stand_in(klass: Any, name: str, config: Any) -> str:
             continue
         seen.add(id(t))
         d = dtype if t.dtype.is_floating_point else t.dtype
-        entries[key] = (names[d], list(t.shape))
+        entries[key] = (_NAMES[d], list(t.shape))
     folder = tempfile.mkdtemp(prefix="torchmem-weights-")
     config.save_pretrained(folder)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -531,51 +529,64 @@ def _stand_in(klass: Any, name: str, config: Any) -> str:
     return folder
 
 
-def _patch_from_pretrained(module: Any) -> Any:
-    cls = module.PreTrainedModel
-    original = cls.__dict__["from_pretrained"]
+def _on_oserror(cls: Any, attr: str, handle: Any) -> Any:
+    """Wrap the classmethod ``cls.attr(name, ...)``: an ``OSError`` it raises goes to
+    ``handle(func, klass, name, args, kwargs, error)`` (``func``: the original function);
+    returns what puts the original back."""
+    original = cls.__dict__[attr]
     func = original.__func__
 
-    def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return func(klass, name, *args, **kwargs)
         except OSError as e:
-            if not any(m in str(e) for m in _NO_WEIGHTS) or kwargs.get("state_dict") is not None:
-                raise
-            config = kwargs.pop("config", None)
-            if not hasattr(config, "save_pretrained"):
-                from transformers import AutoConfig
+            return handle(func, klass, name, args, kwargs, e)
 
-                keys = ("revision", "cache_dir", "token", "local_files_only", "subfolder",
-                        "trust_remote_code")
-                config = AutoConfig.from_pretrained(
-                    name, **{k: kwargs[k] for k in keys if k in kwargs})
-            folder = _stand_in(klass, str(name), config)
-            kwargs.pop("subfolder", None)
-            return func(klass, folder, *args, config=config, **kwargs)
+    setattr(cls, attr, classmethod(wrapper))
+    return lambda: setattr(cls, attr, original)
 
-    cls.from_pretrained = classmethod(from_pretrained)
-    return lambda: setattr(cls, "from_pretrained", original)
+
+def _without_weights(func: Any, klass: Any, name: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], e: OSError) -> Any:
+    """``from_pretrained`` of a model with no weights at hand: from a stand-in checkpoint with
+    its config's shapes (deleted once the model is loaded: only its header is ever read)."""
+    if not any(m in str(e) for m in _NO_WEIGHTS) or kwargs.get("state_dict") is not None:
+        raise e
+    config = kwargs.pop("config", None)
+    if not hasattr(config, "save_pretrained"):
+        from transformers import AutoConfig
+
+        keys = ("revision", "cache_dir", "token", "local_files_only", "subfolder",
+                "trust_remote_code")
+        config = AutoConfig.from_pretrained(name, **{k: kwargs[k] for k in keys if k in kwargs})
+    folder = _stand_in(klass, str(name), config)
+    kwargs.pop("subfolder", None)
+    try:
+        return func(klass, folder, *args, config=config, **kwargs)
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _no_config(func: Any, klass: Any, name: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any], e: OSError) -> Any:
+    """``get_config_dict`` of a name with no ``config.json`` at hand: say which file to fetch."""
+    if os.path.isdir(str(name)) or "config.json" in str(e) and str(name) in str(e):
+        raise e
+    raise OSError(
+        f"{name}: no config.json in the local Hugging Face cache, and it could not be "
+        f"fetched; the estimate needs that file alone, no weights: `hf download {name} "
+        "config.json` (or give a folder holding it)") from e
+
+
+def _patch_from_pretrained(module: Any) -> Any:
+    return _on_oserror(module.PreTrainedModel, "from_pretrained", _without_weights)
 
 
 def _patch_config_dict(module: Any) -> Any:
     cls = module.PreTrainedConfig if hasattr(module, "PreTrainedConfig") else module.PretrainedConfig
-    original = cls.__dict__["get_config_dict"]
-    func = original.__func__
-
-    def get_config_dict(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(klass, name, *args, **kwargs)
-        except OSError as e:
-            if os.path.isdir(str(name)) or "config.json" in str(e) and str(name) in str(e):
-                raise
-            raise OSError(
-                f"{name}: no config.json in the local Hugging Face cache, and it could not be "
-                f"fetched; the estimate needs that file alone, no weights: `hf download {name} "
-                "config.json` (or give a folder holding it)") from e
-
-    cls.get_config_dict = classmethod(get_config_dict)
-    return lambda: setattr(cls, "get_config_dict", original)
+    return _on_oserror(cls, "get_config_dict", _no_config)
 
 
 # -- installing ------------------------------------------------------------------------------------
