@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from _child import chosen, figure, measured  # noqa: E402
 from _sparse_checkpoint import (  # noqa: E402
     LLAMA2_70B,
     llama_config,
@@ -68,24 +66,10 @@ FWD = textwrap.dedent("""
         model(x)
 """)
 
-WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-        "print('RSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-        "sys.exit(r.returncode)")
-
-
 def measure(cmd: list[str]) -> tuple[float, int, int, str]:
     """(wall s, peak RSS bytes, parameter bytes, stdout) of one process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRANSFORMERS_VERBOSITY": "error"}
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", WRAP, *cmd], capture_output=True, text=True,
-                         env=env, timeout=1800)
-    wall = time.perf_counter() - t
-    if res.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[-3:])} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    lines = res.stderr.splitlines()
-    rss = int(next(ln for ln in lines if ln.startswith("RSS")).split()[1]) * 1024
-    params = int(next(ln for ln in lines if ln.startswith("PARAMS")).split()[1])
-    return wall, rss, params, res.stdout
+    wall, rss, out, lines = measured(cmd)
+    return wall, rss, figure(lines, "PARAMS"), out
 
 
 def main() -> None:
@@ -95,10 +79,7 @@ def main() -> None:
     ap.add_argument("--real", action="store_true",
                     help="also load the (sparse) checkpoint for real, for shapes under 8 GB")
     a = ap.parse_args()
-    names = a.models.split(",")
-    bad = [n for n in names if n not in SHAPES]
-    if bad:
-        ap.error(f"unknown model {bad[0]!r}; expected some of {', '.join(SHAPES)}")
+    names = chosen(ap, a.models, SHAPES)
     GiB = 2**30
     print(f"{'model':<11} {'checkpoint':>10} {'run':<22} {'wall s':>7} {'peak RSS':>10} "
           f"{'GPU params':>11}")

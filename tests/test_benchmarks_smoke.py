@@ -57,6 +57,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
     "bench_public_truth.py": ["adam8bit", "--max-steps", "1"],
     "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
+    "bench_qlora.py": ["--models", "tiny", "--seq", "64"],
     "bench_replay.py": ["--reps", "1"],
     "bench_script.py": ["--smoke"],
     "bench_search.py": ["--quick", "--layers", "1", "--gpus", "RTX-4090"],
@@ -169,6 +170,18 @@ def test_bench_checkpoint_load() -> None:
     has(out, rf"^tiny +{NUM} G estimate, T4: load +{NUM} +{NUM} G +{NUM} G$",
         rf"^tiny +{NUM} G estimate, T4: config +{NUM} +{NUM} G +{NUM} G$",
         rf"^tiny +checkpoint / config: wall {R()}x, peak RSS {R()}x$")
+
+
+def test_bench_qlora() -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    out = smoke("bench_qlora.py")
+    has(out, rf"^tiny +qlora +{NUM} G +{NUM} G +True +{NUM} +{NUM} G$",
+        rf"^tiny +lora-bf16 +{NUM} G +{NUM} G +True +{NUM} +{NUM} G$",
+        rf"^tiny +4-bit load: {NUM} B estimated, {NUM} B by arithmetic \(equal\); accelerate "
+        rf"estimate-memory int4: {NUM} B$",
+        rf"^tiny +qlora / lora-bf16: loaded {R()}x, peak reserved {R()}x; estimator peak RSS / "
+        rf"checkpoint: {R()}x$")
 
 
 def test_bench_copy() -> None:

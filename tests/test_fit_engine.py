@@ -350,3 +350,39 @@ def test_a_gpu_size_not_above_its_cuda_context_is_bad_input(capsys):
     assert main(["estimate", "x.py:build", "--gpu", "100 MiB"]) == 2
     err = capsys.readouterr().err
     assert "a GPU of 100.00 MiB is no larger than its CUDA context" in err and "Traceback" not in err
+
+
+def _sgd_build(closure: bool):  # type: ignore[no-untyped-def]
+    def build(batch: int):  # type: ignore[no-untyped-def]
+        model = torch.nn.Sequential(torch.nn.Linear(512, 4096), torch.nn.GELU(),
+                                    torch.nn.Linear(4096, 512)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.zeros(batch, 512, device="cuda")
+
+        def fb() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        def step() -> None:
+            if closure:
+                opt.step(fb)  # Lightning's automatic optimization steps this way
+            else:
+                fb()
+                opt.step()
+
+        return step
+
+    return build
+
+
+def test_a_closure_step_reports_the_categories_and_modules_of_the_plain_step() -> None:
+    plain = estimate(_sgd_build(False), "T4", 256, steps=2)
+    closure = estimate(_sgd_build(True), "T4", 256, steps=2)
+    assert closure.peak_reserved_bytes == plain.peak_reserved_bytes
+    assert closure.by_category == plain.by_category
+    assert closure.by_module == plain.by_module
+    # the GELU's input and output (256 x 4096 float32 each) are activations, not the optimizer's
+    assert closure.by_category["activation"] >= 2 * 256 * 4096 * 4
+    assert not [m for m in closure.by_module if m.startswith(("Identity", "optimizer"))]

@@ -63,6 +63,14 @@ def test_lightning_fit_needs_what_the_plain_loop_needs():
     assert fit.peak_reserved_bytes == loop.peak_reserved_bytes
     params = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
     assert fit.by_category["parameter"] == loop.by_category["parameter"] == params
+    # Lightning runs forward and backward inside optimizer.step(closure): they are still the
+    # model's (before: the activations were the optimizer's "other" and its modules were named
+    # under the optimizer)
+    for cat in ("gradient", "optimizer_state", "temporary"):
+        assert fit.by_category[cat] == loop.by_category[cat], cat
+    # the activations live at the peak: the loop's, and the logged metric's scalars (32 B)
+    assert 0 <= fit.by_category["activation"] - loop.by_category["activation"] <= 64
+    assert sorted(fit.by_module) == sorted(loop.by_module)  # none named under "Identity"
     # host memory: the model is built there, and at the end of fit() Lightning's teardown moves
     # the model (weights and gradients) and AdamW's two moments back to the host
     # (Strategy.teardown: module.cpu(), optimizer state to "cpu"), beside the 64 x 512 dataset;

@@ -457,3 +457,44 @@ def test_a_module_made_where_a_dead_one_was_gets_its_own_name() -> None:
         second(x)
     by_op = {e.op: e.module for e in tr.events() if e.kind.label == "alloc"}
     assert by_op == {"aten::mul": "First", "aten::add": "Second"}
+
+
+def _closure_run(mode: str, closure: bool) -> list[tuple[str | None, str, str, int]]:
+    """Allocations of two SGD steps, with the forward and backward run plainly or as the
+    closure of ``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.ones(8, 16)
+
+    def fb() -> torch.Tensor:
+        opt.zero_grad()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with torchmem.track(net, opt, mode=mode) as tr:
+        for _ in range(2):
+            if closure:
+                opt.step(fb)
+            else:
+                fb()
+                opt.step()
+    return [(e.module, e.phase.label, e.category.label, e.nbytes) for e in tr.events()
+            if e.kind.label == "alloc"]
+
+
+@pytest.mark.parametrize("mode", ["ops", "fast"])
+def test_a_closure_given_to_the_optimizer_step_is_forward_and_backward(mode: str) -> None:
+    if mode == "fast":
+        from torchmem.capture.fast import native_available
+
+        if not native_available():
+            pytest.skip("mode='fast' needs a C++ compiler and ninja to build")
+    plain, closure = _closure_run(mode, False), _closure_run(mode, True)
+    # the same allocations with the same modules, phases and categories: the closure's forward
+    # is not the optimizer's (before: phase "optimizer", activations "other", modules named
+    # under "Identity")
+    assert closure == plain
+    assert ("Sequential.1", "forward", "activation", 8 * 64 * 4) in closure
+    assert any(p == "optimizer" and c == "optimizer_state" for _, p, c, _ in closure)

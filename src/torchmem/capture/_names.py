@@ -150,3 +150,41 @@ def note_params(registry: dict[int, weakref.ref[torch.Tensor]],
         r = registry.get(id(p))
         if r is None or r() is not p:
             registry[id(p)] = weakref.ref(p)
+
+
+def around_closure(args: tuple[Any, ...], kwargs: dict[str, Any], enter: Any, leave: Any
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``optimizer.step(closure)``'s arguments with the closure wrapped in ``enter()`` /
+    ``leave()`` (what an optimizer step pre-hook returns to replace them), or ``None`` when no
+    closure is given. The forward and backward a closure runs (LBFGS, Lightning's automatic
+    optimization) are the model's, not the optimizer's: the trackers leave the optimizer phase
+    while it runs.
+
+    Example:
+        >>> seen = []
+        >>> args, kwargs = around_closure((), {"closure": lambda: seen.append("run") or 1.0},
+        ...                               lambda: seen.append("in"), lambda: seen.append("out"))
+        >>> kwargs["closure"](), seen
+        (1.0, ['in', 'run', 'out'])
+        >>> around_closure((), {}, None, None) is None
+        True
+    """
+    # the hook's args start with the optimizer itself (``step``'s ``self``)
+    at = 1 if args and isinstance(args[0], torch.optim.Optimizer) else 0
+    if kwargs.get("closure") is not None:
+        closure, where = kwargs["closure"], "kw"
+    elif len(args) > at and callable(args[at]):
+        closure, where = args[at], "arg"
+    else:
+        return None
+
+    def wrapped(*a: Any, **k: Any) -> Any:
+        enter()
+        try:
+            return closure(*a, **k)
+        finally:
+            leave()
+
+    if where == "kw":
+        return args, {**kwargs, "closure": wrapped}
+    return (*args[:at], wrapped, *args[at + 1:]), kwargs

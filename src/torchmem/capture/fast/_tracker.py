@@ -52,6 +52,7 @@ import torch
 from torchmem._containers import iter_tensors
 from torchmem.capture._names import (
     _path_below,
+    around_closure,
     check_track_args,
     initial_state,
     note_params,
@@ -215,9 +216,9 @@ class FastTracker:
                 ptrs.append(g.untyped_storage().data_ptr())
         self._native.mark(_M_GRADS, 0, ptrs)
 
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self._active or threading.get_ident() != self._thread:
-            return
+            return None
         if opt not in self._optims:
             self._optims.add(opt)
             for group in opt.param_groups:
@@ -225,9 +226,27 @@ class FastTracker:
         if self._clock_opt is None:
             self._clock_opt = weakref.ref(opt)
         self._grads_mark()
+        name = self.trace.intern(f"optimizer:{type(opt).__name__}")
+        self._enter_optimizer(name)
+        # a closure's forward and backward are the model's: the optimizer phase pauses
+        return around_closure(args, kwargs, self._leave_optimizer,
+                              lambda: self._enter_optimizer(name))
+
+    def _enter_optimizer(self, name: int) -> None:
+        if not self._active:
+            return
         self._phase = _P_OPT
-        self._stack.append(self.trace.intern(f"optimizer:{type(opt).__name__}"))
+        self._stack.append(name)
         self._mods.append(_OPT)
+        self._set()
+
+    def _leave_optimizer(self) -> None:
+        if not self._active:
+            return
+        if self._mods and self._mods[-1] is _OPT:
+            self._mods.pop()
+            self._stack.pop()
+        self._phase = _P_OTHER
         self._set()
 
     def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -235,11 +254,7 @@ class FastTracker:
             return
         state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         self._native.mark(_M_OPT_STATE, 0, _ptrs(state))
-        if self._mods and self._mods[-1] is _OPT:
-            self._mods.pop()
-            self._stack.pop()
-        self._phase = _P_OTHER
-        self._set()
+        self._leave_optimizer()
         clock = self._clock_opt() if self._clock_opt is not None else None
         if self.step_marker == "optimizer" and clock is opt:
             self.step()

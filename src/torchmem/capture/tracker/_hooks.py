@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below
+from torchmem.capture._names import _path_below, around_closure
 from torchmem.capture.tracker._comm import _Comm
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
@@ -85,29 +85,43 @@ class _Hooks(_Comm):
         self._fw_names.pop()
         self._seq_mark(self._fw_names[-1] if self._fw_names else 0)
 
-    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self._active or threading.get_ident() != self._thread:
-            return
+            return None
         if opt not in self._optims:
             self._optims.add(opt)
             for group in opt.param_groups:
                 self._note_params(group["params"])
         if self._clock_opt is None:
             self._clock_opt = weakref.ref(opt)
+        name = self.trace.intern(f"optimizer:{type(opt).__name__}")
+        self._enter_optimizer(name)
+        # a closure's forward and backward are the model's: the optimizer phase pauses
+        return around_closure(args, kwargs, self._leave_optimizer,
+                              lambda: self._enter_optimizer(name))
+
+    def _enter_optimizer(self, name: int) -> None:
+        if not self._active:
+            return
         self._end_region(_P_OPT)
         self._phase = _P_OPT
         # optimizer-phase events are attributed to the optimizer, e.g. "optimizer:Adam"
-        self._fw_names.append(self.trace.intern(f"optimizer:{type(opt).__name__}"))
+        self._fw_names.append(name)
         self._fw_mods.append(_OPT_SENTINEL)
 
-    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._active or threading.get_ident() != self._thread:
+    def _leave_optimizer(self) -> None:
+        if not self._active:
             return
         if self._fw_mods and self._fw_mods[-1] is _OPT_SENTINEL:
             self._fw_mods.pop()
             self._fw_names.pop()
         self._end_region(_P_OTHER)
         self._phase = _P_OTHER
+
+    def _opt_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._active or threading.get_ident() != self._thread:
+            return
+        self._leave_optimizer()
         clock = self._clock_opt() if self._clock_opt is not None else None
         if self.step_marker == "optimizer" and clock is opt:
             self.step()

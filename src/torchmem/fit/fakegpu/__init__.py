@@ -15,7 +15,9 @@ A run's operators flow through here, from the user's code down to the simulated 
 - ``_values``, ``_shapes``, ``_generate``: values and sizes fake tensors cannot know, answered by a
   documented policy and listed (transformers' own reads as on a GPU);
 - ``_accelerate``, ``_bnb``: libraries that decide on the device (accelerate's mixed precision)
-  or cannot run here (bitsandbytes' 8-bit Adam, :class:`~torchmem.fit.Adam8bitStandIn`);
+  or whose CUDA kernels allocate what their fake kernels do not say (bitsandbytes' 4-bit and
+  8-bit matmuls, paged optimizer state; :class:`~torchmem.fit.Adam8bitStandIn` where
+  bitsandbytes is not installed);
 - ``_dist``: the other ranks of a job (a fake process group, :class:`FakeWorld`);
 - ``_checkpoints``: checkpoints loaded from their shapes, never their weights (``torch.load``,
   safetensors, transformers' ``from_pretrained``, Lightning's lazy load), with ``_imports``

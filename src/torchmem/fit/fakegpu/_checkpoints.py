@@ -676,6 +676,7 @@ def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
     NOTES.clear()
     global PLACEMENT
     PLACEMENT = placement
+    from torchmem.fit.fakegpu._bnb import imported_without_cuda, patch_bitsandbytes
     from torchmem.fit.fakegpu._imports import when_imported
 
     libraries: dict[str, Any] = {
@@ -683,9 +684,10 @@ def checkpoints_without_weights(placement: Any = None) -> Iterator[None]:
         "lightning_fabric.utilities.load": _patch_lazy_load,
         "transformers.modeling_utils": _patch_from_pretrained,
         "transformers.configuration_utils": _patch_config_dict,
+        "bitsandbytes": patch_bitsandbytes,
     }
     try:
-        with when_imported(libraries):
+        with when_imported(libraries, around={"bitsandbytes": imported_without_cuda}):
             yield
     finally:
         PLACEMENT = None

@@ -20,6 +20,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from torchmem.capture._fast_mode import FastDispatchMode, frame_callback
+from torchmem.fit.fakegpu._bnb import KERNELS as LIBRARY_KERNELS
 from torchmem.fit.fakegpu._generate import LOCAL_SCALAR, GenerationPatches
 from torchmem.fit.fakegpu._memory import _State
 from torchmem.fit.fakegpu._shapes import HANDLED as SHAPE_OPS
@@ -96,6 +97,16 @@ def _accumulates_in_place(args: Sequence[Any], kwargs: Mapping[str, Any] | None)
     if sa.nbytes() != a.numel() * a.element_size():
         return False
     return sa._cdata != sb._cdata
+
+
+def _assume(values: ValueReads, func: Any, op: str, value: Any) -> None:
+    """A size that depends on values, assumed by a library kernel's rule: listed, or refused
+    (as the operator's own data-dependent output would be) with ``strict_values``."""
+    if values.strict:
+        from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+        raise DynamicOutputShapeException(func)
+    values.record(op, value)
 
 
 def _conv_backward_halves(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
@@ -213,6 +224,10 @@ class _SimMode(FastDispatchMode):
             value = values.answer(args[0])
             if value is not None:
                 return value
+        if LIBRARY_KERNELS and func in LIBRARY_KERNELS:  # bitsandbytes' CUDA behaviour
+            return LIBRARY_KERNELS[func](
+                lambda op, *a, **k: self.__torch_dispatch__(op, types, a, k),
+                lambda op, value: _assume(values, func, op, value), *args, **(kwargs or {}))
         if func is _EQUAL and len(args) == 2 and not kwargs:
             same = values.equal(args[0], args[1])
             if same is not None:

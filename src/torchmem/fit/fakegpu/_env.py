@@ -202,6 +202,40 @@ def _cpu_fake_new(original: Callable[..., Any]) -> Callable[..., Any]:
     return __new__
 
 
+#: ``{parameter subclass: its fake twin}`` (see :func:`_fake_make_subclass`)
+_TWINS: dict[type, type] = {}
+
+
+def _fake_make_subclass(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.Tensor._make_subclass`` that accepts a fake tensor: a parameter subclass whose
+    ``__new__`` calls it (bitsandbytes' ``Params4bit`` and ``Int8Params``) gets, for fake data,
+    a fake tensor whose class derives from both ``FakeTensor`` and that subclass, so the
+    subclass's own methods (``Params4bit.to`` quantizes on the way to the GPU) run on it.
+    ``type(p)(...)`` of such a tensor calls the subclass's ``__new__`` again."""
+
+    def make_subclass(cls: Any, data: Any, require_grad: bool = False, *args: Any,
+                      **kwargs: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not isinstance(data, FakeTensor) or issubclass(cls, FakeTensor):
+            return original(cls, data, require_grad, *args, **kwargs)
+        twin = _TWINS.get(cls)
+        if twin is None:
+            base = cls
+
+            def __new__(klass: Any, *a: Any, **k: Any) -> Any:
+                return base.__new__(base, *a, **k)
+
+            twin = _TWINS[cls] = type(f"Fake{cls.__name__}", (FakeTensor, cls),
+                                      {"__new__": __new__, "__module__": __name__})
+        out = data.detach()
+        out.requires_grad_(bool(require_grad))
+        out.__class__ = twin
+        return out
+
+    return make_subclass
+
+
 def _is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -627,12 +661,14 @@ def fake_cuda(
     from torch._subclasses.fake_tensor import FakeTensor
 
     fake_device = FakeTensor.__dict__["device"]
+    make_subclass = torch.Tensor._make_subclass
     fake_new = FakeTensor.__dict__["__new__"].__func__
     try:
         if placement is not None:
             FakeTensor.device = placement.device_property(fake_device)  # type: ignore[method-assign,assignment]
             FakeTensor.__new__ = staticmethod(_cpu_fake_new(fake_new))  # type: ignore[method-assign,assignment]
         FakeTensor.__format__ = _fake_format  # type: ignore[method-assign,assignment]
+        torch.Tensor._make_subclass = staticmethod(_fake_make_subclass(make_subclass))  # type: ignore[method-assign,assignment]
         for k, v in accel_patches.items():
             setattr(accel, k, v)
         for k, v in c_patches.items():
@@ -655,6 +691,8 @@ def fake_cuda(
         FakeTensor.__new__ = staticmethod(fake_new)  # type: ignore[method-assign,assignment]
         if "__format__" in FakeTensor.__dict__:
             del FakeTensor.__format__
+        if "_make_subclass" in torch.Tensor.__dict__:
+            del torch.Tensor._make_subclass
         for k, v in accel_saved.items():
             setattr(accel, k, v)
         for k, v in c_saved.items():

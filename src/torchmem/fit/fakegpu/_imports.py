@@ -4,7 +4,8 @@ Lightning itself, after the estimate's patches were put in place.
 :func:`when_imported` calls ``patch(module)`` for each named module: at once when it is already
 imported, else right after the script's import of it has run (a finder on ``sys.meta_path`` wraps
 that module's loader). ``patch`` returns what undoes it; everything is undone on exit, and the
-finder is removed.
+finder is removed. ``around`` names modules whose own import runs inside a context manager (made
+by the callable given): bitsandbytes, for one, must be imported as on a machine without CUDA.
 
 Example:
     >>> seen = []
@@ -32,15 +33,19 @@ Patch = Callable[[ModuleType], "Callable[[], None] | None"]
 class _Loader(importlib.abc.Loader):
     """The module's own loader, then the patch (every other attribute is the loader's)."""
 
-    def __init__(self, inner: Any, after: Callable[[ModuleType], None]) -> None:
+    def __init__(self, inner: Any, after: Callable[[ModuleType], None],
+                 around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+                 ) -> None:
         self._inner = inner
         self._after = after
+        self._around = around
 
     def create_module(self, spec: Any) -> ModuleType | None:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self._inner.exec_module(module)
+        with self._around() if self._around else contextlib.nullcontext():
+            self._inner.exec_module(module)
         self._after(module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... (tracebacks)
@@ -48,9 +53,11 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict[str, Patch], undo: list[Callable[[], None]]) -> None:
+    def __init__(self, patches: dict[str, Patch], undo: list[Callable[[], None]],
+                 around: Mapping[str, Callable[[], Any]] | None = None) -> None:
         self.patches = patches
         self.undo = undo
+        self.around = dict(around or {})
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         patch = self.patches.get(fullname)
@@ -65,7 +72,7 @@ class _Finder(importlib.abc.MetaPathFinder):
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _Loader(spec.loader, self._apply(patch))
+        spec.loader = _Loader(spec.loader, self._apply(patch), self.around.get(fullname))
         return spec
 
     def _apply(self, patch: Patch) -> Callable[[ModuleType], None]:
@@ -78,9 +85,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 @contextlib.contextmanager
-def when_imported(patches: Mapping[str, Patch]) -> Iterator[None]:
+def when_imported(patches: Mapping[str, Patch],
+                  around: Mapping[str, Callable[[], Any]] | None = None) -> Iterator[None]:
     """``patch(module)`` for each ``{module name: patch}``, now or when the module is imported
-    inside; what each patch returns (a callable, or ``None``) is called on exit.
+    inside; what each patch returns (a callable, or ``None``) is called on exit. A module named
+    in ``around`` (``{name: context manager factory}``; it needs a patch too) is imported inside
+    that context manager.
 
     Example:
         >>> import types
@@ -88,7 +98,7 @@ def when_imported(patches: Mapping[str, Patch]) -> Iterator[None]:
         ...     pass
     """
     undo: list[Callable[[], None]] = []
-    finder = _Finder({}, undo)
+    finder = _Finder({}, undo, around)
     for name, patch in patches.items():
         module = sys.modules.get(name)
         if module is not None:

@@ -327,9 +327,11 @@ def run_once(
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv, feed)
     est.params = kw
     est.assumed_values = [r.to_dict() for r in values.reads]
-    from torchmem.fit.fakegpu import _checkpoints
+    from torchmem.fit.fakegpu import _bnb, _checkpoints
 
     est.notes.extend(_checkpoints.NOTES)  # models loaded from their config alone
+    if _bnb.PAGED:
+        est.notes.append(_bnb.paged_note())
     if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)
         est.attention_kernel, attention_notes = emu.attention_report()
         est.notes.extend(attention_notes)
