@@ -151,7 +151,7 @@ def test_skipped_saves_are_listed_and_nothing_is_written(tmp_path, monkeypatch, 
     assert code == 0 and d["script"]["stopped"] == "steps"
     assert d["script"]["skipped_writes"] == [
         {"where": f"{path}:8", "what": "torch.save(dict of 2 tensors, 16.25 KiB)",
-         "path": f"ckpt-{i}.pt"} for i in range(2)]
+         "path": str(tmp_path / f"ckpt-{i}.pt")} for i in range(2)]
     assert os.listdir(tmp_path) == ["ckpt.py"]
     assert torch.save.__module__ == "torch.serialization"  # restored
     main(["estimate", "--gpu", "T4", "--steps", "2", path])
@@ -174,8 +174,8 @@ def test_skipped_safetensors_and_an_alias_imported_before(tmp_path, monkeypatch)
     """)
     e = estimate_script(path, [], "T4")
     assert [(w.what, w.path) for w in e.script.skipped_writes] == [
-        ("safetensors.torch.save_file(dict of 1 tensor, 4.00 KiB)", "a.safetensors"),
-        ("safetensors.torch.save_file(dict of 1 tensor, 4.00 KiB)", "b.safetensors")]
+        ("safetensors.torch.save_file(dict of 1 tensor, 4.00 KiB)", str(tmp_path / "a.safetensors")),
+        ("safetensors.torch.save_file(dict of 1 tensor, 4.00 KiB)", str(tmp_path / "b.safetensors"))]
     assert os.listdir(tmp_path) == ["st.py"]
     assert mod.safe_save_file is st.save_file
 

@@ -78,3 +78,45 @@ def test_lightning_fit_needs_what_the_plain_loop_needs():
     dataset = 64 * 512 * 4
     assert 4 * params + dataset <= fit.host_peak_bytes <= 4 * params + dataset + 64
     assert loop.host_peak_bytes == params         # the plain loop: built there, then .cuda()
+
+
+def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monkeypatch):
+    """Lightning's ModelCheckpoint saves atomically (fsspec: a temporary file moved onto the
+    target, then chmod) under a name formatted from 0-d tensors (``epoch=0-step=1``): the run
+    goes on past its saves, nothing reaches the disk, the renames are listed."""
+    import os
+    import textwrap
+
+    from torchmem.fit.targets._script import estimate_script
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck.py").write_text(textwrap.dedent("""
+        import torch, lightning as L
+
+        class M(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(64, 64)
+
+            def training_step(self, batch, i):
+                (x,) = batch
+                loss = self.net(x).square().mean()
+                self.log("train_loss", loss)
+                return loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        data = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=8)
+        ck = L.pytorch.callbacks.ModelCheckpoint(dirpath="ckpts", every_n_train_steps=1,
+                                                 save_top_k=-1, filename="{epoch}-{step}")
+        L.Trainer(max_steps=3, accelerator="gpu", devices=1, logger=False, callbacks=[ck],
+                  enable_progress_bar=False).fit(M(), data)
+    """))
+    e = estimate_script("ck.py", [], "T4", steps=3)
+    assert e.script.steps_run == 3
+    assert os.listdir(tmp_path) == ["ck.py"]
+    renamed = sorted(os.path.basename(w.path) for w in e.script.skipped_writes
+                     if w.what.startswith("os.rename"))
+    assert renamed[:2] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]

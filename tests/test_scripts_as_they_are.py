@@ -333,3 +333,74 @@ def test_strict_values_refuse_only_what_would_be_assumed(nano):
         estimate_script(nano, [], "T4", strict_values=True)
     log_line = NANO.splitlines().index('    print(f"iter {it}: loss {loss:.4f}")') + 1
     assert f"train.py:{log_line} " in str(info.value), str(info.value)
+
+
+def test_atomic_saves_lock_files_and_caches_as_trainers_and_datasets_make_them(
+        tmp_path, capsys, monkeypatch):
+    """fsspec's transaction (Lightning's ``_atomic_save``): a temporary file moved onto the
+    target, then ``chmod``; a folder the run makes, then ``statvfs``, ``exists`` and
+    ``listdir`` of it (``datasets``' lock files); ``NamedTemporaryFile(dir=D)`` in a folder of
+    the user's, moved to its final name. All land in the scratch folder and are listed, the
+    real folders stay as they were; the Hugging Face datasets cache is written for real and
+    the report says so."""
+    import os
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "old.txt").write_text("mine")
+    cache = tmp_path / "hf" / "datasets"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    script = tmp_path / "saves.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, shutil, tempfile
+        import torch
+        user = {str(user)!r}
+        # fsspec LocalFileOpener.commit: shutil.move of a temporary file, then chmod
+        fd, tmp = tempfile.mkstemp()
+        os.write(fd, b"checkpoint"); os.close(fd)
+        os.makedirs(os.path.join(user, "ckpts"), exist_ok=True)
+        target = os.path.join(user, "ckpts", "epoch=0-step=1.ckpt")
+        shutil.move(tmp, target)
+        os.chmod(target, 0o644)
+        assert os.path.exists(target) and os.path.getsize(target) == 10
+        # a folder made by the run, then inspected as a lock file's folder is
+        os.makedirs(os.path.join(user, "locks"))
+        os.statvfs(os.path.join(user, "locks"))
+        open(os.path.join(user, "locks", "a.lock"), "w").close()
+        assert sorted(os.listdir(user)) == ["ckpts", "locks", "old.txt"]
+        assert [e.name for e in os.scandir(os.path.join(user, "locks"))] == ["a.lock"]
+        # datasets' writer: a named temporary file in the user's folder, moved into place
+        t = tempfile.NamedTemporaryFile("wb", dir=user, delete=False)
+        t.write(b"arrow"); t.close()
+        shutil.move(t.name, os.path.join(user, "final.arrow"))
+        assert open(os.path.join(user, "final.arrow"), "rb").read() == b"arrow"
+        os.chmod(os.path.join(user, "old.txt"), 0o600)       # the user's own file: not done
+        # the datasets cache: real
+        os.makedirs({str(cache)!r}, exist_ok=True)
+        open(os.path.join({str(cache)!r}, "x.arrow"), "w").write("cached")
+        net = torch.nn.Linear(4, 4).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net(torch.ones(1, 4, device="cuda")).sum().backward(); opt.step()
+    """))
+    mode = os.stat(user / "old.txt").st_mode
+    e = estimate_script(str(script), [], "T4")
+    assert e.script.steps_run == 2
+    assert sorted(os.listdir(user)) == ["old.txt"]          # nothing else on the real disk
+    assert os.stat(user / "old.txt").st_mode == mode
+    assert (cache / "x.arrow").read_text() == "cached"      # the datasets cache is real
+    listed = {(w.what.split(" from /")[0], w.path) for w in e.script.skipped_writes}
+    assert listed == {
+        ("os.makedirs", str(user / "ckpts")), ("os.rename", str(user / "ckpts" / "epoch=0-step=1.ckpt")),
+        ("os.makedirs", str(user / "locks")),
+        ("open(mode='w')", str(user / "locks" / "a.lock")),
+        ("os.rename", str(user / "final.arrow")),
+        ("os.chmod (not done)", str(user / "old.txt")),
+        ("written for real: the Hugging Face datasets cache (pyarrow writes and maps its Arrow "
+         "files outside Python, from the real data; a real run writes the same)", str(cache)),
+    }
+    from torchmem.cli.estimate import script_lines
+
+    lines = script_lines(e)
+    assert lines[-1].startswith("written for real: the Hugging Face datasets cache") \
+        and lines[-1].endswith(f": {cache}")

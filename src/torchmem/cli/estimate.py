@@ -288,13 +288,17 @@ def script_lines(est: Any, top: int = 10) -> list[str]:
     if run is None:
         return []
     lines = [run.line()]
-    if run.skipped_writes:
+    real = [w for w in run.skipped_writes if w.what.startswith("written for real")]
+    skipped = [w for w in run.skipped_writes if w not in real]
+    if skipped:
         lines.append("skipped writes (none reached the disk; files and folders went to a "
                      "scratch folder):")
-        for w in run.skipped_writes[:top]:
+        for w in skipped[:top]:
             lines.append(f"    {w.where}  {w.what} -> {w.path}")
-        if len(run.skipped_writes) > top:
-            lines.append(f"    ... and {len(run.skipped_writes) - top} more (--json lists all)")
+        if len(skipped) > top:
+            lines.append(f"    ... and {len(skipped) - top} more (--json lists all)")
+    for w in real:
+        lines.append(f"{w.what}: {w.path}")
     return lines
 
 

@@ -8,9 +8,18 @@ that change files are redirected (:class:`ScratchFiles`):
   ``os.mkdir`` (``Path.mkdir``): the file or folder is made under a scratch folder that mirrors
   the real path, and reads of it later in the same run see that copy (a script that writes its
   config and reads it back works); appending starts from a copy of the real file;
-- ``os.remove`` / ``os.unlink`` / ``os.rmdir`` / ``shutil.rmtree`` and ``os.rename`` /
-  ``os.replace`` of the user's files are skipped (a trainer that rotates its old checkpoints
-  does not delete real ones); on scratch copies they act on the copies.
+- ``os.remove`` / ``os.unlink`` / ``os.rmdir`` / ``shutil.rmtree``, ``os.rename`` /
+  ``os.replace`` and ``os.chmod`` / ``os.utime`` of the user's files are skipped (a trainer
+  that rotates its old checkpoints does not delete real ones); on scratch copies they act on
+  the copies (an atomic save: a temporary file moved onto the target, then ``chmod``);
+- ``os.stat`` / ``os.lstat`` (so ``os.path.exists``, ``isfile``, ``getsize``), ``os.statvfs``,
+  ``os.listdir`` and ``os.scandir`` see the scratch copy of a file or folder the run made (a
+  cache folder made by the run, then locked and listed).
+
+One folder is written for real, and the report says so: the Hugging Face ``datasets`` cache
+(:func:`_datasets_cache`). pyarrow writes and memory-maps its Arrow files in C++, where no
+scratch copy can be seen, and what it holds is the tokenized real data (computed on the host,
+not from fake values), the same cache a real run writes.
 
 Each redirected or skipped call is recorded once per path (``record(where, what, path)``), and
 the scratch folder is deleted when the run ends. Under the system's temporary folder only what
@@ -104,6 +113,26 @@ def _where(frame: Any) -> str:
     return "?"
 
 
+def _datasets_cache() -> str:
+    """The Hugging Face ``datasets`` cache folder, as ``datasets.config`` reads it from the
+    environment (``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``, else
+    ``XDG_CACHE_HOME/huggingface/datasets``, else ``~/.cache/huggingface/datasets``).
+
+    Example:
+        >>> _datasets_cache().endswith("datasets")
+        True
+    """
+    config = sys.modules.get("datasets.config")
+    folder = getattr(config, "HF_DATASETS_CACHE", None)
+    if folder is None:
+        env = os.environ
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+            "huggingface")
+        folder = env.get("HF_DATASETS_CACHE") or os.path.join(home, "datasets")
+    return os.path.realpath(os.path.expanduser(os.fspath(folder)))
+
+
 class ScratchFiles:
     """While active, writes to files go to a scratch folder and deletions or renames of the
     user's files are skipped; ``record(where, what, path)`` is called once per path and call.
@@ -126,6 +155,7 @@ class ScratchFiles:
         self.keep = ("/dev", "/proc")
         self.temp = os.path.realpath(tempfile.gettempdir())
         self.made: list[str] = []  # made by tempfile during the run: real, as is what is inside
+        self.noted_caches: set[str] = set()
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -138,6 +168,14 @@ class ScratchFiles:
         real = os.path.realpath(p)
         if p == os.devnull or any(real == k or real.startswith(k + os.sep)
                                   for k in (*self.keep, self.root, *self.made) if k):
+            return None
+        cache = _datasets_cache()
+        if real == cache or real.startswith(cache + os.sep):
+            if cache not in self.noted_caches:
+                self.noted_caches.add(cache)
+                self.record(_where(sys._getframe(2)), "written for real: the Hugging Face "
+                            "datasets cache (pyarrow writes and maps its Arrow files outside "
+                            "Python, from the real data; a real run writes the same)", cache)
             return None
         return os.path.join(self.root, p.lstrip(os.sep))
 
@@ -176,6 +214,11 @@ class ScratchFiles:
             real_makedirs(os.path.dirname(m), exist_ok=True)
 
         def scratch_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("opener") is not None and sys._getframe(1).f_code.co_filename \
+                    == tempfile.__file__:
+                # NamedTemporaryFile(dir=D) opens D through an opener that makes the file (an
+                # os.open of its own name, seen there): D itself is not made by tempfile
+                return real_open(file, mode, *args, **kwargs)
             if isinstance(file, int) or self._temp_made(sys._getframe(1), file) \
                     or _ours(sys._getframe(1)):
                 return real_open(file, mode, *args, **kwargs)
@@ -230,6 +273,7 @@ class ScratchFiles:
             return real_mkdir(m, mode)
 
         def deleting(real: Callable[..., Any], label: str) -> Callable[..., Any]:
+            # also chmod and utime: on the scratch copy, else not done to the user's file
             def scratch_delete(path: Any, *args: Any, **kwargs: Any) -> Any:
                 m = None if kwargs.get("dir_fd") is not None or _ours(sys._getframe(1)) \
                     else self._mirror(path)
@@ -270,7 +314,60 @@ class ScratchFiles:
                 return None
             return scratch_rename
 
+        real_stat, real_lstat = os.stat, os.lstat
+
+        def scratch_copy(path: Any) -> str | None:
+            """The scratch copy of ``path`` when the run made one (cheap: no realpath, so
+            ``os.stat`` can use it), else None."""
+            if isinstance(path, int):
+                return None
+            try:
+                p = os.path.abspath(os.fsdecode(os.fspath(path)))
+            except TypeError:
+                return None
+            if p == self.root or p.startswith(self.root + os.sep):
+                return None
+            m = os.path.join(self.root, p.lstrip(os.sep))
+            try:
+                real_lstat(m)
+            except OSError:
+                return None
+            return m
+
+        def looking(real: Callable[..., Any]) -> Callable[..., Any]:
+            def scratch_stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+                m = None if args or kwargs.get("dir_fd") is not None else scratch_copy(path)
+                return real(m if m is not None else path, *args, **kwargs)
+            return scratch_stat
+
+        real_listdir, real_scandir = os.listdir, os.scandir
+
+        def really_there(path: Any) -> bool:  # not the scratch copy: the user's own
+            try:
+                real_lstat(path)
+            except (OSError, ValueError):
+                return False
+            return True
+
+        def scratch_listdir(path: Any = ".") -> list[Any]:
+            m = scratch_copy(path)
+            if m is None:
+                return real_listdir(path)
+            if not really_there(path):
+                return real_listdir(m)
+            names = real_listdir(path)  # the real folder's entries and the run's own
+            return names + [n for n in real_listdir(m) if n not in set(names)]
+
+        def scratch_scandir(path: Any = ".") -> Any:
+            m = scratch_copy(path)
+            return real_scandir(m if m is not None and not really_there(path) else path)
+
         stand_ins: list[tuple[Any, str, Any]] = [
+            (os, "stat", looking(real_stat)), (os, "lstat", looking(real_lstat)),
+            (os, "statvfs", looking(os.statvfs)),
+            (os, "listdir", scratch_listdir), (os, "scandir", scratch_scandir),
+            (os, "chmod", deleting(os.chmod, "os.chmod")),
+            (os, "utime", deleting(os.utime, "os.utime")),
             (builtins, "open", scratch_open), (io, "open", scratch_open),
             (os, "open", scratch_os_open), (os, "makedirs", scratch_makedirs),
             (os, "mkdir", scratch_mkdir), (os, "remove", deleting(real_remove, "os.remove")),

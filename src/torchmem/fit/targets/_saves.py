@@ -70,8 +70,16 @@ def _describe(obj: Any) -> str:
 
 
 def _path_of(f: Any) -> str:
+    """The file a save names, absolute (as the scratch folder lists the other writes), or
+    ``<BytesIO>`` for a file object without a name.
+
+    Example:
+        >>> import os
+        >>> _path_of("ckpt.pt") == os.path.join(os.getcwd(), "ckpt.pt"), _path_of(None)
+        (True, '<NoneType>')
+    """
     if isinstance(f, (str, bytes, os.PathLike)):
-        return os.fsdecode(f)
+        return os.path.abspath(os.fsdecode(f))
     name = getattr(f, "name", None)
     return name if isinstance(name, str) else f"<{type(f).__name__}>"
 

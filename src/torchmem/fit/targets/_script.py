@@ -112,6 +112,27 @@ STOP_REASONS = {
 }
 
 
+def _statement(path: str, first: int, last: int | None, line: str | None,
+               limit: int = 160) -> str:
+    r"""The code a traceback frame ran: lines ``first`` to ``last`` (a call spread over several
+    lines, ``load_dataset(\n  name,\n  ...)``) joined on one line, at most ``limit``
+    characters (cut with "..."); the frame's own first line when the file cannot be read.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "s.py")
+        >>> _ = open(path, "w").write("x = load(\n    'a',\n    b=2,\n)\n")
+        >>> _statement(path, 1, 4, "x = load(")
+        "x = load( 'a', b=2, )"
+    """
+    import linecache
+
+    last = first if last is None or last < first else min(last, first + 20)
+    lines = [linecache.getline(path, n).strip() for n in range(first, last + 1)]
+    text = " ".join(x for x in lines if x) or (line or "").strip()
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
 def _clip(text: str, limit: int = 2000) -> str:
     """``text`` whole up to ``limit`` characters, else cut at the last line or word end before
     it, with how much was left out (never mid-word: a size-mismatch list stays readable).
@@ -370,7 +391,8 @@ class _Run:
         fr = _user_frame(exc, {os.path.abspath(self.target.path), self.target.path})
         if fr is None:
             return ""
-        return f" at {fr.filename}:{fr.lineno}" + (f" ({fr.line.strip()})" if fr.line else "")
+        code = _statement(fr.filename, fr.lineno or 0, getattr(fr, "end_lineno", None), fr.line)
+        return f" at {fr.filename}:{fr.lineno}" + (f" ({code})" if code else "")
 
     def raise_bad_end(self, peak: str, e: Estimate | None = None) -> None:
         """Raise what the script's own bad end says (rejected arguments, a non-zero exit, an
