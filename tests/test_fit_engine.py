@@ -318,14 +318,39 @@ def test_second_step_sees_the_gradients():
     assert two.oom.allocated_bytes == 600 * MiB   # x and x.grad; step 1's loss is gone
 
 
-def test_dataloader_workers_load_in_the_main_process():
+class _StreamingStyleLoader(torch.utils.data.DataLoader):
+    """A loader that overrides ``_get_iterator`` and ``__iter__`` as litdata's
+    ``StreamingDataLoader`` does (its own multiprocessing iterator unless ``num_workers`` is 0;
+    batches counted as they pass)."""
+
+    def _get_iterator(self):  # type: ignore[no-untyped-def]
+        from torch.utils.data.dataloader import (
+            _MultiProcessingDataLoaderIter,
+            _SingleProcessDataLoaderIter,
+        )
+
+        if self.num_workers == 0:
+            return _SingleProcessDataLoaderIter(self)
+        return _MultiProcessingDataLoaderIter(self)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.seen = 0
+        for batch in super().__iter__():
+            self.seen += 1
+            yield batch
+
+
+@pytest.mark.parametrize("kind", ["DataLoader", "streaming"])
+def test_dataloader_workers_load_in_the_main_process(kind):
     from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader if kind == "DataLoader" else _StreamingStyleLoader
 
     def build(workers):
         def inner(batch):
             net = torch.nn.Linear(16, 4)
-            data = DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=batch,
-                              shuffle=True, num_workers=workers)
+            data = loader(TensorDataset(torch.randn(64, 16)), batch_size=batch,
+                          shuffle=True, num_workers=workers)
 
             def step():
                 for (x,) in data:
@@ -337,6 +362,7 @@ def test_dataloader_workers_load_in_the_main_process():
     from torch.utils.data import DataLoader as DL
 
     assert DL._get_iterator.__name__ == "_get_iterator"   # restored
+    assert DL.__iter__.__qualname__ == "DataLoader.__iter__"
 
 
 def test_a_gpu_size_not_above_its_cuda_context_is_bad_input(capsys):

@@ -179,6 +179,22 @@ def _single_process_iterator(self: Any) -> Any:
         self.num_workers = workers
 
 
+def _main_process_iter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DataLoader.__iter__`` with ``num_workers`` read as 0 while the iterator is made: a
+    subclass's own ``_get_iterator`` (litdata's ``StreamingDataLoader``: its multiprocessing
+    iterator unless ``num_workers == 0``) loads in the main process too."""
+
+    def __iter__(self: Any) -> Any:
+        workers = self.num_workers
+        self.num_workers = 0
+        try:
+            return original(self)
+        finally:
+            self.num_workers = workers
+
+    return __iter__
+
+
 def _cpu_fake_new(original: Callable[..., Any]) -> Callable[..., Any]:
     """``FakeTensor.__new__`` that makes a fake tensor of a CUDA device one of the fake CPU
     device: code that runs below this module's function mode (inside an operator, e.g.
@@ -623,6 +639,7 @@ def fake_cuda(
     sampler_iter = RandomSampler.__iter__
     loader_iter_init = _BaseDataLoaderIter.__init__
     get_iterator = DataLoader._get_iterator
+    loader_iter = DataLoader.__iter__
 
     opt_step = GradScaler._maybe_opt_step
     record_stream = torch.Tensor.record_stream
@@ -684,6 +701,7 @@ def fake_cuda(
         RandomSampler.__iter__ = _real_indices(sampler_iter)  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = _real_init(loader_iter_init)  # type: ignore[method-assign]
         DataLoader._get_iterator = _single_process_iterator  # type: ignore[method-assign]
+        DataLoader.__iter__ = _main_process_iter(loader_iter)  # type: ignore[method-assign]
         with loads, mode:
             yield
     finally:
@@ -704,6 +722,7 @@ def fake_cuda(
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
         DataLoader._get_iterator = get_iterator  # type: ignore[method-assign]
+        DataLoader.__iter__ = loader_iter  # type: ignore[method-assign]
         for k in patches:
             if k in saved:
                 setattr(cuda, k, saved[k])
