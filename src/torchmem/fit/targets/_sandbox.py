@@ -150,6 +150,7 @@ class ScratchFiles:
     def __init__(self, record: Callable[[str, str, str], None]) -> None:
         self.record = record
         self.root = ""
+        self.in_scratch: set[str] = set()  # real paths with a scratch copy, and their folders
         self.noted: set[tuple[str, str]] = set()
         self.saved: list[tuple[Any, str, Any]] = []
         self.keep = ("/dev", "/proc")
@@ -195,6 +196,16 @@ class ScratchFiles:
             return True
         return False
 
+    def _made_in_scratch(self, m: str) -> None:
+        """Remember that scratch path ``m`` (a file or folder) and its folders exist, under the
+        real paths they stand for (what ``os.stat`` and ``os.listdir`` look up)."""
+        while m.startswith(self.root + os.sep):
+            real = os.sep + m[len(self.root) + 1:]
+            if real in self.in_scratch:
+                return
+            self.in_scratch.add(real)
+            m = os.path.dirname(m)
+
     def _note(self, what: str, path: Any) -> None:
         shown = os.path.abspath(os.fsdecode(os.fspath(path)))
         if (what, shown) not in self.noted:
@@ -211,6 +222,7 @@ class ScratchFiles:
         exists = os.path.lexists
 
         def parent(m: str) -> None:
+            self._made_in_scratch(m)
             real_makedirs(os.path.dirname(m), exist_ok=True)
 
         def scratch_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
@@ -256,6 +268,7 @@ class ScratchFiles:
                     return None
                 raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(name))
             self._note("os.makedirs", name)
+            self._made_in_scratch(m)
             return real_makedirs(m, mode, True)
 
         def scratch_mkdir(path: Any, mode: int = 0o777, *, dir_fd: Any = None) -> None:
@@ -325,7 +338,7 @@ class ScratchFiles:
                 p = os.path.abspath(os.fsdecode(os.fspath(path)))
             except TypeError:
                 return None
-            if p == self.root or p.startswith(self.root + os.sep):
+            if p not in self.in_scratch:  # most stats (imports, libraries): one set lookup
                 return None
             m = os.path.join(self.root, p.lstrip(os.sep))
             try:
