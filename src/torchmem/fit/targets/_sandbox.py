@@ -332,7 +332,7 @@ class ScratchFiles:
         def scratch_copy(path: Any) -> str | None:
             """The scratch copy of ``path`` when the run made one (cheap: no realpath, so
             ``os.stat`` can use it), else None."""
-            if isinstance(path, int):
+            if not self.in_scratch or isinstance(path, int):
                 return None
             try:
                 p = os.path.abspath(os.fsdecode(os.fspath(path)))
