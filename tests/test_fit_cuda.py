@@ -592,3 +592,22 @@ def test_dropout_keeps_a_bool_mask_like_cudas_fused_kernel():
         x = torch.empty(4, 4)
         assert torch.nn.functional.dropout(x, 0.1, False) is x  # eval: the input itself
         assert torch.nn.functional.dropout(x, 0.0, True) is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_over_a_zero_length_query_runs_and_holds_only_its_inputs(dtype):
+    """A query of no tokens (an empty prompt chunk): the kernels' scratch buffers are empty,
+    and PyTorch never calls the allocator for 0 bytes (before, the simulator was asked to)."""
+    from torchmem.fit import estimate
+
+    shapes = []
+
+    def build(batch):
+        q = torch.zeros(batch, 4, 0, 64, device="cuda", dtype=dtype)
+        kv = torch.zeros(batch, 4, 16, 64, device="cuda", dtype=dtype)
+        return lambda: shapes.append(
+            tuple(torch.nn.functional.scaled_dot_product_attention(q, kv, kv).shape))
+
+    e = estimate(build, "A100-40GB", 2, steps=1)
+    assert e.fits and shapes == [(2, 4, 0, 64)]
+    assert e.peak_requested_bytes >= 2 * 4 * 16 * 64 * dtype.itemsize  # the keys and values

@@ -412,3 +412,25 @@ def test_a_closure_step_reports_the_categories_and_modules_of_the_plain_step() -
     # the GELU's input and output (256 x 4096 float32 each) are activations, not the optimizer's
     assert closure.by_category["activation"] >= 2 * 256 * 4096 * 4
     assert not [m for m in closure.by_module if m.startswith(("Identity", "optimizer"))]
+
+
+def test_by_module_lists_every_module_and_the_text_report_the_top_15(tmp_path, capsys):
+    from torchmem.cli import main
+
+    (tmp_path / "deep.py").write_text(textwrap.dedent("""
+        import torch
+        net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(30)]).cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            net(torch.zeros(8, 64, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """))
+    import json
+
+    assert main(["estimate", "--gpu", "T4", "--json", str(tmp_path / "deep.py")]) == 0
+    by_module = json.loads(capsys.readouterr().out)["by_module"]
+    layers = [m for m in by_module if m.startswith("Sequential.")]
+    assert len(layers) == 30          # before: the JSON held the 15 largest only
+    assert list(by_module.values()) == sorted(by_module.values(), reverse=True)
+    assert main(["estimate", "--gpu", "T4", str(tmp_path / "deep.py")]) == 0
+    out = capsys.readouterr().out
+    assert f"... and {len(by_module) - 15} more modules (--json lists all)" in out

@@ -245,9 +245,11 @@ def render_text(est: Any, file: Any = None) -> None:
         m = Table(title="live at the peak, by module (top 15)", show_header=True)
         m.add_column("module")
         m.add_column("bytes", justify="right")
-        for k, v in est.by_module.items():
+        for k, v in list(est.by_module.items())[:15]:
             m.add_row(k, _fmt(v))
         con.print(m)
+        if len(est.by_module) > 15:
+            con.print(f"... and {len(est.by_module) - 15} more modules (--json lists all)")
     if est.oom is not None:
         o = est.oom
         con.print(f"out of memory at: {o.op or '?'} in module {o.module or '(none)'} "

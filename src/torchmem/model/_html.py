@@ -118,8 +118,12 @@ def estimate_html(est: Any) -> str:
     parts.append(html_table("live at the peak, by category", ["category", "bytes"],
                             [[k, fmt_bytes(v)] for k, v in est.by_category.items() if v]))
     if est.by_module:
-        parts.append(html_table("live at the peak, by module", ["module", "bytes"],
-                                [[k, fmt_bytes(v)] for k, v in est.by_module.items()]))
+        rows = [[k, fmt_bytes(v)] for k, v in list(est.by_module.items())[:15]]
+        more = len(est.by_module) - len(rows)
+        if more > 0:
+            rows.append([f"... and {more} more (the JSON lists all)", ""])
+        parts.append(html_table("live at the peak, by module (top 15)", ["module", "bytes"],
+                                rows))
     if est.oom is not None:
         o = est.oom
         stack = "".join(f"<div><code>{html.escape(s)}</code></div>" for s in o.stack[-6:])

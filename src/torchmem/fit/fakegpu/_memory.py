@@ -235,6 +235,8 @@ class _State:
             # (an entry may name earlier ones the kernel frees right after allocating it)
             held: dict[int, int] = {}
             for i, entry in enumerate(self.emu.transients(func, args, kwargs, out)):
+                if int(entry[0]) <= 0:  # an empty buffer (a zero-length sequence): PyTorch
+                    continue            # never calls the allocator for 0 bytes
                 addr = self._malloc(int(entry[0]), None, str(func), str(entry[1]))
                 if addr is None:
                     break

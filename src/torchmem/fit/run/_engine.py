@@ -406,7 +406,7 @@ def _result(
             name = mod or "(outside any module)"
             by_mod[name] = by_mod.get(name, 0) + n
     by_cat["workspace"] = st.ws_at_peak
-    top = dict(sorted(by_mod.items(), key=lambda kv: -kv[1])[:15])
+    top = dict(sorted(by_mod.items(), key=lambda kv: -kv[1]))  # every module, largest first
     return Estimate(
         gpu=card.name,
         batch_size=batch_size,

@@ -110,7 +110,8 @@ class Estimate:
     tensor storages (exact), ``peak_allocated_bytes`` the peak of allocator blocks (rounded
     requests, cuBLAS workspaces included), ``peak_reserved_bytes`` the peak of cudaMalloc'd
     segments. ``by_category`` and ``by_module`` are the storages live at the peak of requested
-    bytes (plus ``workspace``, the library workspaces live then). ``fragmentation_bytes`` is
+    bytes (plus ``workspace``, the library workspaces live then; ``by_module`` has every module,
+    largest first). ``fragmentation_bytes`` is
     reserved minus allocated at the peak of allocated bytes. ``oom`` says where it would run out
     of memory (``None`` when it fits). ``snapshot`` is the simulated run as a
     :class:`~torchmem.model.Snapshot` when asked for (``keep_snapshot=True``). ``kv_cache``
