@@ -80,7 +80,62 @@ def test_lightning_fit_needs_what_the_plain_loop_needs():
     assert loop.host_peak_bytes == params         # the plain loop: built there, then .cuda()
 
 
-def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monkeypatch):
+def _lightning_ddp(batch):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
+                                       batch_size=batch)
+    model = _Model()
+    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=2, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    return lambda: trainer.fit(model, data)
+
+
+def _plain_ddp(batch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Forward(torch.nn.Module):  # what Lightning's wrapper runs: training_step's forward
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model.net(x)
+
+    model = _Model().cuda()
+    ddp = DDP(Forward(model), device_ids=[0])
+    opt = model.configure_optimizers()
+    x = torch.randn(batch, 512, device="cuda")
+
+    def step():
+        for _ in range(2):
+            loss = ddp(x).square().mean()
+            loss.item()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return step
+
+
+def test_lightning_ddp_on_two_devices_needs_what_a_plain_ddp_loop_needs():
+    """``Trainer(devices=2, strategy="ddp")`` as rank 0 of 2: the fake CUDA shows two devices
+    (Lightning checks), the step runs through DDP's gradient buckets, and the GPU peaks equal a
+    plain DDP loop's (DDP's buckets: one copy of the 4.2 MB of gradients, in two buckets)."""
+    fit = torchmem.estimate(_lightning_ddp, gpu="T4", batch_size=16, steps=1, margin=0,
+                            world_size=2)
+    loop = torchmem.estimate(_plain_ddp, gpu="T4", batch_size=16, steps=1, margin=0,
+                             world_size=2)
+    assert fit.world_size == loop.world_size == 2
+    assert 0 <= fit.peak_requested_bytes - loop.peak_requested_bytes <= 64
+    assert fit.peak_reserved_bytes == loop.peak_reserved_bytes
+    params = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
+    assert fit.by_category["parameter"] == loop.by_category["parameter"] == params
+    assert fit.by_category["gradient"] == loop.by_category["gradient"] == params
+    # DDP's buckets hold every gradient once (the all-reduce's communication buffers)
+    assert fit.by_category["communication"] == loop.by_category["communication"] == params
+
+
+def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monkeypatch,
+                                                                  capsys):
     """Lightning's ModelCheckpoint saves atomically (fsspec: a temporary file moved onto the
     target, then chmod) under a name formatted from 0-d tensors (``epoch=0-step=1``): the run
     goes on past its saves, nothing reaches the disk, the renames are listed."""
@@ -113,10 +168,16 @@ def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monk
                                                  save_top_k=-1, filename="{epoch}-{step}")
         L.Trainer(max_steps=3, accelerator="gpu", devices=1, logger=False, callbacks=[ck],
                   enable_progress_bar=False).fit(M(), data)
+        # the checkpoint read back (Lightning's pl_load: fsspec, then torch.load of the file)
+        m = M.load_from_checkpoint("ckpts/epoch=0-step=2.ckpt", map_location="cuda")
+        print("restored", tuple(m.net.weight.shape), m.net.weight.is_cuda,
+              torch.cuda.memory_allocated())
     """))
-    e = estimate_script("ck.py", [], "T4", steps=3)
-    assert e.script.steps_run == 3
+    e = estimate_script("ck.py", [], "T4", steps=5)
+    assert e.script.steps_run == 3 and e.script.stopped == "end"
     assert os.listdir(tmp_path) == ["ck.py"]
     renamed = sorted(os.path.basename(w.path) for w in e.script.skipped_writes
                      if w.what.startswith("os.rename"))
     assert renamed[:2] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
+    restored = capsys.readouterr().out.split("restored ")[1].split()
+    assert restored[:3] == ["(64,", "64)", "True"], restored

@@ -136,6 +136,6 @@ def test_the_check_above_the_answer_stops_early_and_keeps_the_verdict():
     # ground truth: the value above the answer, run in full on its own, does not fit either
     above = torchmem.estimate_hf(LLAMA, gpu=card, seq_len=v + 1, **kw)
     assert not above.fits and above.oom is None and above.stopped_over is None
-    limit = int(stops[0].split("passed ")[1].split(" B")[0].replace(",", ""))
+    limit = int(stops[0].split("passed ")[1].split("(")[1].split(" B)")[0].replace(",", ""))
     assert above.peak_reserved_bytes > limit
     assert above.peak_reserved_bytes + above.margin_bytes > card.usable_bytes

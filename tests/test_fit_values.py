@@ -227,3 +227,29 @@ def test_reads_under_inference_mode_are_answered_as_with_autograd(read, value):
         (a,) = torchmem.estimate(_mlp_build(read.replace("out.sum()", "loss")), gpu="T4",
                                  batch_size=16, margin=0, default_device="cuda").assumed_values
         assert a["value"] == value
+
+
+def test_a_gradient_scalers_finite_gradients_are_listed_once_per_step():
+    """``GradScaler.step`` skips the optimizer when a gradient was inf/NaN; fake gradients
+    have none, so the estimate steps: an assumption, listed at the line of each step."""
+    import torchmem
+
+    def build(batch_size):
+        net = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.AdamW(net.parameters())
+        scaler = torch.amp.GradScaler("cuda")
+        x = torch.randn(batch_size, 64, device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = net(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return step
+
+    e = torchmem.estimate(build, gpu="T4", batch_size=8, steps=3)
+    found = [a for a in e.assumed_values if a["op"] == "GradScaler found_inf"]
+    assert [(a["value"], a["count"]) for a in found] == [(0.0, 3)], e.assumed_values
+    assert e.by_category["optimizer_state"] == 2 * (64 * 64 + 64) * 4  # AdamW stepped

@@ -404,3 +404,193 @@ def test_atomic_saves_lock_files_and_caches_as_trainers_and_datasets_make_them(
     lines = script_lines(e)
     assert lines[-1].startswith("written for real: the Hugging Face datasets cache") \
         and lines[-1].endswith(f": {cache}")
+
+
+RELOAD = textwrap.dedent("""
+    import io, os, sys
+    import torch
+
+    dev = os.environ["TM_DEVICE"]
+    x = torch.empty(1000, 1000, device=dev)      # two 4,000,000-byte blocks, one after the other
+    y = torch.empty(1000, 1000, device=dev)
+    print("gap", y.data_ptr() - x.data_ptr(), "view", x[10:].data_ptr() - x.data_ptr(),
+          "distinct", x.data_ptr() != y.data_ptr())
+    del x, y
+    net = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 1000, bias=False),
+                              torch.nn.Linear(1000, 10)).to(dev)
+    net[1].weight = net[0].weight                # tied, as a language model's head
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def summary(tag, obj):
+        flat = []
+        def walk(prefix, o):
+            if isinstance(o, torch.Tensor):
+                flat.append((prefix, o))
+            elif isinstance(o, dict):
+                for k, v in o.items():
+                    walk(f"{prefix}/{k}", v)
+            elif isinstance(o, (list, tuple)):
+                for i, v in enumerate(o):
+                    walk(f"{prefix}/{i}", v)
+        walk("", obj)
+        by_ptr = {}
+        for name, t in flat:
+            by_ptr.setdefault(t.untyped_storage().data_ptr(), []).append((name, t))
+        shared = sorted(tuple(n for n, _ in group) for group in by_ptr.values() if len(group) > 1)
+        sizes = sorted(group[0][1].untyped_storage().nbytes() for group in by_ptr.values())
+        print(tag, len(flat), "tensors", [(n, tuple(t.shape), str(t.dtype)) for n, t in flat],
+              "storages", sizes, "shared", shared)
+        return sizes
+
+    os.makedirs("out", exist_ok=True)
+    for it in range(2):
+        net(torch.zeros(4, 16, dtype=torch.long, device=dev)).sum().backward()
+        opt.step(); opt.zero_grad()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "it": it}, "out/ckpt.pt")
+    before = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    ck = torch.load("out/ckpt.pt", map_location=dev)
+    after = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    summary("file", ck)
+    print("loaded", ck["it"], "allocated by the load", after - before, file=sys.stderr)
+    buf = io.BytesIO(); torch.save(net.state_dict(), buf); buf.seek(0)
+    summary("buffer", torch.load(buf))
+    net.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+    net(torch.zeros(4, 16, dtype=torch.long, device=dev)).sum().backward(); opt.step()
+""")
+
+
+def test_a_script_loads_back_what_it_saved_and_sees_real_data_pointers(tmp_path, capsys,
+                                                                      monkeypatch):
+    """A skipped ``torch.save`` leaves an outline the run loads back (a resume, a copy through a
+    buffer): the same tensors, shapes, dtypes and tied storages as the real save and load of
+    the same script on the CPU (run for real here); on the GPU the load allocates each storage
+    once, rounded as the caching allocator rounds. ``data_ptr()`` tells storages apart and
+    views share it, as in the real run."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "reload.py"
+    script.write_text(RELOAD)
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    real = subprocess.run([sys.executable, str(script)], cwd=real_dir, capture_output=True,
+                          text=True, env={**os.environ, "TM_DEVICE": "cpu"}, check=True)
+    assert (real_dir / "out" / "ckpt.pt").exists()            # the real run's file
+    real_lines = [ln for ln in real.stdout.splitlines() if ln.startswith(("file", "buffer"))]
+    assert "shared [('/model/0.weight', '/model/1.weight')]" in real_lines[0]
+
+    work = tmp_path / "fake"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("TM_DEVICE", "cuda")
+    e = estimate_script(str(script), [], "T4", steps=5)
+    cap = capsys.readouterr()
+    assert e.script.stopped == "end" and e.script.steps_run == 3
+    assert not (work / "out").exists()                       # nothing on the real disk
+    fake_lines = [ln for ln in cap.out.splitlines() if ln.startswith(("file", "buffer"))]
+    assert fake_lines == real_lines
+    # the load on the GPU: one block per saved storage (3 parameters, the tied pair once; per
+    # parameter two AdamW moments and its step), each rounded up to
+    # 512 bytes; the storages' sizes are the real file's
+    sizes = eval(real_lines[0].split(" storages ")[1].split(" shared ")[0])  # noqa: S307
+    loaded = int(cap.err.split("allocated by the load ")[1].split()[0])
+    assert loaded == sum(-(-n // 512) * 512 for n in sizes if n) and len(sizes) == 12
+    # data pointers: two 4,000,000-byte blocks back to back in one 20 MiB segment; a view 10
+    # rows in starts 40,000 bytes later
+    gap = next(ln for ln in cap.out.splitlines() if ln.startswith("gap "))
+    assert gap == "gap 4000256 view 40000 distinct True", gap
+    assert any(a["op"] == "Tensor.data_ptr" for a in e.assumed_values)
+    saves = [w for w in e.script.skipped_writes if w.what.startswith("torch.save(dict")]
+    assert len(saves) == 1 and saves[0].path == str(work / "out" / "ckpt.pt")
+    # the listed size counts each storage once (what torch.save writes)
+    from torchmem.units import format_bytes
+
+    assert saves[0].what.endswith(f"{format_bytes(sum(sizes))})"), saves[0].what
+
+
+def test_stacks_start_at_the_script_and_compiling_brings_no_hook_warning(tmp_path):
+    """The out-of-memory point's stack is the script's own frames, from its ``<module>`` line
+    in (not the CLI or runpy around it); ``torch.compile(module)`` does not warn about global
+    module hooks (the estimate's own tracker's)."""
+    import warnings
+
+    path = tmp_path / "oom.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        net = torch.compile(torch.nn.Linear(64, 64).cuda())
+        net(torch.ones(2, 64, device="cuda")).sum().backward()
+
+        def make(n):
+            return [torch.empty(1 << 30, device="cuda") for _ in range(n)]
+
+        def main():
+            return make(40)
+
+        main()
+    """))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = estimate_script(str(path), [], "T4")
+    assert not [w for w in caught if "global hooks on modules" in str(w.message)]
+    assert e.oom is not None and e.script.stopped == "out_of_memory"
+    assert [s.rsplit(":", 2)[0] for s in e.oom.stack] == [str(path)] * 4, e.oom.stack
+    assert [tuple(s.rsplit(":", 2)[1:]) for s in e.oom.stack] == [
+        ("12", "<module>"), ("10", "main"), ("7", "make"), ("7", "<listcomp>")]
+
+
+PREP = textwrap.dedent("""
+    import os, sys, torch
+
+    def tokenize(path):
+        word2idx = {}
+        with open(path) as f:
+            for line in f:
+                for word in line.split() + ["<eos>"]:
+                    word2idx.setdefault(word, len(word2idx))
+        idss = []
+        with open(path) as f:
+            for line in f:
+                ids = [word2idx[w] for w in line.split() + ["<eos>"]]
+                idss.append(torch.tensor(ids).type(torch.int64))
+        return torch.cat(idss), word2idx
+
+    data, vocab = tokenize(os.path.join(os.path.dirname(os.path.abspath(__file__)), "c.txt"))
+    weights = torch.bincount(data).float() / len(data)      # floats from host data: real too
+    print("tokens", len(data), "sum", int(data.sum()), "top", round(float(weights.max()), 6))
+    emb = torch.nn.Embedding(len(vocab), 32, device="cuda")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    for i in range(3):
+        x = torch.stack([data[j * 8:(j + 1) * 8] for j in range(4 * i, 4 * i + 4)]).to("cuda")
+        emb(x).sum().backward(); opt.step()
+""")
+
+
+def test_data_preparation_on_host_data_runs_for_real_and_counts_its_host_memory(tmp_path,
+                                                                               capsys):
+    """Tensors made from host data (``torch.tensor(ids)``) and what is computed from them alone
+    are real (issue 41: data preparation at the speed of a plain run): the values the script
+    prints are the plain run's, floats included, nothing is assumed, and the host peak is every
+    line's tensor plus their concatenation, 2 x 8 bytes per token."""
+    import os
+    import random
+    import subprocess
+    import sys
+
+    rng = random.Random(1)
+    (tmp_path / "c.txt").write_text("".join(
+        " ".join(f"w{rng.randrange(300)}" for _ in range(rng.choice([0, 3, 12]))) + "\n"
+        for _ in range(400)))
+    script = tmp_path / "prep.py"
+    script.write_text(PREP.replace('device="cuda"', 'device=DEV').replace('.to("cuda")',
+                                                                       ".to(DEV)")
+                      .replace("import os, sys, torch", "import os, sys, torch\nDEV = "
+                               "'cuda' if torch.cuda.is_available() else 'cpu'"))
+    real = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          check=True, env=os.environ).stdout.strip()
+    e = estimate_script(str(script), [], "T4", steps=5)
+    out = capsys.readouterr().out
+    assert real.startswith("tokens ") and real in out.splitlines()
+    assert e.script.steps_run == 3 and e.assumed_values == []
+    tokens = int(real.split()[1])
+    assert e.host_peak_bytes == 2 * 8 * tokens

@@ -23,7 +23,7 @@ from torchmem.analysis.replay import initial_live, replay
 from torchmem.errors import InvalidInputError
 from torchmem.io.pytorch_snapshot import from_pytorch
 from torchmem.io.snapshot_file import load_snapshot
-from torchmem.model.snapshot import Snapshot
+from torchmem.model.snapshot import Frame, Snapshot
 from torchmem.render.snapshot_text import render_diff, render_oom, render_peak, render_stats
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -167,8 +167,11 @@ def test_fast_live_set_equals_step_by_step_backward_walk(name: str) -> None:
     for k in (0, 1, n // 3, n // 2, n - 1, n):
         slow = dict(DeviceReplay(snap, 0).end_live())
         assert DeviceReplay(snap, 0).undo(slow, k) == 0
-        assert DeviceReplay(snap, 0).live_at(k) == slow
-    assert DeviceReplay(snap, 0).live_at(0) == initial_live(snap, 0)
+        # the same blocks and sizes (their stacks: see the allocation-site test below)
+        assert {a: v[0] for a, v in DeviceReplay(snap, 0).live_at(k).items()} == \
+            {a: v[0] for a, v in slow.items()}
+    assert {a: v[0] for a, v in DeviceReplay(snap, 0).live_at(0).items()} == \
+        {a: v[0] for a, v in initial_live(snap, 0).items()}
 
 
 def test_mid_run_trace_peak_and_groups() -> None:
@@ -181,6 +184,39 @@ def test_mid_run_trace_peak_and_groups() -> None:
     assert {g.stack: g.bytes for g in p.at_end} == {
         ("train.py:10:step",): 4 * MiB - 512, ("model.py:42:forward", "train.py:10:step"): 3 * MiB - 7}
     assert "peak allocated" in render_peak(snapshot_peak(snap))
+
+
+def test_blocks_live_at_the_peak_are_grouped_by_where_they_were_allocated() -> None:
+    """A snapshot recorded with ``context="all"`` (DeComFL's) gives each free the stack of the
+    code that freed it; a block live at the peak belongs to the code that allocated it. Checked
+    against a plain walk of the raw trace: each address live at the peak, its last ``alloc``."""
+    raw = _raw("DeComFL__memory.pickle")
+    snap = load_snapshot(DATA / "DeComFL__memory.pickle")
+    p = snapshot_peak(snap, depth=1, top=None).devices[0]
+    trace = raw["device_traces"][0]
+    k = p.peak_index + 1                      # entries before the peak's end
+    live: dict[int, dict] = {}
+    for e in trace[:k]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    expected: dict[tuple[str, ...], int] = {}
+    for e in live.values():
+        frames = [Frame(f["filename"], f["line"], f["name"]) for f in e["frames"]]
+        key = stack_key(frames, depth=1)
+        expected[key] = expected.get(key, 0) + e["size"]
+    got = {g.stack: g.bytes for g in p.at_peak}
+    # what the trace allocated is grouped by its allocation site (blocks from before the trace
+    # started keep the end state's or their free's stack)
+    assert all(got.get(key, 0) >= n for key, n in expected.items()), (expected, got)
+    assert sum(expected.values()) > 0.9 * p.peak_allocated_bytes
+    # and the free sites differ from the allocation sites for some of them: the rule matters
+    frees = {e["addr"]: e for e in trace[k:] if e["action"] == "free_completed"}
+    assert any(stack_key([Frame(f["filename"], f["line"], f["name"]) for f in frees[a]["frames"]],
+                         depth=1) != stack_key([Frame(f["filename"], f["line"], f["name"])
+                                                for f in e["frames"]], depth=1)
+               for a, e in live.items() if a in frees)
 
 
 def test_stack_key_filters_torch_internals() -> None:

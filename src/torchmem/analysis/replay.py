@@ -51,6 +51,7 @@ _PAD = (0,) * 247
 _SIGN = (1, 0, -1, 0, 0, 0, 0, 0, 0) + _PAD  # alloc +size, free_completed -size
 _SIGN_RESERVED = (0, 0, 0, 1, -1, 1, -1, 0, 0) + _PAD  # segment_alloc/map +, segment_free/unmap -
 _ALLOC_OR_FREE = (True, False, True) + (False,) * 253
+_IS_ALLOC = (True,) + (False,) * 255
 _CHANGES = frozenset((ALLOC, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
 
 Live = dict[int, tuple[int, int]]  # address -> (requested size, stack id)
@@ -251,8 +252,11 @@ class DeviceReplay:
         """Allocations live after the first ``k`` entries, derived from the end state backwards.
 
         For every address touched by an ``alloc``/``free_completed`` at or after entry ``k``, the
-        earliest such entry decides: a free means it was live at ``k`` (with the free's size and
-        stack), an alloc means it was not. Untouched addresses keep their end state.
+        earliest such entry decides: a free means it was live at ``k`` (with the free's size),
+        an alloc means it was not. Untouched addresses keep their end state. The stack of a block
+        live at ``k`` is that of its ``alloc`` entry, where the trace holds it (a snapshot
+        recorded with ``context="all"`` gives a free the stack of the code that freed it);
+        else the free's own.
 
         Example:
             >>> from torchmem.io.pytorch_snapshot import from_pytorch
@@ -267,9 +271,18 @@ class DeviceReplay:
         idx.reverse()
         first = dict(zip(map(addrs.__getitem__, idx), idx))  # later keys overwrite: earliest wins
         live = {a: v for a, v in self.end_live().items() if a not in first}
-        for a, i in first.items():
-            if acts[i] == FREE_COMPLETED:
-                live[a] = (sizes[i], sids[i])
+        freed = {a: i for a, i in first.items() if acts[i] == FREE_COMPLETED}
+        for a, i in freed.items():
+            live[a] = (sizes[i], sids[i])
+        # the allocation's own stack: the last alloc of each such address before entry k
+        need = set(freed)
+        for i in reversed(list(compress(range(k), map(_IS_ALLOC.__getitem__, acts[:k])))):
+            a = addrs[i]
+            if a in need:
+                need.discard(a)
+                live[a] = (live[a][0], sids[i])
+                if not need:
+                    break
         return live
 
     def undo(self, live: Live, stop: int) -> int:

@@ -20,7 +20,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["call_site"]
+__all__ = ["BOUNDARIES", "call_site"]
+
+#: Code objects whose frames end a stack: what lies outside them is the machinery that runs the
+#: user's program (the CLI, a worker process), not the program. The estimate of a script adds the
+#: function that runs it, so its stacks start at the script's own ``<module>``. Add a code object
+#: before a tracker first records from inside it (each tracker caches its verdict per code).
+BOUNDARIES: set[CodeType] = set()
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCHMEM_DIR = (
@@ -47,6 +53,8 @@ def call_site(frame: Optional[FrameType], skip: dict[CodeType, bool], depth: int
         s = skip.get(code)
         if s is None:
             fn = code.co_filename
+            if code in BOUNDARIES:
+                break
             s = skip[code] = (
                 fn.startswith(_TORCH_DIR)
                 or (fn.startswith(_TORCHMEM_DIR) and not fn.endswith("_example_train.py"))

@@ -21,6 +21,9 @@ code puts it, never its values, so inside :func:`checkpoints_without_weights`:
   through PyTorch's own load under the fake mode, which does not read weights either (sharing
   between tensors is then not kept, and a callable ``map_location`` leaves each tensor on the
   device it was saved from).
+- a save the run itself skipped (an *outline*, :mod:`torchmem.fit.fakegpu._outlines`): fake
+  tensors of the saved shapes and sharing, where the real load would put them. A path the script
+  wrote is looked up where the run's writes went (:data:`PATH_RESOLVERS`: the scratch folder).
 - Lightning's lazy load (``_lazy_load``: ``Fabric.load``, litgpt's checkpoints): each tensor
   asked for is a new host tensor, as the real one reads its record anew each time.
 - transformers' ``from_pretrained`` of a model whose weights are not at hand (a Hugging Face
@@ -62,10 +65,12 @@ import pickle
 import struct
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from torchmem.fit.fakegpu._outlines import load_outline, outline_of
 
 __all__ = ["checkpoints_without_weights", "read_safetensors_header"]
 
@@ -313,6 +318,26 @@ def _file_path(f: Any) -> str | None:
     return None
 
 
+#: While a script runs, where its own writes are (:class:`~torchmem.fit.targets._sandbox.ScratchFiles`
+#: adds one): each takes a path and gives the file that holds it, or None
+PATH_RESOLVERS: list[Callable[[str], str | None]] = []
+
+
+def resolve_path(path: str) -> str:
+    """The file that holds ``path`` for the running script: its scratch copy where the run
+    wrote one, else ``path`` itself.
+
+    Example:
+        >>> resolve_path("/data/model.pt")
+        '/data/model.pt'
+    """
+    for resolver in PATH_RESOLVERS:
+        got = resolver(path)
+        if got is not None:
+            return got
+    return path
+
+
 def _mapped_load(original: Any, f: Any, map_location: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[Any, dict[int, torch.device]] | None:
     """The real ``torch.load`` on the memory-mapped file with every storage handed over empty
@@ -320,6 +345,7 @@ def _mapped_load(original: Any, f: Any, map_location: Any, args: tuple[Any, ...]
     f = _file_path(f)
     if f is None:
         return None
+    f = resolve_path(f)
     import zipfile
 
     if not zipfile.is_zipfile(f):
@@ -423,6 +449,9 @@ class _Rebuild:
 
 def _torch_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        outline = outline_of(f, resolve_path)  # a save the run skipped: see _outlines
+        if outline is not None:
+            return load_outline(outline, map_location, load, _Rebuild, _target)
         try:
             mapped = _mapped_load(original, f, map_location, args, kwargs)
             if mapped is None:  # PyTorch's own load under the fake mode: reads no weights

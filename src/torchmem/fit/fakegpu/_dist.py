@@ -500,6 +500,11 @@ def _make_fake_ddp() -> type:
             self.process_group = process_group
             self.gradient_as_bucket_view = gradient_as_bucket_view
             self.require_backward_grad_sync = True
+            # what trainers read of a DDP module (Lightning's teardown: static_graph)
+            self.device_ids, self.output_device, self.dim = device_ids, output_device, dim
+            self.broadcast_buffers = broadcast_buffers
+            self.find_unused_parameters = find_unused_parameters
+            self.static_graph = static_graph
             params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
             cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
             first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
@@ -555,6 +560,13 @@ def _make_fake_ddp() -> type:
             if torch.is_grad_enabled():
                 self._fake_reset()
             return self.module(*inputs, **kwargs)
+
+        def _get_ddp_logging_data(self) -> dict[str, Any]:
+            """DDP's runtime statistics: none here (its reducer never runs)."""
+            return {"can_set_static_graph": False}
+
+        def _set_static_graph(self) -> None:
+            self.static_graph = True
 
         @contextlib.contextmanager
         def no_sync(self) -> Iterator[None]:

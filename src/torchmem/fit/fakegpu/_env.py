@@ -11,7 +11,8 @@ written for CUDA this module makes that work:
   and, with a placement, make GPU storages (copies, for tensors on the host); ``.cpu()``,
   ``.to("cpu")`` and ``.pin_memory()`` make host ones; ``x.device``, ``x.is_cuda``,
   ``x.get_device()`` answer as on a GPU (``torch.device("cuda")`` stays a CUDA device);
-- ``torch.cuda.is_available()`` is ``True``, ``device_count()`` 1, ``get_device_name()`` the
+- ``torch.cuda.is_available()`` is ``True``, ``device_count()`` 1 (N for a per-rank estimate
+  of N ranks), ``get_device_name()`` the
   target GPU's name, ``get_device_capability()`` its compute capability,
   ``get_device_properties()`` its name, memory and capability, ``is_bf16_supported()``
   follows it; ``synchronize``, ``set_device``, ``manual_seed``, ``torch.cuda.device(...)``
@@ -29,6 +30,16 @@ written for CUDA this module makes that work:
   was inf/NaN: the estimate follows the usual path, finite gradients; a ``DataLoader``
   draws its seed and (``shuffle=True``) its permutation on real tensors, and loads batches in
   the main process (``num_workers`` is ignored: workers cannot receive fake tensors);
+- **host data is real** (with a placement): a tensor made from host data (``torch.tensor(ids)``,
+  ``torch.as_tensor``, ``torch.from_numpy``, ``torch.frombuffer``, with no device named or the
+  host) is a real tensor, and so is the output of any call whose tensor inputs are all real host
+  tensors without gradients and which names no GPU (``.type(torch.int64)``, ``torch.cat``,
+  slicing, a collate's ``torch.stack``, ``.to(torch.float32)``, ``copy.deepcopy``): data
+  preparation runs at the speed of a plain run, with its real values. Each new storage such a
+  call makes is host memory in the estimate from then until it is freed. A real tensor meets
+  the fake ones where the run moves it to the GPU (``.to("cuda")``, ``.pin_memory()``) or mixes
+  it with them: from there on it is fake, as before. The GPU sees none of this;
+  ``torch.randn(64, 512)`` and other factories without data stay fake;
 - everything is restored on exit.
 
 Example:
@@ -52,6 +63,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as _devmod
 
+from torchmem.fit.fakegpu._hostdata import _on_host_data, _real_on_host
 from torchmem.fit.fakegpu._placement import _REAL, Placement, _tensors
 from torchmem.fit.fakegpu._readings import SimReadings
 
@@ -128,13 +140,20 @@ def _fake_trunc_normal(
         return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
 
 
-def _fake_maybe_opt_step(
-    self: Any, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """``GradScaler`` steps the optimizer when no gradient was inf/NaN, which it learns with
-    ``.item()``; fake gradients have no values, so the estimate takes the common path (finite
-    gradients: the optimizer steps and its state is allocated)."""
-    return optimizer.step(*args, **kwargs)
+def _fake_maybe_opt_step(values: Any) -> Callable[..., Any]:
+    """``GradScaler._maybe_opt_step``: the real one steps the optimizer when no gradient was
+    inf/NaN, which it learns with ``.item()``; fake gradients have no values, so the estimate
+    takes the common path (finite gradients: the optimizer steps and its state is allocated),
+    listed in ``values`` (a :class:`~torchmem.fit.fakegpu._values.ValueReads`) as an assumed
+    read of ``GradScaler found_inf`` with the value ``0.0``."""
+
+    def maybe_opt_step(self: Any, optimizer: Any, optimizer_state: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+        if values is not None:
+            values.record("GradScaler found_inf", 0.0)
+        return optimizer.step(*args, **kwargs)
+
+    return maybe_opt_step
 
 
 def _real_indices(original: Any) -> Any:
@@ -166,22 +185,11 @@ def _real_init(original: Any) -> Any:
     return __init__
 
 
-def _single_process_iterator(self: Any) -> Any:
-    """Worker processes cannot receive fake tensors; batches are loaded in the main process
-    (what workers produce is host memory, outside the GPU estimate)."""
-    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
-
-    workers = self.num_workers
-    self.num_workers = 0
-    try:
-        return _SingleProcessDataLoaderIter(self)
-    finally:
-        self.num_workers = workers
-
-
 def _main_process_iter(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``DataLoader.__iter__`` with ``num_workers`` read as 0 while the iterator is made: a
-    subclass's own ``_get_iterator`` (litdata's ``StreamingDataLoader``: its multiprocessing
+    """``DataLoader.__iter__`` with ``num_workers`` read as 0 while the iterator is made.
+    Worker processes cannot receive fake tensors, so batches are loaded in the main process
+    (what workers produce is host memory, outside the GPU estimate); a subclass's own
+    ``_get_iterator`` (litdata's ``StreamingDataLoader``: its multiprocessing
     iterator unless ``num_workers == 0``) loads in the main process too."""
 
     def __iter__(self: Any) -> Any:
@@ -377,6 +385,16 @@ _SPECIAL = frozenset({torch.Tensor.__deepcopy__, torch.Tensor.backward, torch.au
 _DEVICE_ARGS = (str, torch.device)  # what _target reads as a device among the arguments
 
 
+#: copies that stay on the host unless a GPU is named: real for real host tensors
+_HOST_COPIES = frozenset({torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.__deepcopy__})
+
+
+def _names_gpu(args: Any, kwargs: Any) -> bool:
+    """A CUDA device (or a device index) among a copy's arguments."""
+    dev = kwargs.get("device") if kwargs else None
+    return any(_is_cuda(a) or _is_index(a) for a in args) or _is_cuda(dev) or _is_index(dev)
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the (fake) CPU device; with a
     :class:`~torchmem.fit.fakegpu._placement.Placement`, keeps where each new storage is (the GPU or
@@ -400,12 +418,21 @@ class _CudaToCpu(TorchFunctionMode):
         return self._placed(pl, func, args, kwargs)
 
     def _placed(self, pl: Placement, func: Any, args: Any, kwargs: Any) -> Any:
+        if (func in _HOST_COPIES and pl.on_real_host is not None
+                and not _names_gpu(args[1:], kwargs)):
+            inputs = _on_host_data(func, args, kwargs)  # x.to(torch.float32), deepcopy(x)
+            if inputs is not None:
+                return _real_on_host(pl, func, args, kwargs, inputs)
         if (func not in _SPECIAL and _devmod.CURRENT_DEVICE is None
                 and "device" not in kwargs and "pin_memory" not in kwargs):
             for a in args:
                 if isinstance(a, _DEVICE_ARGS):
                     break
             else:  # the common case: no device named anywhere, the inputs place the outputs
+                if pl.on_real_host is not None:
+                    inputs = _on_host_data(func, args, kwargs)
+                    if inputs is not None:
+                        return _real_on_host(pl, func, args, kwargs, inputs)
                 return self._in_context(pl, func, args, kwargs)
         if func is torch.Tensor.__deepcopy__ and _is_fake(args[0]):
             return _fake_deepcopy(args[0], args[1] if len(args) > 1 else kwargs.get("memo"))
@@ -474,8 +501,12 @@ class _CudaToCpu(TorchFunctionMode):
                     # a checkpoint did not fill) cannot be copied to a device, as in PyTorch
                     raise NotImplementedError("Cannot copy out of meta tensor; no data!")
                 out = src if func is not torch.Tensor.to else func(*args, **kwargs)
-                if out is src and pl.is_gpu(src) is not None and pl.is_gpu(src) != target:
-                    out = src.clone()  # a copy to the other side (PyTorch's .to does one)
+                where = pl.is_gpu(src)
+                if out is src and ((where is not None and where != target)
+                                   or (where is None and target and not _is_fake(src))):
+                    # a copy to the other side (PyTorch's .to does one); a real host tensor
+                    # (host data, see _hostdata) becomes a fake one on the GPU
+                    out = src.clone()
                 return out
             return func(*args, **kwargs)
         finally:
@@ -566,6 +597,8 @@ def fake_cuda(
     total_bytes: int = 0,
     context_bytes: int = 0,
     placement: Placement | None = None,
+    devices: int = 1,
+    values: Any = None,
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
@@ -573,7 +606,11 @@ def fake_cuda(
     readings (``torch.cuda.memory_allocated()`` and the rest) from the estimate's simulator
     (without it, from an empty one). ``placement`` (:class:`~torchmem.fit.fakegpu._placement.Placement`)
     keeps the host and the GPU apart; without it every fake tensor stands for GPU memory and
-    reports the CPU device. Not thread-safe and not re-entrant: one estimate at a
+    reports the CPU device. ``devices`` is what ``device_count()`` says: a per-rank estimate of
+    ``N`` ranks on one node sees ``N`` GPUs (a trainer asked for ``devices=N`` checks that),
+    while the run itself uses device 0 (rank 0's). ``values`` (a
+    :class:`~torchmem.fit.fakegpu._values.ValueReads`) lists what is assumed without a read
+    (``GradScaler``'s finite gradients). Not thread-safe and not re-entrant: one estimate at a
     time per process.
 
     Example:
@@ -605,7 +642,7 @@ def fake_cuda(
         "default_stream": lambda *a, **k: stream,
         "is_available": lambda: True,
         "is_current_stream_capturing": lambda: False,
-        "device_count": lambda: 1,
+        "device_count": lambda: devices,
         "current_device": lambda: 0,
         "set_device": lambda *a, **k: None,
         "synchronize": lambda *a, **k: None,
@@ -638,7 +675,6 @@ def fake_cuda(
 
     sampler_iter = RandomSampler.__iter__
     loader_iter_init = _BaseDataLoaderIter.__init__
-    get_iterator = DataLoader._get_iterator
     loader_iter = DataLoader.__iter__
 
     opt_step = GradScaler._maybe_opt_step
@@ -697,10 +733,9 @@ def fake_cuda(
         torch.Tensor.record_stream = _fake_record_stream  # type: ignore[method-assign,assignment]
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
-        GradScaler._maybe_opt_step = _fake_maybe_opt_step  # type: ignore[method-assign]
+        GradScaler._maybe_opt_step = _fake_maybe_opt_step(values)  # type: ignore[method-assign]
         RandomSampler.__iter__ = _real_indices(sampler_iter)  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = _real_init(loader_iter_init)  # type: ignore[method-assign]
-        DataLoader._get_iterator = _single_process_iterator  # type: ignore[method-assign]
         DataLoader.__iter__ = _main_process_iter(loader_iter)  # type: ignore[method-assign]
         with loads, mode:
             yield
@@ -721,7 +756,6 @@ def fake_cuda(
         torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
-        DataLoader._get_iterator = get_iterator  # type: ignore[method-assign]
         DataLoader.__iter__ = loader_iter  # type: ignore[method-assign]
         for k in patches:
             if k in saved:

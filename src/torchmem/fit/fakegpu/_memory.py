@@ -13,6 +13,7 @@ new segments as the CUDA driver tends to.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -87,6 +88,9 @@ class _State:
         self.sid_of: dict[int, int] = {}
         self.key_of: dict[int, int] = {}
         self.pl.key_to_sid = self.sid_of.get
+        #: host storages the run made for real (its data preparation): key -> weak reference
+        self.real_host: dict[int, Any] = {}
+        self.pl.on_real_host = self.adopt_host
         self.end_seq = -1
         #: a per-rank estimate's categories and collectives (:mod:`torchmem.fit.fakegpu._dist`)
         self.dist: Any = None
@@ -147,6 +151,21 @@ class _State:
         self.host_live += n
         if self.host_live > self.host_peak:
             self.host_peak = self.host_live
+
+    def adopt_host(self, storage: torch.UntypedStorage) -> None:
+        """Count a real host storage the run made (outside the fake mode) as host memory until
+        it is freed (a weak reference tells)."""
+        key = storage._cdata
+        if key in self.real_host:
+            return
+        n = storage.nbytes()
+        self._host(n)
+
+        def gone(_: Any, key: int = key, n: int = n) -> None:
+            if self.real_host.pop(key, None) is not None:
+                self._host(-n)
+
+        self.real_host[key] = weakref.ref(storage, gone)
 
     def listener(self, ev: Any, storage: Any) -> None:
         if self.oom is not None:  # the run stops at the first out-of-memory point

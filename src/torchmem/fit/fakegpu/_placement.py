@@ -70,6 +70,10 @@ class Placement:
         self.depth = 0
         #: the placement of the operator being dispatched (read by the allocation feed)
         self.current: bool = True
+        #: told each host storage the run makes for real (data prepared from host data, see
+        #: :mod:`torchmem.fit.fakegpu._env`), for the estimate's host-memory count; None: the
+        #: run makes none
+        self.on_real_host: Callable[[torch.UntypedStorage], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------------
 

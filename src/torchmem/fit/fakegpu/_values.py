@@ -34,6 +34,10 @@ for real where the shapes or dtypes differ (``False``), where both views are the
 (``True``: tied weights that share storage) and where both have shadows; otherwise the stand-in is
 ``True`` (equal), listed as op ``aten.equal.default``.
 
+``data_ptr()`` of a fake tensor is answered by :mod:`torchmem.fit.fakegpu._pointers` (the
+simulated allocator's address: distinct per storage, shared by views) and listed as op
+``Tensor.data_ptr``.
+
 ``Tensor.tolist()`` reads each element so (each element counts as one read of its entry). Every
 answered read is listed (:attr:`ValueReads.reads`: where in the user's code, the operator that
 made the tensor, the value assumed, how many times), so an estimate never hides a decision it made for the program: a read

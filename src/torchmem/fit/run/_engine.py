@@ -34,6 +34,7 @@ import contextlib
 import inspect
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from torchmem.fit.fakegpu._dist import DistWatch, FakeWorld, check_world_size
 from torchmem.fit.fakegpu._env import fake_cuda
 from torchmem.fit.fakegpu._generate import GenerationPatches
 from torchmem.fit.fakegpu._memory import _REPORT_KEYS, _live_at, _make_sim, _State
+from torchmem.fit.fakegpu._pointers import SimulatedPointers
 from torchmem.fit.fakegpu._readings import SimReadings
 from torchmem.fit.fakegpu._shapes import check_routing
 from torchmem.fit.fakegpu._values import ValueReads
@@ -246,10 +248,11 @@ def run_once(
         with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
             total_bytes=card.total_bytes,
-            context_bytes=card.context_bytes, placement=st.pl,
+            context_bytes=card.context_bytes, placement=st.pl, devices=world or 1, values=values,
         ):
             emu_ctx = emu if emu is not None else _Null()
-            with emu_ctx, _SimMode(st, gen, values, routing), kv, lever_ctx:
+            with emu_ctx, _SimMode(st, gen, values, routing), kv, lever_ctx, \
+                    SimulatedPointers(st, values), _own_hooks_unannounced():
                 try:
                     gen.install()
                     try:
@@ -375,6 +378,17 @@ def _world(
         st.sid_of.get, lambda: len(tracker)
     ) as watch:
         st.dist = watch
+        yield
+
+
+@contextlib.contextmanager
+def _own_hooks_unannounced() -> Iterator[None]:
+    """Without torch's warning that ``torch.compile(module)`` meets global module hooks: the
+    hooks are the estimate's own tracker's, not the user's (the user's own program gets no
+    such warning on the GPU)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there "
+                                r"are global hooks on modules")
         yield
 
 

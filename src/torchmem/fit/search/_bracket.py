@@ -21,6 +21,7 @@ from torchmem.fit.run._stream import StreamModel, replay
 from torchmem.fit.search._checks import MAX_SEARCH_BATCH
 from torchmem.fit.verdict._catalog import GPU
 from torchmem.fit.verdict._estimate import Estimate, OOMSite
+from torchmem.units import format_bytes
 
 
 def _describe(name: str, v: int, e: Estimate) -> str:
@@ -30,22 +31,33 @@ def _describe(name: str, v: int, e: Estimate) -> str:
 
 
 def _describe_run(name: str, v: int, e: Estimate) -> str:
+    """One probe's line, in readable units (the JSON keeps the exact bytes).
+
+    Example:
+        >>> from types import SimpleNamespace as N
+        >>> e = N(stopped_over=None, fits=True, peak_reserved_bytes=3 << 30,
+        ...       usable_bytes=15 << 30, margin_bytes=256 << 20, oom=None)
+        >>> _describe_run("batch", 8, e)
+        'batch 8: fits (peak reserved 3.00 GiB of 15.00 GiB usable, margin 256.00 MiB)'
+    """
+    f = format_bytes
     if e.stopped_over is not None:
         return (f"{name} {v}: does not fit with the margin (stopped once its reserved bytes "
-                f"passed {e.stopped_over:,} B, the most that leaves the margin free of the "
-                f"{e.usable_bytes:,} B usable)")
+                f"passed {f(e.stopped_over)} ({e.stopped_over:,} B), the most that leaves "
+                f"the margin free of the "
+                f"{f(e.usable_bytes)} usable)")
     if e.fits:
-        return (f"{name} {v}: fits (peak reserved {e.peak_reserved_bytes:,} B of "
-                f"{e.usable_bytes:,} B usable, margin {e.margin_bytes:,} B)")
+        return (f"{name} {v}: fits (peak reserved {f(e.peak_reserved_bytes)} of "
+                f"{f(e.usable_bytes)} usable, margin {f(e.margin_bytes)})")
     if e.oom is None:
         return (f"{name} {v}: does not fit with the margin (peak reserved "
-                f"{e.peak_reserved_bytes:,} B of {e.usable_bytes:,} B usable leaves "
-                f"{e.headroom_bytes:,} B, under the {e.margin_bytes:,} B margin)")
+                f"{f(e.peak_reserved_bytes)} of {f(e.usable_bytes)} usable leaves "
+                f"{f(e.headroom_bytes)}, under the {f(e.margin_bytes)} margin)")
     where = e.oom.op or "?"
     if e.oom.module:
         where += f" in {e.oom.module}"
     return (f"{name} {v}: does not fit (out of memory at {where}, {e.oom.phase}: "
-            f"{e.oom.requested_bytes:,} B requested with {e.oom.reserved_bytes:,} B reserved)")
+            f"{f(e.oom.requested_bytes)} requested with {f(e.oom.reserved_bytes)} reserved)")
 
 
 def _search(

@@ -58,6 +58,8 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.fakegpu._checkpoints import PATH_RESOLVERS
+
 __all__ = ["ScratchFiles", "owner"]
 
 _TORCHMEM_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # torchmem/
@@ -108,7 +110,7 @@ def _where(frame: Any) -> str:
         path = frame.f_code.co_filename
         if not (path.startswith(_TORCHMEM_DIR + os.sep) or path.startswith("<")
                 or (path.startswith(_STDLIB_DIR + os.sep) and "-packages" + os.sep not in path)):
-            return f"{path}:{frame.f_lineno}"
+            return f"{os.path.abspath(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
@@ -157,6 +159,9 @@ class ScratchFiles:
         self.temp = os.path.realpath(tempfile.gettempdir())
         self.made: list[str] = []  # made by tempfile during the run: real, as is what is inside
         self.noted_caches: set[str] = set()
+        # the functions the stand-ins replace (read before they do)
+        self._real_open, self._real_makedirs = builtins.open, os.makedirs
+        self._real_lstat = os.lstat
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -205,6 +210,45 @@ class ScratchFiles:
                 return
             self.in_scratch.add(real)
             m = os.path.dirname(m)
+
+    def existing_copy(self, path: Any) -> str | None:
+        """The scratch copy of ``path`` when the run made one (cheap: no ``realpath``, one set
+        lookup for the paths the run never wrote, so ``os.stat`` can use it), else None."""
+        if not self.in_scratch or isinstance(path, int):
+            return None
+        try:
+            p = os.path.abspath(os.fsdecode(os.fspath(path)))
+        except TypeError:
+            return None
+        if p not in self.in_scratch:
+            return None
+        m = os.path.join(self.root, p.lstrip(os.sep))
+        try:
+            self._real_lstat(m)
+        except OSError:
+            return None
+        return m
+
+    def write_for_run(self, path: Any, data: bytes) -> bool:
+        """Put ``data`` where the run will find it under ``path`` (the scratch copy; the real
+        file inside a folder ``tempfile`` made for the run), recording nothing: what stands in
+        for a write the caller has listed already. False where no file is made (``/dev``, the
+        datasets cache)."""
+        m = self._mirror(path)
+        if m is None:
+            try:
+                real = os.path.realpath(os.path.abspath(os.fsdecode(os.fspath(path))))
+            except TypeError:
+                return False
+            if not any(real.startswith(k + os.sep) for k in self.made):
+                return False
+            m = real
+        else:
+            self._made_in_scratch(m)
+        self._real_makedirs(os.path.dirname(m), exist_ok=True)
+        with self._real_open(m, "wb") as f:
+            f.write(data)
+        return True
 
     def _note(self, what: str, path: Any) -> None:
         shown = os.path.abspath(os.fsdecode(os.fspath(path)))
@@ -328,24 +372,7 @@ class ScratchFiles:
             return scratch_rename
 
         real_stat, real_lstat = os.stat, os.lstat
-
-        def scratch_copy(path: Any) -> str | None:
-            """The scratch copy of ``path`` when the run made one (cheap: no realpath, so
-            ``os.stat`` can use it), else None."""
-            if not self.in_scratch or isinstance(path, int):
-                return None
-            try:
-                p = os.path.abspath(os.fsdecode(os.fspath(path)))
-            except TypeError:
-                return None
-            if p not in self.in_scratch:  # most stats (imports, libraries): one set lookup
-                return None
-            m = os.path.join(self.root, p.lstrip(os.sep))
-            try:
-                real_lstat(m)
-            except OSError:
-                return None
-            return m
+        scratch_copy = self.existing_copy
 
         def looking(real: Callable[..., Any]) -> Callable[..., Any]:
             def scratch_stat(path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -397,9 +424,12 @@ class ScratchFiles:
     def __enter__(self) -> ScratchFiles:
         self.root = tempfile.mkdtemp(prefix="torchmem-scratch-")
         self._install()
+        PATH_RESOLVERS.append(self.existing_copy)  # torch.load finds the run's own files
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.existing_copy in PATH_RESOLVERS:
+            PATH_RESOLVERS.remove(self.existing_copy)
         for owner, name, original in reversed(self.saved):
             setattr(owner, name, original)
         self.saved.clear()

@@ -10,6 +10,7 @@ save function by name too) and puts the originals back.
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.fakegpu._outlines import write_outline
 from torchmem.fit.fakegpu._values import _where
 from torchmem.units import format_bytes
 
@@ -48,15 +50,27 @@ class SkippedWrite:
 
 
 def _describe(obj: Any) -> str:
-    """What a save would have written: ``dict of 4 tensors, 1.00 MiB``."""
+    """What a save would have written: ``dict of 4 tensors, 1.00 MiB``. The size is that of the
+    storages, each once, as ``torch.save`` writes them (tied weights and views share one).
+
+    Example:
+        >>> w = torch.zeros(256)
+        >>> _describe({"a": w, "b": w[:10], "c": torch.zeros(256)})
+        'dict of 3 tensors, 2.00 KiB'
+    """
     count, size, seen = 0, 0, 0
+    storages: set[int] = set()
     stack = [obj]
     while stack and seen < 100_000:
         x = stack.pop()
         seen += 1
         if isinstance(x, torch.Tensor):
             count += 1
-            size += x.numel() * x.element_size()
+            with torch._C.DisableTorchFunction():
+                st = x.untyped_storage()
+                if st._cdata not in storages:
+                    storages.add(st._cdata)
+                    size += st.nbytes()
         elif isinstance(x, dict):
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
@@ -160,8 +174,11 @@ class _Writes:
     instead of writing it; on exit every place that holds a stand-in (a module that imported
     it by name) gets the original back."""
 
-    def __init__(self, skipped: list[SkippedWrite]) -> None:
+    def __init__(self, skipped: list[SkippedWrite], scratch: Any = None) -> None:
         self.skipped = skipped
+        #: the run's :class:`~torchmem.fit.targets._sandbox.ScratchFiles`: a skipped
+        #: ``torch.save`` to a path leaves its outline there, for the run to load back
+        self.scratch = scratch
         self.saved: list[tuple[Any, str, Any]] = []
         self.stand_ins: dict[int, Any] = {}  # id(stand-in) -> original
         self.before: dict[str, int] = {}  # the modules loaded when the run started
@@ -175,11 +192,28 @@ class _Writes:
             obj, dest = read(args, kwargs)
             active.skipped.append(SkippedWrite(_where(), f"{label}({_describe(obj)})",
                                                _path_of(dest)))
+            if label == "torch.save":
+                active._leave_outline(obj, dest, original)
             return None
 
         skipped_save.__wrapped__ = original  # type: ignore[attr-defined]
         self.stand_ins[id(skipped_save)] = original
         return skipped_save
+
+    def _leave_outline(self, obj: Any, dest: Any, real_save: Any) -> None:
+        """Where ``torch.save(obj, dest)`` would have written, the outline of ``obj``
+        (:mod:`torchmem.fit.fakegpu._outlines`): the run can load it back. An object the outline
+        cannot hold leaves nothing (a later load fails as the file is missing)."""
+        buf = io.BytesIO()
+        try:
+            write_outline(obj, buf, real_save)
+        except Exception:  # noqa: BLE001 - an object pickle refuses: no outline, as before
+            return
+        if isinstance(dest, (str, bytes, os.PathLike)):
+            if self.scratch is not None:
+                self.scratch.write_for_run(dest, buf.getvalue())
+        elif callable(getattr(dest, "write", None)):
+            dest.write(buf.getvalue())
 
     def __enter__(self) -> _Writes:
         if "safetensors.torch" not in sys.modules and importlib.util.find_spec("safetensors"):

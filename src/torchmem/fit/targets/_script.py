@@ -75,6 +75,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchmem._scripts import script_file
+from torchmem.capture.tracker._sites import BOUNDARIES
 from torchmem.errors import InvalidInputError
 from torchmem.fit.fakegpu._dispatch import _Abort
 from torchmem.fit.fakegpu._dist import check_world_size
@@ -361,7 +362,7 @@ class _Run:
         hook = register_optimizer_step_post_hook(self._on_step)
         start = time.perf_counter()
         try:
-            with ScratchFiles(self._skipped), _Writes(rec.skipped_writes), \
+            with ScratchFiles(self._skipped) as scratch, _Writes(rec.skipped_writes, scratch), \
                     _argparse_errors(), _time_limit(rec.time_limit_s, self._timeout):
                 if t.module:
                     runpy.run_module(t.name, run_name="__main__", alter_sys=True)
@@ -462,6 +463,11 @@ class _Run:
         if rec.stopped == "time_limit":
             out.notes.append(f"the script was stopped at the time limit ({rec.time_limit_s:g} s)")
         return out
+
+
+# the script's stacks (an out-of-memory point, a snapshot's frames) start at its own <module>:
+# the CLI, runpy and worker processes around it are not the program
+BOUNDARIES.add(_Run.step.__code__)
 
 
 def estimate_script(

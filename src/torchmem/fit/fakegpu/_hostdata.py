@@ -1,0 +1,112 @@
+"""Host data under an estimate: tensors made from it, and what is computed from them alone, are real.
+
+Data preparation (tokenizing a corpus into ``torch.tensor(ids)`` per line, ``torch.cat``, slicing
+batches, collating) touches only the host and decides nothing about the GPU but through the shapes
+it produces. Run under fake tensors, every one of those calls goes through the fake mode, the
+tracker and the value shadows, 20 times slower than the plain run. So while an estimate runs (the
+rule is applied by :class:`~torchmem.fit.fakegpu._env._CudaToCpu`):
+
+- a tensor made from host data (:data:`_FROM_DATA`: ``torch.tensor``, ``torch.as_tensor``,
+  ``torch.asarray``, ``torch.from_numpy``, ``torch.frombuffer``) with no device named is real;
+- a call whose tensor inputs are all real host tensors without gradients (and which names no
+  GPU) runs for real, outside the fake mode and the tracker, and gives real tensors;
+- each new storage such a call makes is host memory in the estimate from then until it is freed
+  (:meth:`Placement.on_real_host <torchmem.fit.fakegpu._placement.Placement>`);
+- a real tensor becomes fake where the run moves it to the GPU or mixes it with fake tensors.
+
+Example:
+    >>> _host_data([[1, 2], [3, 4]]), _host_data(torch.ones(2)), _host_data([torch.ones(2)])
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchmem.fit.fakegpu._placement import Placement, _tensors
+
+#: functions that make a tensor from host data (Python lists and numbers, NumPy arrays, buffers)
+_FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy,
+                        torch.frombuffer})
+#: how many elements of a nested list :func:`_host_data` looks through for tensors before it
+#: gives up (the fake path then takes the call)
+_DATA_SCAN = 100_000
+_SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def _host_data(x: Any) -> bool:
+    """``x`` holds no tensor but real host ones (so a tensor made from it can be real): a
+    number, a NumPy array, a buffer, a real CPU tensor, or lists and tuples of them (up to
+    ``_DATA_SCAN`` elements are looked at).
+
+    Example:
+        >>> _host_data([[1, 2], [3, 4]]), _host_data(torch.ones(2)), _host_data([torch.ones(2)])
+        (True, True, True)
+        >>> _host_data(torch.ones(2, device="meta"))
+        False
+    """
+    budget = _DATA_SCAN
+    stack = [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, torch.Tensor):
+            if type(y) is not torch.Tensor or y.device.type != "cpu" or y.requires_grad:
+                return False
+        elif isinstance(y, (list, tuple)):
+            budget -= len(y)
+            if budget < 0:
+                return False
+            if not _SCALARS.issuperset(map(type, y)):  # token ids: one pass in C
+                stack.extend(z for z in y if isinstance(z, (list, tuple, torch.Tensor)))
+    return True
+
+
+def _on_host_data(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor] | None:
+    """The tensor inputs of ``func(*args, **kwargs)`` (no device named) when it works on host
+    data only, so it runs for real, else None: a tensor made from host data
+    (``torch.tensor(ids)``, ``torch.from_numpy``), or an operator whose tensor inputs are all
+    real host tensors without gradients (what data preparation does with them:
+    ``.type(torch.int64)``, ``torch.cat``, slicing, collating)."""
+    if kwargs and (kwargs.get("requires_grad") or kwargs.get("out") is not None):
+        return None
+    if func in _FROM_DATA:
+        data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+        if not _host_data(data):
+            return None
+        return [data] if isinstance(data, torch.Tensor) else []
+    tensors = _tensors(args, kwargs)
+    if not tensors:
+        return None
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu":
+            return None
+    return tensors
+
+
+def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
+                  inputs: list[torch.Tensor]) -> Any:
+    """``func`` run for real, outside the fake mode and the tracker (host data preparation at
+    the speed of a plain run); each new host storage it makes (not one of ``inputs``') is
+    counted as host memory."""
+    # no torch-function mode, no dispatch mode (the fake mode, the tracker): plain PyTorch
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            outs: Any = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = out
+        else:
+            return out
+        known = {t.untyped_storage()._cdata for t in inputs}
+        adopt = pl.on_real_host
+        assert adopt is not None
+        for t in outs:
+            if type(t) is torch.Tensor and t.layout is torch.strided:
+                st = t.untyped_storage()
+                if st._cdata not in known:
+                    adopt(st)
+    return out
+
+
