@@ -44,6 +44,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_aggregate.py": ["--events", "2000", "--speed-events", "2000"],
     "bench_checkpoint_load.py": ["--models", "tiny"],
     "bench_copy.py": ["--vocab", "1000", "--repeats", "1"],
+    "bench_data_prep.py": ["--smoke"],
     "bench_diff.py": ["--events", "5000", "--repeats", "1"],
     "bench_estimate.py": ["--smoke"],
     "bench_estimate_hf.py": ["--layers", "1", "--gpus", "RTX-4090"],
@@ -162,6 +163,15 @@ def test_bench_aggregate() -> None:
           rf" = -?{NUM} B/event \(target <= 64 MiB: met\)" for m in ("agg-nosteps", "agg-nosteps-grad")),
         rf"^aggregate / full: held {R()}, peak {R()}, RSS {NUM}; CPU time per event {R()}x",
         r"target <= 64 MiB: met\); same peak as full: True")
+
+
+def test_bench_data_prep() -> None:
+    out = smoke("bench_data_prep.py")
+    has(out, rf"^  plain run +{R()} s$",
+        rf"^  under the estimate +{R()} s +\({R()}x the plain run\)$",
+        rf"^  host peak: estimate ({NUM}) B, arithmetic .* ({NUM}) B$")
+    m = re.search(r"host peak: estimate ([0-9,]+) B, arithmetic .* ([0-9,]+) B", out)
+    assert m and m.group(1) == m.group(2), out  # the host memory equals the arithmetic
 
 
 def test_bench_checkpoint_load() -> None:

@@ -78,8 +78,11 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
     ident = threading.get_ident()
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         recorded: list[bool] = []
+        ended: list[bool] = []
 
         def on_alarm(signum: int, frame: Any) -> None:
+            if ended:  # a signal that was pending as the run ended: nothing to stop, no re-arm
+                return  # (re-armed, it would fire after the default handler is back: SIGALRM)
             if not recorded:
                 recorded.append(True)
                 exc = stop()  # its side effects (the reason recorded)
@@ -98,6 +101,7 @@ def _time_limit(seconds: float, stop: Callable[[], BaseException]) -> Iterator[N
         try:
             yield
         finally:
+            ended.append(True)
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
             request_stop(ident, None)
