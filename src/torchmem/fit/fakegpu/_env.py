@@ -63,7 +63,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as _devmod
 
-from torchmem.fit.fakegpu._hostdata import _on_host_data, _real_on_host, host_tensor_function
+from torchmem.fit.fakegpu._hostdata import _on_host_data, _real_on_host
 from torchmem.fit.fakegpu._placement import _REAL, Placement, _tensors
 from torchmem.fit.fakegpu._readings import SimReadings
 
@@ -679,7 +679,6 @@ def fake_cuda(
 
     opt_step = GradScaler._maybe_opt_step
     record_stream = torch.Tensor.record_stream
-    make_tensor = torch.tensor
     accel = torch.accelerator
     accel_patches: dict[str, Any] = {}
     c_patches: dict[str, Any] = {}
@@ -732,8 +731,6 @@ def fake_cuda(
         for k, v in memory_patches.items():
             setattr(memory, k, v)
         torch.Tensor.record_stream = _fake_record_stream  # type: ignore[method-assign,assignment]
-        if placement is not None:  # host data made real without a mode round trip
-            torch.tensor = host_tensor_function(make_tensor, placement)
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
         GradScaler._maybe_opt_step = _fake_maybe_opt_step(values)  # type: ignore[method-assign]
@@ -757,7 +754,6 @@ def fake_cuda(
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
         torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-        torch.tensor = make_tensor
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
         DataLoader.__iter__ = loader_iter  # type: ignore[method-assign]

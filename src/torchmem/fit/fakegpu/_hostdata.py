@@ -111,26 +111,3 @@ def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
 
 
 
-
-def host_tensor_function(original: Any, pl: Placement) -> Any:
-    """``torch.tensor`` for the estimate: a tensor made from host data, with no device named
-    (nor a default device set), is made for real at once (the same rule as above, without the
-    torch-function mode's round trip, 40% of a tokenizer's time under the estimate); any other
-    call goes to ``original`` and through the modes as before."""
-    from torch.utils import _device as devmod
-
-    def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adopt = pl.on_real_host
-        if (adopt is None or args or devmod.CURRENT_DEVICE is not None
-                or kwargs.get("requires_grad") or kwargs.get("pin_memory")
-                or kwargs.get("device") not in (None, "cpu") or not _host_data(data)):
-            return original(data, *args, **kwargs)
-        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-            out = original(data, **kwargs)
-            if not isinstance(data, torch.Tensor):  # torch.tensor copies: always new
-                adopt(out.untyped_storage())
-        return out
-
-    tensor.__wrapped__ = original  # type: ignore[attr-defined]
-    tensor.__doc__ = original.__doc__
-    return tensor
