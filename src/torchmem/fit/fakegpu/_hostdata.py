@@ -36,6 +36,11 @@ _DATA_SCAN = 100_000
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 
+def _real_host(t: torch.Tensor) -> bool:
+    """``t`` is a real host tensor without gradients (not fake, not a subclass, not meta)."""
+    return type(t) is torch.Tensor and not t.requires_grad and t.device.type == "cpu"
+
+
 def _host_data(x: Any) -> bool:
     """``x`` holds no tensor but real host ones (so a tensor made from it can be real): a
     number, a NumPy array, a buffer, a real CPU tensor, or lists and tuples of them (up to
@@ -52,7 +57,7 @@ def _host_data(x: Any) -> bool:
     while stack:
         y = stack.pop()
         if isinstance(y, torch.Tensor):
-            if type(y) is not torch.Tensor or y.device.type != "cpu" or y.requires_grad:
+            if not _real_host(y):
                 return False
         elif isinstance(y, (list, tuple)):
             budget -= len(y)
@@ -77,12 +82,7 @@ def _on_host_data(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor] | Non
             return None
         return [data] if isinstance(data, torch.Tensor) else []
     tensors = _tensors(args, kwargs)
-    if not tensors:
-        return None
-    for t in tensors:
-        if type(t) is not torch.Tensor or t.requires_grad or t.device.type != "cpu":
-            return None
-    return tensors
+    return tensors if tensors and all(map(_real_host, tensors)) else None
 
 
 def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
