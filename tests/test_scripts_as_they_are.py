@@ -509,6 +509,78 @@ def test_a_script_loads_back_what_it_saved_and_sees_real_data_pointers(tmp_path,
     assert saves[0].what.endswith(f"{format_bytes(sum(sizes))})"), saves[0].what
 
 
+SAFE = textwrap.dedent("""
+    import os, sys
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    dev = os.environ["TM_DEVICE"]
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
+    model = GPT2LMHeadModel(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.zeros(2, 16, dtype=torch.long, device=dev)
+    model(ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()
+    os.makedirs("out", exist_ok=True)
+    save_file({"emb": model.transformer.wte.weight.detach().half(),
+               "steps": torch.tensor([3, 4])}, "out/part.safetensors", metadata={"step": "3"})
+    back = load_file("out/part.safetensors", device=dev)
+    print("file", sorted((k, tuple(v.shape), str(v.dtype)) for k, v in back.items()))
+    model.save_pretrained("out/model")
+    print("folder", sorted(os.listdir("out/model")))
+    before = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    again = GPT2LMHeadModel.from_pretrained("out/model").to(dev)
+    after = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    print("pretrained", [(n, tuple(p.shape), str(p.dtype)) for n, p in again.named_parameters()],
+          "tied", again.lm_head.weight.data_ptr() == again.transformer.wte.weight.data_ptr())
+    print("storages", sorted({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                              for p in again.parameters()}.values()))
+    print("allocated by the load", after - before, file=sys.stderr)
+    again(ids, labels=ids).loss.backward()
+""")
+
+
+def test_a_script_loads_back_its_safetensors_and_save_pretrained_folder(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A skipped safetensors ``save_file`` and ``save_pretrained`` leave files with the real
+    header and a hole for the data in the scratch folder: ``load_file`` and ``from_pretrained``
+    of them give what the same script run for real on the CPU gives (names, shapes, dtypes,
+    the folder's files, tied weights tied), and the load allocates each storage once on the
+    GPU; nothing reaches the real disk."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "safe.py"
+    script.write_text(SAFE)
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    real = subprocess.run([sys.executable, str(script)], cwd=real_dir, capture_output=True,
+                          text=True, env={**os.environ, "TM_DEVICE": "cpu"})
+    assert real.returncode == 0, real.stderr[-3000:]
+    assert (real_dir / "out" / "model" / "model.safetensors").exists()
+    tags = ("file", "folder", "pretrained", "storages")
+    real_lines = [ln for ln in real.stdout.splitlines() if ln.startswith(tags)]
+    assert len(real_lines) == 4 and real_lines[2].endswith("tied True"), real_lines
+
+    work = tmp_path / "fake"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("TM_DEVICE", "cuda")
+    e = estimate_script(str(script), [], "T4")
+    cap = capsys.readouterr()
+    assert e.script.stopped == "end", (e.script.stopped, cap.err[-3000:])
+    assert not (work / "out").exists()                       # nothing on the real disk
+    fake_lines = [ln for ln in cap.out.splitlines() if ln.startswith(tags)]
+    assert fake_lines == real_lines
+    sizes = eval(real_lines[3].split("storages ")[1])  # noqa: S307 - our own script's list
+    loaded = int(cap.err.split("allocated by the load ")[1].split()[0])
+    assert loaded == sum(-(-n // 512) * 512 for n in sizes)
+    written = {w.what.split("(")[0]: w.path for w in e.script.skipped_writes}
+    assert written["safetensors.torch.save_file"] == str(work / "out" / "part.safetensors")
+    assert written["PreTrainedModel.save_pretrained"] == str(work / "out" / "model")
+
+
 def test_stacks_start_at_the_script_and_compiling_brings_no_hook_warning(tmp_path):
     """The out-of-memory point's stack is the script's own frames, from its ``<module>`` line
     in (not the CLI or runpy around it); ``torch.compile(module)`` does not warn about global

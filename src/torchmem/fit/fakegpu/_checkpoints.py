@@ -65,14 +65,14 @@ import pickle
 import struct
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from torchmem.fit.fakegpu._outlines import load_outline, outline_of
 
-__all__ = ["checkpoints_without_weights", "read_safetensors_header"]
+__all__ = ["checkpoints_without_weights", "read_safetensors_header", "safetensors_layout"]
 
 #: safetensors' own limit on a header's size (bytes)
 HEADER_MAX = 100_000_000
@@ -121,7 +121,7 @@ def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str,
         what, size = "the buffer", len(source)
         head = bytes(source[:8])
     else:
-        what = os.fspath(source)
+        what = resolve_path(os.fspath(source))  # the run's own copy where it wrote one
         size = os.path.getsize(what)
         with open(what, "rb") as f:
             head = f.read(8)
@@ -173,6 +173,32 @@ def read_safetensors_header(source: str | os.PathLike[str] | bytes) -> dict[str,
     entries.sort(key=lambda e: e[0])  # the file's order (safetensors' offset_keys)
     return {"tensors": {name: (dtype, shape) for _, name, dtype, shape in entries},
             "metadata": metadata}
+
+
+def safetensors_layout(tensors: Iterable[tuple[str, torch.dtype, Sequence[int]]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
+    """The start of a safetensors file holding ``(name, dtype, shape)`` tensors in that order
+    (8 bytes of header length, the JSON header padded to 8 bytes, as safetensors writes it) and
+    the file's whole size: a file of that size that starts with these bytes and has a hole for
+    the data is read as a checkpoint of these shapes by :func:`read_safetensors_header`.
+
+    Example:
+        >>> head, size = safetensors_layout([("w", torch.float16, (2, 3))], {"format": "pt"})
+        >>> size - len(head), read_safetensors_header(head + bytes(size - len(head)))["tensors"]
+        (12, {'w': (torch.float16, (2, 3))})
+    """
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    at = 0
+    for name, dtype, shape in tensors:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": [int(d) for d in shape],
+                        "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, 8 + len(raw) + at
 
 
 def _device(device: Any) -> torch.device:
@@ -540,18 +566,13 @@ def _stand_in(klass: Any, name: str, config: Any) -> str:
         entries[key] = (_NAMES[d], list(t.shape))
     folder = tempfile.mkdtemp(prefix="torchmem-weights-")
     config.save_pretrained(folder)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    at = 0
-    for key, (dname, shape) in entries.items():
-        n = math.prod(shape) * _DTYPES[dname].itemsize
-        header[key] = {"dtype": dname, "shape": shape, "data_offsets": [at, at + n]}
-        at += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
+    head, size = safetensors_layout(
+        [(key, _DTYPES[dname], shape) for key, (dname, shape) in entries.items()],
+        {"format": "pt"})
     path = os.path.join(folder, "model.safetensors")
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-    os.truncate(path, 8 + len(raw) + at)  # the weights: a hole
+        f.write(head)
+    os.truncate(path, size)  # the weights: a hole
     NOTES.append(f"{name}: no weights at hand, so the model was loaded from its config.json with "
                  f"the shapes its checkpoint has ({str(dtype).replace('torch.', '')} weights, "
                  "the config's dtype); a checkpoint stored in another dtype loads with that one")

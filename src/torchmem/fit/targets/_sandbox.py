@@ -229,10 +229,11 @@ class ScratchFiles:
             return None
         return m
 
-    def write_for_run(self, path: Any, data: bytes) -> bool:
+    def write_for_run(self, path: Any, data: bytes, size: int | None = None) -> bool:
         """Put ``data`` where the run will find it under ``path`` (the scratch copy; the real
         file inside a folder ``tempfile`` made for the run), recording nothing: what stands in
-        for a write the caller has listed already. False where no file is made (``/dev``, the
+        for a write the caller has listed already. With ``size``, the file is made that long,
+        a hole after ``data`` (no disk used). False where no file is made (``/dev``, the
         datasets cache)."""
         m = self._mirror(path)
         if m is None:
@@ -248,6 +249,8 @@ class ScratchFiles:
         self._real_makedirs(os.path.dirname(m), exist_ok=True)
         with self._real_open(m, "wb") as f:
             f.write(data)
+            if size is not None and size > len(data):
+                f.truncate(size)
         return True
 
     def _note(self, what: str, path: Any) -> None:

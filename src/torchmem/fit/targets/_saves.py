@@ -4,7 +4,10 @@ While a script runs under :func:`~torchmem.fit.targets._script.estimate_script`,
 functions of :data:`_SAVES` (``torch.save``, safetensors, transformers' ``save_pretrained``,
 Lightning's checkpoints) are replaced by stand-ins that record a :class:`SkippedWrite` (where,
 what, which file) instead of writing; :class:`_Writes` installs them (in modules that imported a
-save function by name too) and puts the originals back.
+save function by name too) and puts the originals back. What the run may load back is left in
+its scratch folder: a ``torch.save`` leaves an outline (:mod:`torchmem.fit.fakegpu._outlines`), a
+safetensors save a file with the real header and a hole for the data, ``save_pretrained`` a
+folder with the model's config files and such a ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.fakegpu._checkpoints import safetensors_layout
 from torchmem.fit.fakegpu._outlines import write_outline
 from torchmem.fit.fakegpu._values import _where
 from torchmem.units import format_bytes
@@ -81,6 +85,26 @@ def _describe(obj: Any) -> str:
     if not count:
         return kind
     return f"{kind} of {count} tensor{'s' * (count != 1)}, {format_bytes(size)}"
+
+
+def _stored_once(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's state dict with each storage once, under its first name (tied weights are
+    saved once by ``save_pretrained`` and safetensors' ``save_model``; the load ties them again).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> net = torch.nn.Sequential(lin, lin)
+        >>> [k for k, _ in _stored_once(net)]
+        ['0.weight', '0.bias']
+    """
+    out, seen = [], set()
+    for key, t in model.state_dict().items():
+        with torch._C.DisableTorchFunction():
+            st = t.untyped_storage()._cdata
+        if st not in seen:
+            seen.add(st)
+            out.append((key, t))
+    return out
 
 
 def _path_of(f: Any) -> str:
@@ -194,6 +218,11 @@ class _Writes:
                                                _path_of(dest)))
             if label == "torch.save":
                 active._leave_outline(obj, dest, original)
+            elif active.scratch is not None and isinstance(dest, (str, bytes, os.PathLike)):
+                try:
+                    active._leave_layout(label, obj, dest, args, kwargs)
+                except Exception:  # noqa: BLE001 - what the real save refuses: no file, as before
+                    pass
             return None
 
         skipped_save.__wrapped__ = original  # type: ignore[attr-defined]
@@ -214,6 +243,43 @@ class _Writes:
                 self.scratch.write_for_run(dest, buf.getvalue())
         elif callable(getattr(dest, "write", None)):
             dest.write(buf.getvalue())
+
+    def _leave_layout(self, label: str, obj: Any, dest: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+        """Where a safetensors or ``save_pretrained`` save would have written, files the run
+        can load back: each safetensors file with its real header and a hole for the data
+        (:func:`~torchmem.fit.fakegpu._checkpoints.safetensors_layout`), and for a model folder
+        its ``config.json`` (and ``generation_config.json``) as transformers writes them."""
+        if label == "safetensors.torch.save_file":
+            meta = args[2] if len(args) > 2 else kwargs.get("metadata")
+            self._leave_safetensors(list(obj.items()), dest, meta)
+        elif label == "safetensors.torch.save_model":
+            meta = args[2] if len(args) > 2 else kwargs.get("metadata")
+            self._leave_safetensors(_stored_once(obj), dest, meta)
+        else:  # save_pretrained and the Trainer's saves: a model folder
+            model = getattr(obj, "module", obj)  # DistributedDataParallel's
+            config: Any = getattr(model, "config", None)
+            if not isinstance(model, torch.nn.Module) or not hasattr(config, "to_json_string") \
+                    or hasattr(model, "peft_config"):  # PEFT writes its own files (save_file)
+                return
+            folder = os.fspath(dest)
+            self.scratch.write_for_run(os.path.join(folder, "config.json"),
+                                       config.to_json_string(use_diff=True).encode())
+            gen: Any = getattr(model, "generation_config", None)
+            can = getattr(model, "can_generate", None)
+            if hasattr(gen, "to_json_string") and callable(can) and can():
+                self.scratch.write_for_run(os.path.join(folder, "generation_config.json"),
+                                           gen.to_json_string(use_diff=True).encode())
+            self._leave_safetensors(_stored_once(model), os.path.join(folder, "model.safetensors"),
+                                    {"format": "pt"})
+
+    def _leave_safetensors(self, tensors: list[tuple[str, Any]], dest: Any,
+                           metadata: dict[str, str] | None) -> None:
+        # safetensors stores the widest elements first, then by name
+        tensors = sorted(tensors, key=lambda kt: (-kt[1].dtype.itemsize, str(kt[0])))
+        head, size = safetensors_layout(
+            [(str(k), t.dtype, tuple(t.shape)) for k, t in tensors], metadata)
+        self.scratch.write_for_run(dest, head, size=size)
 
     def __enter__(self) -> _Writes:
         if "safetensors.torch" not in sys.modules and importlib.util.find_spec("safetensors"):
