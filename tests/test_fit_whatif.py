@@ -441,9 +441,18 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
     assert r.peak_requested_bytes < e.peak_requested_bytes
-    # without the batch option in its arguments the script's batch is unknown: listed, not run
+    # without the batch option in its arguments: the script's own default (argparse's 8)
     bare = torchmem.estimate_script(str(f), [], "A100-80GB", what_if=["grad_accumulation_2"])
-    assert "no batch option in the script's arguments" in bare.what_if[0].skipped
+    r = bare.what_if[0]
+    assert r.skipped is None and (r.peak_requested_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_reserved_bytes)
+    # a script without a batch option: listed, not run
+    fixed = tmp_path / "fixed.py"
+    fixed.write_text(SCRIPT.replace('"--batch-size", type=int', '"--width", type=int')
+                     .replace("a.batch_size", "8"))
+    none = torchmem.estimate_script(str(fixed), [], "A100-80GB", what_if=["grad_accumulation_2"])
+    assert none.what_if[0].skipped.startswith("no batch option in the script's arguments or "
+                                              "defaults")
     assert e.script.steps_run == 2
     by_hand = tmp_path / "train_adafactor.py"
     by_hand.write_text(SCRIPT.replace("torch.optim.AdamW(", "torch.optim.Adafactor("))
@@ -468,6 +477,109 @@ def test_what_if_on_an_unmodified_script(tmp_path) -> None:  # noqa: ANN001
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
     assert h.peak_requested_bytes < e.peak_requested_bytes  # sharding saved memory
+
+
+def test_the_step_as_written_is_the_plain_estimate_when_the_script_inspects_signatures(
+        tmp_path, capfd) -> None:  # noqa: ANN001
+    """Under ``--what-if`` the classes the levers adjust keep their signatures: a script that
+    passes ``fused=True`` only where ``inspect.signature(torch.optim.AdamW)`` names it (nanoGPT,
+    litgpt) takes the same path, so the step as written equals the plain estimate to the byte
+    (and fused AdamW's peaks differ from the foreach path's: the check can fail). The levers'
+    reruns do not print the script's output again."""
+    check = ("import inspect\n"
+             "fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters\n"
+             "opt = torch.optim.AdamW(net.parameters(), lr=1e-3, **({'fused': True} if fused "
+             "else {}))\nprint('fused', fused)\n")
+    made = "opt = torch.optim.AdamW(net.parameters(), lr=1e-3)\n"
+    assert made in SCRIPT
+    f = tmp_path / "train.py"
+    f.write_text(SCRIPT.replace(made, check))
+    plain = torchmem.estimate_script(str(f), ["--batch-size", "8"], "A100-80GB")
+    capfd.readouterr()
+    e = torchmem.estimate_script(str(f), ["--batch-size", "8"], "A100-80GB",
+                                 what_if=["adafactor"])
+    # the script's output once: the step as written's run; the lever's rerun is quiet
+    assert capfd.readouterr().out.count("fused True") == 1
+    peaks = ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+             "host_peak_bytes")
+    assert [getattr(e, k) for k in peaks] == [getattr(plain, k) for k in peaks]
+    assert e.by_category == plain.by_category
+    foreach = tmp_path / "foreach.py"
+    foreach.write_text(SCRIPT)
+    h = torchmem.estimate_script(str(foreach), ["--batch-size", "8"], "A100-80GB")
+    assert h.peak_requested_bytes != plain.peak_requested_bytes
+
+
+NANO = """
+import torch
+batch_size = 8
+gradient_accumulation_steps = 2 * 2  # nanoGPT's spelling: a product
+n_embd = 128
+for arg in __import__("sys").argv[1:]:          # nanoGPT's configurator: --key=value only
+    key, val = arg.split("=")
+    assert key[2:] in globals(), f"unknown config key {key}"
+    globals()[key[2:]] = type(globals()[key[2:]])(val)
+net = torch.nn.Sequential(torch.nn.Linear(n_embd, 4 * n_embd), torch.nn.GELU(),
+                          torch.nn.Linear(4 * n_embd, n_embd)).cuda()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+for it in range(10):
+    for micro in range(gradient_accumulation_steps):
+        x = torch.randn(batch_size, 256, n_embd, device="cuda")
+        loss = net(x).square().mean() / gradient_accumulation_steps
+        loss.backward()
+    opt.step(); opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_accumulation_on_a_configurator_script_uses_its_own_options(tmp_path) -> None:  # noqa: ANN001
+    """nanoGPT-style: the batch and the accumulation are globals a ``--key=value`` configurator
+    sets (no batch option in the arguments). ``grad_accumulation_2`` halves ``--batch_size`` and
+    doubles the script's own ``--gradient_accumulation_steps`` (its default ``2 * 2`` read as
+    4): the row equals the script run with ``--batch_size=4 --gradient_accumulation_steps=8``
+    by hand, and says so; given on the command line, the values given are the ones changed."""
+    f = tmp_path / "train.py"
+    f.write_text(NANO)
+    e = torchmem.estimate_script(str(f), [], "A100-80GB", what_if=["grad_accumulation_2"])
+    r = e.what_if[0]
+    assert r.skipped is None, r.skipped
+    assert r.applied.endswith("accumulated by the script: --gradient_accumulation_steps=4 -> 8")
+    h = torchmem.estimate_script(str(f), ["--batch_size=4", "--gradient_accumulation_steps=8"],
+                                 "A100-80GB")
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert h.peak_requested_bytes < e.peak_requested_bytes
+    given = torchmem.estimate_script(str(f), ["--batch_size=16", "--gradient_accumulation_steps=1"],
+                                     "A100-80GB", what_if=["grad_accumulation_4"])
+    g = given.what_if[0]
+    assert g.applied.endswith("--gradient_accumulation_steps=1 -> 4")
+    h4 = torchmem.estimate_script(str(f), ["--batch_size=4", "--gradient_accumulation_steps=4"],
+                                  "A100-80GB")
+    assert (g.peak_requested_bytes, g.peak_reserved_bytes) == (h4.peak_requested_bytes,
+                                                               h4.peak_reserved_bytes)
+
+
+def test_accumulation_on_a_litgpt_style_micro_batch_divides_it_alone(tmp_path) -> None:  # noqa: ANN001
+    """litgpt-style: ``--train.micro_batch_size`` under a fixed ``--train.global_batch_size``;
+    the program derives its accumulation, so the lever divides the micro-batch and changes
+    nothing else: the row equals the program run with the smaller micro-batch by hand."""
+    lit = NANO.split("for arg in")[0] + (
+        "import argparse\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--train.micro_batch_size', dest='micro', type=int, default=4)\n"
+        "p.add_argument('--train.global_batch_size', dest='glob', type=int, default=16)\n"
+        "a = p.parse_args()\n"
+        "batch_size, gradient_accumulation_steps = a.micro, a.glob // a.micro\n"
+        "net = " + NANO.split("net = ", 1)[1])
+    f = tmp_path / "finetune.py"
+    f.write_text(lit)
+    e = torchmem.estimate_script(str(f), ["--train.micro_batch_size", "4"], "A100-80GB",
+                                 what_if=["grad_accumulation_2"])
+    r = e.what_if[0]
+    assert r.skipped is None and "--train.micro_batch_size (the program accumulates" in r.applied
+    h = torchmem.estimate_script(str(f), ["--train.micro_batch_size", "2"], "A100-80GB")
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert h.peak_requested_bytes < e.peak_requested_bytes
 
 
 def test_largest_batch_per_lever_equals_the_search_on_the_change_written_by_hand() -> None:
@@ -830,3 +942,73 @@ def test_a_card_run_that_fits_after_the_pool_makes_the_step_as_written_the_answe
     assert best.peak_reserved_bytes == fitting.peak_reserved_bytes
     assert seen[-1] is fitting  # the allocator's row was made again from the card's run
     assert {r.lever for r in rows} == {"adafactor", "allocator"}
+
+
+def test_a_lever_whose_worker_dies_ends_as_a_failed_row_and_the_table_comes_back(
+        monkeypatch) -> None:  # noqa: ANN001
+    """A lever's run that kills its worker process (a crash in native code aborts it) ends
+    that row as failed with the reason; the other levers' rows and the table still come back
+    (before, the pool waited forever for the lost job)."""
+    import faulthandler
+    import os
+
+    from torchmem.fit.levers import _pool
+
+    monkeypatch.setattr(_pool, "default_workers", lambda: 2)  # forked workers, as on a GPU box
+
+    def build(batch_size: int):
+        net = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.AdamW(net.parameters())
+
+        def step():
+            if type(opt).__name__ == "Adafactor":
+                faulthandler.disable()  # pytest's, which would print the abort's stack
+                os.abort()
+            net(torch.randn(batch_size, 64, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    e = torchmem.estimate(build, gpu="T4", batch_size=8, what_if=["adafactor",
+                                                                  "grad_accumulation_2"])
+    rows = {r.lever: r for r in e.what_if}
+    assert rows["adafactor"].skipped == ("failed: its worker process ended without a result "
+                                         "(killed by SIGABRT)")
+    r = rows["grad_accumulation_2"]
+    assert r.skipped is None and r.applied.startswith("batch as 2 micro-batches")
+    assert r.peak_requested_bytes > 64 * 64 * 4 * 4  # weights, gradients, two AdamW moments
+
+
+AMP = """
+import torch
+net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                          torch.nn.Linear(1024, 256)).cuda()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cuda")
+for i in range(5):
+    x = torch.randn(32, 128, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = net(x).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_lever_that_changes_no_peak_says_so_instead_of_a_row(tmp_path) -> None:  # noqa: ANN001
+    """A script already in float16 autocast with its own GradScaler: ``fp16_autocast`` leaves
+    every peak as the step as written has it, so its row says "no change" and why, instead of a
+    row that looks like a lever to take; the same lever on the script without autocast is a
+    row with lower peaks."""
+    f = tmp_path / "amp.py"
+    f.write_text(AMP)
+    e = torchmem.estimate_script(str(f), [], "T4", what_if=["fp16_autocast"])
+    assert e.what_if[0].skipped == (
+        "no change: autocast to float16 around Sequential; a GradScaler scales the loss and "
+        "steps AdamW, and its peaks equal the step as written's to the byte (the step already "
+        "computes in float16 where autocast would)")
+    plain = tmp_path / "fp32.py"
+    plain.write_text(AMP.replace('    with torch.autocast("cuda", dtype=torch.float16):\n'
+                                 '        loss =', '    if True:\n        loss ='))
+    p = torchmem.estimate_script(str(plain), [], "T4", what_if=["fp16_autocast"])
+    r = p.what_if[0]
+    assert r.skipped is None and r.peak_requested_bytes < p.peak_requested_bytes

@@ -38,7 +38,8 @@ _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 def _real_host(t: torch.Tensor) -> bool:
     """``t`` is a real host tensor without gradients (not fake, not a subclass, not meta)."""
-    return type(t) is torch.Tensor and not t.requires_grad and t.device.type == "cpu"
+    # is_cpu, not device.type: the placement's ``device`` property is Python, 6x slower
+    return type(t) is torch.Tensor and not t.requires_grad and t.is_cpu
 
 
 def _host_data(x: Any) -> bool:
@@ -94,17 +95,21 @@ def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
     with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
+            if any(out is t for t in inputs):  # x.type(its own dtype), x.to(x.dtype)
+                return out
             outs: Any = (out,)
         elif isinstance(out, (tuple, list)):
             outs = out
         else:
             return out
-        known = {t.untyped_storage()._cdata for t in inputs}
+        known: set[int] | None = None
         adopt = pl.on_real_host
         assert adopt is not None
         for t in outs:
             if type(t) is torch.Tensor and t.layout is torch.strided:
                 st = t.untyped_storage()
+                if known is None:
+                    known = {i.untyped_storage()._cdata for i in inputs}
                 if st._cdata not in known:
                     adopt(st)
     return out

@@ -63,6 +63,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 import warnings
@@ -259,6 +260,9 @@ class LeverRun:
         #: a script's run: it is one run of the whole script (its own loop); its batch option is
         #: divided by the caller, and every ``accumulate``-th optimizer step is made
         self.script_accumulates = False
+        #: a script that accumulates itself once its batch is divided: how (its own option
+        #: multiplied, or a global batch it divides itself); set by the caller
+        self.accumulated_by = ""
         self._grad_scaler: Any = None
         self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -276,7 +280,7 @@ class LeverRun:
                 "fsdp", "accumulate", "lora", "scaler", "offload_optimizer", "count_flops",
                 "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
-                "trainer_accumulates", "script_accumulates")
+                "trainer_accumulates", "script_accumulates", "accumulated_by")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -292,7 +296,7 @@ class LeverRun:
             >>> LeverRun(accumulate=4).batch(16)
             4
         """
-        if self.script_accumulates:
+        if self.script_accumulates or self.accumulated_by:
             return batch_size  # the script's own batch option is divided instead
         return batch_size // self.accumulate if self.accumulate > 1 else batch_size
 
@@ -305,7 +309,7 @@ class LeverRun:
             >>> LeverRun(accumulate=2).run_step(lambda: calls.append(1)); calls
             [1, 1]
         """
-        if self.trainer_accumulates or self.script_accumulates:
+        if self.trainer_accumulates or self.script_accumulates or self.accumulated_by:
             step()  # the Trainer (gradient_accumulation_steps) or the script's loop accumulates
             return
         for i in range(self.accumulate):
@@ -392,8 +396,9 @@ class LeverRun:
 
         def init(trainer: Any, *args: Any, **kwargs: Any) -> None:
             targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-            if (lever.accumulate > 1 and targs is not None
+            if (lever.accumulate > 1 and targs is not None and not lever.accumulated_by
                     and hasattr(targs, "gradient_accumulation_steps")):
+                # (not where the script's own option was multiplied: it feeds the Trainer)
                 targs.gradient_accumulation_steps *= lever.accumulate
                 lever.trainer_accumulates = True
             model = kwargs.get("model", args[0] if args else None)
@@ -407,6 +412,7 @@ class LeverRun:
                         args = (wrapped, *args[1:])
             orig(trainer, *args, **kwargs)
 
+        functools.update_wrapper(init, orig)  # inspect.signature(Trainer) as written
         setattr(Trainer, "__init__", init)  # noqa: B010
         self._undo.append(lambda: setattr(Trainer, "__init__", orig))
 
@@ -444,6 +450,7 @@ class LeverRun:
             finally:
                 tls.depth = depth
 
+        functools.update_wrapper(call, orig)
         cls.__call__ = call  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(cls, "__call__", orig))
 
@@ -491,6 +498,9 @@ class LeverRun:
                 finally:
                     tls.in_opt = False
 
+            # the signature as written: scripts look for options in it (nanoGPT and litgpt
+            # pass fused=True where "fused" in inspect.signature(torch.optim.AdamW).parameters)
+            functools.update_wrapper(init, orig)
             setattr(c, "__init__", init)  # noqa: B010
             self._undo.append(lambda c=c, orig=orig: setattr(c, "__init__", orig))  # type: ignore[misc]
 
@@ -774,9 +784,16 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
 def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
     """The outermost modules (not a child of another live module) holding any of the
     parameters ``ids``."""
-    with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
-        warnings.simplefilter("ignore")
-        mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    frozen = gc.get_freeze_count() > 0
+    if frozen:  # the estimate froze what existed before the run: a model built before it
+        gc.unfreeze()  # is among those (gc.get_objects leaves frozen objects out)
+    try:
+        with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
+            warnings.simplefilter("ignore")
+            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    finally:
+        if frozen:
+            gc.freeze()
     children: set[int] = set()
     for m in mods:
         for c in m.children():

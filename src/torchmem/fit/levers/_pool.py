@@ -14,12 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["default_workers", "run_all"]
+__all__ = ["WorkerLost", "default_workers", "run_all"]
 
 _FN: Callable[[Any], Any] | None = None
 _JOBS: Sequence[Any] = ()
@@ -46,6 +47,29 @@ def default_workers() -> int:
     return max(1, min(8, n))
 
 
+class WorkerLost(RuntimeError):
+    """A job's worker process ended without handing back a result (killed, aborted by a
+    crash in native code): the job's result, so the other jobs' results still come back.
+
+    Example:
+        >>> str(WorkerLost(0, -6))
+        'its worker process ended without a result (killed by SIGABRT)'
+    """
+
+    def __init__(self, job: int, exitcode: int | None) -> None:
+        import signal
+
+        if exitcode is not None and exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-exitcode}"
+        else:
+            how = f"exit code {exitcode}"
+        super().__init__(f"its worker process ended without a result ({how})")
+        self.job, self.exitcode = job, exitcode
+
+
 def _call(i: int) -> Any:
     assert _FN is not None
     try:
@@ -54,11 +78,27 @@ def _call(i: int) -> Any:
         return e
 
 
+def _child(i: int, conn: Any, quiet: bool) -> None:
+    if quiet:  # the job's own output (a script's logs, run again per job) goes nowhere
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+    value = _call(i)
+    try:
+        conn.send(value)
+    except Exception as e:  # noqa: BLE001 - a result pickle refuses: its error instead
+        conn.send(RuntimeError(f"the job's result could not be handed back: {e!r}"))
+    conn.close()
+
+
 def run_all(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int | None = None,
-            done: Callable[[int, Any], None] | None = None) -> list[Any]:
+            done: Callable[[int, Any], None] | None = None, quiet: bool = False) -> list[Any]:
     """``[fn(job) for job in jobs]``, in ``workers`` forked processes (default
-    :func:`default_workers`); an exception raised by ``fn`` is that job's result.
-    ``done(index, result)`` is told each result as it arrives.
+    :func:`default_workers`), one process per job; an exception raised by ``fn`` is that job's
+    result, and so is :class:`WorkerLost` where a job's process dies without one (the others
+    go on). ``done(index, result)`` is told each result as it arrives. With ``quiet``, what the
+    jobs print (to ``sys.stdout`` and ``sys.stderr``; in a worker process, to file descriptors 1
+    and 2) is dropped.
 
     Example:
         >>> run_all(lambda x: 10 // x, [5, 0], workers=1)[1].__class__.__name__
@@ -71,20 +111,52 @@ def run_all(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int | None =
     if n <= 1:
         for i, job in enumerate(jobs):
             try:
-                out[i] = fn(job)
+                with contextlib.ExitStack() as stack:
+                    if quiet:
+                        sink = stack.enter_context(open(os.devnull, "w"))  # noqa: SIM115
+                        stack.enter_context(contextlib.redirect_stdout(sink))
+                        stack.enter_context(contextlib.redirect_stderr(sink))
+                    out[i] = fn(job)
             except Exception as e:  # noqa: BLE001 - the job's result
                 out[i] = e
             if done is not None:
                 done(i, out[i])
         return out
+    from multiprocessing.connection import wait
+
     _FN, _JOBS = fn, jobs
+    ctx = multiprocessing.get_context("fork")
+    running: dict[Any, tuple[int, Any]] = {}  # the parent's end of each pipe -> (job, process)
+    todo = list(range(len(jobs)))
     try:
-        ctx = multiprocessing.get_context("fork")
-        with ctx.Pool(n, maxtasksperchild=1) as pool:
-            for i, value in enumerate(pool.imap(_call, range(len(jobs)))):
+        while todo or running:
+            while todo and len(running) < n:
+                i = todo.pop(0)
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_child, args=(i, child_end, quiet), daemon=True)
+                proc.start()
+                child_end.close()
+                running[parent_end] = (i, proc)
+            sentinels = {proc.sentinel: conn for conn, (_, proc) in running.items()}
+            for ready in wait([*running, *sentinels]):
+                conn = sentinels.get(ready, ready)  # type: ignore[call-overload]
+                if conn not in running:
+                    continue  # both ends of one job were ready: handled
+                i, proc = running.pop(conn)
+                try:
+                    value = conn.recv()
+                except (EOFError, OSError):
+                    proc.join()
+                    value = WorkerLost(i, proc.exitcode)
+                conn.close()
+                proc.join()
                 out[i] = value
                 if done is not None:
                     done(i, value)
     finally:
+        for conn, (_, proc) in running.items():
+            proc.kill()
+            proc.join()
+            conn.close()
         _FN, _JOBS = None, ()
     return out

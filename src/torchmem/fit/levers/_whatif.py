@@ -195,6 +195,9 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
             return None
         return f"checkpointed {len(lr.wrapped)} blocks: {_names(lr.wrapped)}"
     if "accumulate" in s:
+        if lr.accumulated_by:
+            return (f"batch as {s['accumulate']} micro-batches, accumulated by the script: "
+                    f"{lr.accumulated_by}")
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
         words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
@@ -315,7 +318,7 @@ def what_if(
         what = jobs[i][1].name if jobs[i][1] is not _SITE else "the step as written on the card"
         say(f"what-if {count[0]}/{len(jobs)}: {what} done")
 
-    from torchmem.fit.levers._pool import run_all
+    from torchmem.fit.levers._pool import WorkerLost, run_all
 
     say(f"what-if: {n_levers} levers to run"
         + (", and the step as written on the card (where it runs out of memory)"
@@ -329,7 +332,8 @@ def what_if(
             return _allocator_row(run, base, suggest)
         return run([job[1]], world_size=job[1].world_size)
 
-    results = run_all(one, jobs, workers, done)
+    # the step as written ran in this process, with its output shown; the reruns are quiet
+    results = run_all(one, jobs, workers, done, quiet=script is not False)
     if site is not None:
         k = next(k for k, j in enumerate(jobs) if j[1] is _SITE)
         res = results[k]
@@ -350,10 +354,17 @@ def what_if(
         if isinstance(res, InvalidInputError):
             rows[at] = _skip(lv.name, f"the step failed with it: {str(res).splitlines()[0]}")
             continue
+        if isinstance(res, WorkerLost):  # a crash in native code: the other rows stand
+            rows[at] = _skip(lv.name, f"failed: {res}")
+            continue
         if isinstance(res, BaseException):
             raise res
         e, lr = res
         applied = _applied(lv, lr, base_opts)
+        if applied is not None and lv.name in _ALREADY and _peaks(e) == _peaks(base):
+            rows[at] = _skip(lv.name, f"no change: {applied}, and its peaks equal the step "
+                             f"as written's to the byte{_ALREADY.get(lv.name, '')}")
+            continue
         rows[at] = (_skip(lv.name, _why_unchanged(lv, lr)) if applied is None
                     else _row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
     done_rows: list[WhatIfRow] = [r for r in rows if r is not None]
@@ -390,6 +401,20 @@ def _relative_time(lv: Lever) -> float:
               * (1.4 if s.get("checkpoint") else 1.0) * (1.5 if s.get("lora") else 1.0)
               * (1.3 if one.name == "allocator" else 1.0))
     return t
+
+
+#: the precision levers, and why one can leave every peak as it was: what the step already
+#: does (its row then says "no change" instead of looking like a lever to take)
+_ALREADY = {
+    "fp16_autocast": " (the step already computes in float16 where autocast would)",
+    "bf16_autocast": " (the step already computes in bfloat16 where autocast would)",
+    "bf16_weights": " (its weights are already bfloat16)",
+}
+
+
+def _peaks(e: Estimate) -> tuple[int, int, int, int]:
+    return (e.peak_requested_bytes, e.peak_allocated_bytes, e.peak_reserved_bytes,
+            e.host_peak_bytes)
 
 
 def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
@@ -432,9 +457,8 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
 def _not_for_scripts(lv: Lever, batch_option: str | None) -> str | None:
     for p in lv.singles:
         if "accumulate" in p.settings and batch_option is None:
-            return ("no batch option in the script's arguments: give it explicitly (e.g. "
-                    "--batch-size 16, or --per_device_train_batch_size 16 for a Trainer "
-                    "script): each micro-batch runs with it divided by the micro-batch count")
+            return ("no batch option in the script's arguments or defaults: give one (e.g. "
+                    "--batch-size 16; a Trainer's --per_device_train_batch_size 16)")
     return None
 
 

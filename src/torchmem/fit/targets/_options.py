@@ -56,7 +56,19 @@ def _current(flag: str, args: Sequence[str]) -> int | None:
 #: the batch options the accumulation levers divide, in the order they are looked for
 BATCH_OPTIONS = ("--batch-size", "--batch_size", "--per_device_train_batch_size",
                  "--per-device-train-batch-size", "--train-batch-size", "--train_batch_size",
-                 "--bs")
+                 "--train.micro_batch_size", "--train.micro-batch-size", "--micro_batch_size",
+                 "--micro-batch-size", "--bs")
+
+#: batch options of programs that derive their accumulation from a fixed global batch (litgpt:
+#: ``--train.global_batch_size`` over ``--train.micro_batch_size``): dividing the micro-batch
+#: is the whole change, the program accumulates itself
+SELF_ACCUMULATING = frozenset({"--train.micro_batch_size", "--train.micro-batch-size"})
+
+#: a script's own gradient accumulation option (nanoGPT's configurator global, an argparse
+#: option): where the script defines one, the accumulation levers multiply it
+ACCUM_OPTIONS = ("--gradient_accumulation_steps", "--gradient-accumulation-steps",
+                 "--grad_accum_steps", "--grad-accum-steps", "--accumulation_steps",
+                 "--accumulation-steps")
 
 
 def _batch_option(args: Sequence[str]) -> tuple[str, int] | None:
@@ -77,6 +89,69 @@ def _batch_option(args: Sequence[str]) -> tuple[str, int] | None:
                 continue
             if value is not None and value > 0:
                 return flag, value
+    return None
+
+
+def _defined(flag: str, source: str) -> bool:
+    """The script itself defines ``flag``: an argparse option spelled so, or (a configurator
+    script, nanoGPT's) a global of that name assigned at the start of a line."""
+    import re
+
+    name = flag.lstrip("-")
+    if f"'{flag}'" in source or f'"{flag}"' in source:
+        return True
+    # a configurator's --name=value sets the global `name` (nanoGPT: exec of configurator.py;
+    # or the script's own loop over globals()); a global alone is no option
+    return (name.isidentifier() and ("configurator" in source or "globals()[" in source)
+            and re.search(rf"^{re.escape(name)}\s*=", source, re.M) is not None)
+
+
+def script_batch(args: Sequence[str], source: str,
+                 folder: str = ".") -> tuple[str, int] | None:
+    """The batch option the accumulation levers divide: as given in ``args``
+    (:func:`_batch_option`), else one the script defines with a default it sets itself
+    (``default=N``, a configurator's global ``batch_size = 12``, a config file among ``args``).
+
+    Example:
+        >>> script_batch([], "batch_size = 12\\nexec(open('configurator.py').read())\\n")
+        ('--batch_size', 12)
+        >>> script_batch(["--bs", "4"], ""), script_batch([], "print(1)")
+        (('--bs', 4), None)
+    """
+    got = _batch_option(args)
+    if got is not None:
+        return got
+    for flag in BATCH_OPTIONS:
+        if _defined(flag, source):
+            value = _default(flag, source, args, folder)
+            if value is not None and value > 0:
+                return flag, value
+    return None
+
+
+def script_accumulation(args: Sequence[str], source: str,
+                        folder: str = ".") -> tuple[str, int] | None:
+    """The script's own gradient accumulation option (:data:`ACCUM_OPTIONS`) and its value
+    (the command line's, else the script's default), where the script defines one; ``None``
+    otherwise (a Trainer script's ``--gradient_accumulation_steps`` is the Trainer's, adjusted
+    in the Trainer).
+
+    Example:
+        >>> src = "gradient_accumulation_steps = 5 * 8\\nexec(open('configurator.py').read())\\n"
+        >>> script_accumulation([], src), script_accumulation(["--gradient_accumulation_steps=2"], src)
+        (('--gradient_accumulation_steps', 40), ('--gradient_accumulation_steps', 2))
+    """
+    for flag in ACCUM_OPTIONS:
+        if not _defined(flag, source):
+            continue
+        try:
+            value = _current(flag, args)
+        except InvalidInputError:
+            return None
+        if value is None:
+            value = _default(flag, source, args, folder)
+        if value is not None and value > 0:
+            return flag, value
     return None
 
 
@@ -126,7 +201,7 @@ def _default(flag: str, source: str, args: Sequence[str] = (), folder: str = "."
     patterns = (
         rf"""add_argument\(\s*['"]{re.escape(flag)}['"][^()]*?default\s*=\s*(\d+)""",
         rf"^\s*{ident}\s*:\s*int\s*=\s*(?:field\([^()]*?default\s*=\s*)?(\d+)",
-        rf"^{ident}\s*=\s*(\d+)\b",
+        rf"^{ident}\s*=\s*(\d+(?:\s*[*+]\s*\d+)*)(?![\d.\w])",
     )
     texts = [source]
     for a in args:
@@ -141,5 +216,22 @@ def _default(flag: str, source: str, args: Sequence[str] = (), folder: str = "."
         for pat in patterns:
             hits = re.findall(pat, text, re.M | re.S)
             if hits:
-                value = int(hits[-1])
+                value = _int_expr(hits[-1])
     return value
+
+
+def _int_expr(text: str) -> int:
+    """An int written as a product or sum of ints (``5 * 8``), evaluated left to right with
+    ``*`` before ``+``.
+
+    Example:
+        >>> _int_expr("12"), _int_expr("5 * 8"), _int_expr("2 * 3 + 1")
+        (12, 40, 7)
+    """
+    total = 0
+    for term in text.split("+"):
+        prod = 1
+        for factor in term.split("*"):
+            prod *= int(factor)
+        total += prod
+    return total

@@ -83,10 +83,12 @@ from torchmem.fit.run._engine import _hint, _user_frame, run_once
 from torchmem.fit.search._bracket import _search
 from torchmem.fit.search._checks import _apply_margin, _check_range
 from torchmem.fit.targets._options import (
-    _batch_option,
+    SELF_ACCUMULATING,
     _current,
     _default,
     _option,
+    script_accumulation,
+    script_batch,
     with_option,
 )
 from torchmem.fit.targets._sandbox import ScratchFiles
@@ -598,7 +600,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
     """``estimate_script(..., what_if=...)``: the script as written, then each lever applied to
     the model and optimizer it makes (:mod:`torchmem.fit.levers._whatif`; FSDP levers run the script
     as rank 0 of the sharded job; accumulation runs it with its batch option divided
-    (:func:`_batch_option`) and makes every k-th optimizer step)."""
+    (:func:`~torchmem.fit.targets._options.script_batch`) and its own accumulation option
+    multiplied where it has one, else makes every k-th optimizer step)."""
     from torchmem.fit.levers._whatif import check_levers
     from torchmem.fit.search._lever_runs import what_if_runs
 
@@ -608,23 +611,41 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
             "script at the batch you want to check (its own --batch-size), or drop --max"
         )
     chosen = check_levers(None if isinstance(what_if, bool) else what_if)
-    batch = _batch_option(argv)
+    batch = script_batch(argv, target.source)
+    own = script_accumulation(argv, target.source)
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
         run_argv = argv
         if lr.accumulate > 1 and batch is not None:
-            # micro-batches: the script's batch divided, every k-th optimizer step made
-            lr.script_accumulates = True
-            run_argv = with_option(argv, batch[0], batch[1] // lr.accumulate)
+            # micro-batches: the script's batch divided; the script's own accumulation option
+            # multiplied where it has one (nanoGPT), nothing more where it derives it from a
+            # global batch (litgpt), else every k-th optimizer step made
+            k = lr.accumulate
+            run_argv = with_option(argv, batch[0], batch[1] // k)
+            if batch[0] in SELF_ACCUMULATING:
+                lr.accumulated_by = f"{batch[0]} (the program accumulates to its global batch)"
+            elif own is not None:
+                run_argv = with_option(run_argv, own[0], own[1] * k)
+                lr.accumulated_by = f"{own[0]}={own[1]} -> {own[1] * k}"
+            else:
+                lr.script_accumulates = True
         r = _Run(target, run_argv, steps, time_limit)
         o = dict(opts)
         if alloc_conf is not None:
             o["alloc_conf"] = alloc_conf
         if world_size is not None:
             o["world_size"] = world_size  # FSDP levers: rank 0 of the sharded job
-        e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks, **o)
-        return r.finish(e)
+        try:
+            e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks,
+                         **o)
+            return r.finish(e)
+        except InvalidInputError as err:
+            # a row's reason: "the script", not the whole command line again
+            said = str(err).replace(r.record.command(), "the script", 1)
+            if said == str(err):
+                raise
+            raise type(err)(said) from err
 
     out = what_if_runs(one, card, 1 if batch is None else batch[1], chosen, None, spec,
                        progress, keep_snapshot, None,
