@@ -1012,3 +1012,19 @@ def test_a_lever_that_changes_no_peak_says_so_instead_of_a_row(tmp_path) -> None
     p = torchmem.estimate_script(str(plain), [], "T4", what_if=["fp16_autocast"])
     r = p.what_if[0]
     assert r.skipped is None and r.peak_requested_bytes < p.peak_requested_bytes
+
+
+def test_a_lever_the_script_fails_with_names_the_script_not_its_whole_command(tmp_path) -> None:  # noqa: ANN001
+    """A script that fails under one lever: its row says why in a short line ("the script
+    raised ...", where it raised and the message), not the command line again."""
+    f = tmp_path / "train.py"
+    f.write_text(SCRIPT.replace(
+        "for i in range(100):",
+        "if type(opt).__name__ == 'Adafactor':\n    raise ValueError('this script wants AdamW')\n"
+        "for i in range(100):"))
+    e = torchmem.estimate_script(str(f), ["--batch-size", "8"], "A100-80GB",
+                                 what_if=["adafactor"])
+    why = e.what_if[0].skipped
+    assert why.startswith("the step failed with it: the script raised ValueError at "
+                          f"{f}:"), why
+    assert "this script wants AdamW" in why and "--batch-size" not in why
