@@ -1028,3 +1028,23 @@ def test_a_lever_the_script_fails_with_names_the_script_not_its_whole_command(tm
     assert why.startswith("the step failed with it: the script raised ValueError at "
                           f"{f}:"), why
     assert "this script wants AdamW" in why and "--batch-size" not in why
+
+
+def test_what_if_with_max_on_a_script_equals_the_searches_written_by_hand(tmp_path) -> None:  # noqa: ANN001
+    """``--what-if`` with ``--max`` on a script: the largest batch as written equals the
+    script's own ``--max`` search, and a lever's largest batch equals the search on the script
+    with that change written into it (the script's --batch-size is the option searched, from
+    the value it is given)."""
+    long = SCRIPT.replace("torch.randn(a.batch_size, 64, 128", "torch.randn(a.batch_size, 4096, 128")
+    assert long != SCRIPT
+    f = tmp_path / "train.py"
+    f.write_text(long)
+    e = torchmem.estimate_script(str(f), ["--batch-size", "8"], "T4", what_if=["adafactor"],
+                                 maximize="batch-size")
+    plain = torchmem.estimate_script(str(f), ["--batch-size", "8"], "T4", maximize="batch-size")
+    assert e.max_batch_size == plain.max_batch_size and plain.max_batch_size > 8
+    by_hand = tmp_path / "train_adafactor.py"
+    by_hand.write_text(long.replace("torch.optim.AdamW(", "torch.optim.Adafactor("))
+    h = torchmem.estimate_script(str(by_hand), ["--batch-size", "8"], "T4",
+                                 maximize="batch-size")
+    assert e.what_if[0].cost["max_value"] == h.max_batch_size >= plain.max_batch_size

@@ -43,7 +43,8 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
 def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: list[Any],
                  maximize: str | None, margin: MarginSpec,
                  progress: Callable[[str], None] | None, keep_snapshot: bool,
-                 search_range: tuple[int, ...] | None, script: bool | str = False) -> Estimate:
+                 search_range: tuple[int, ...] | None, script: bool | str = False,
+                 start: int | None = None) -> Estimate:
     """The what-if of a step that ``one(card, lever_run, batch, extra_params, keep_snapshot,
     stacks, world_size, alloc_conf)`` estimates once (a build function's, or a script's with
     ``script=True``, or the flag of the script's batch option, which accumulation divides):
@@ -126,7 +127,7 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
     rows, best = what_if(run, base, base_lr, card, levers, batch, progress, suggest,
                          workers=None, script=script, site=site, on_site=on_site)
     if maximize is not None:
-        _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base)
+        _lever_max(run, rows, maximize, batch, card, margin, say, search_range, base, start)
     base.what_if = rows
     base.what_if_best = best
     if not keep_snapshot:
@@ -136,10 +137,12 @@ def what_if_runs(one: Callable[..., Estimate], card: GPU, batch: int, levers: li
 
 def _lever_max(run: Callable[..., tuple[Estimate, Any]], rows: Sequence[Any], maximize: str,
                batch: int, card: GPU, margin: MarginSpec, say: Callable[[str], None],
-               search_range: tuple[int, ...] | None, base: Estimate) -> None:
+               search_range: tuple[int, ...] | None, base: Estimate,
+               first: int | None = None) -> None:
     """The largest value of ``maximize`` the step as written allows (``base``'s search
     figures) and each of the three levers with the lowest peak reserved (their row's
-    ``cost["max_value"]``)."""
+    ``cost["max_value"]``); each search starts at ``first`` when given (a script's own value
+    of the option), else at the batch (``batch_size``) or 1."""
     from torchmem.fit.levers._choices import _BY_NAME
 
     top = [r for r in rows if r.skipped is None and r.lever in _BY_NAME
@@ -160,7 +163,7 @@ def _lever_max(run: Callable[..., tuple[Estimate, Any]], rows: Sequence[Any], ma
             return run(levers, world_size=ws, extra={maximize: v})[0]
 
         say(f"what-if {'as written' if r is None else r.lever}: largest {maximize} ...")
-        start = lo if lo is not None else (batch if maximize == "batch_size" else 1)
+        start = lo if lo is not None else first or (batch if maximize == "batch_size" else 1)
         e = _search(maximize, probe, start, lo, hi, card, None, False, probe, fits_at, step)
         found = e.max_value if maximize != "batch_size" else e.max_batch_size
         if r is None:

@@ -544,7 +544,7 @@ def estimate_script(
 
     if what_if is not False:
         return _script_what_if(target, list(args), card, steps, float(time_limit), what_if,
-                               maximize, spec, progress, keep_snapshot,
+                               maximize, spec, progress, keep_snapshot, search_range,
                                dict(alloc_conf=alloc_conf, strict_values=strict_values,
                                     default_device=default_device, routing=routing,
                                     world_size=world_size))
@@ -596,7 +596,7 @@ def estimate_script(
 def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_limit: float,
                     what_if: bool | Sequence[str], maximize: str | None, spec: Any,
                     progress: Callable[[str], None] | None, keep_snapshot: bool,
-                    opts: dict[str, Any]) -> ScriptEstimate:
+                    search_range: Any, opts: dict[str, Any]) -> ScriptEstimate:
     """``estimate_script(..., what_if=...)``: the script as written, then each lever applied to
     the model and optimizer it makes (:mod:`torchmem.fit.levers._whatif`; FSDP levers run the script
     as rank 0 of the sharded job; accumulation runs it with its batch option divided
@@ -605,18 +605,25 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
     from torchmem.fit.levers._whatif import check_levers
     from torchmem.fit.search._lever_runs import what_if_runs
 
-    if maximize is not None:
-        raise InvalidInputError(
-            "what_if with a search (--max) takes a build function for now; fix: estimate the "
-            "script at the batch you want to check (its own --batch-size), or drop --max"
-        )
     chosen = check_levers(None if isinstance(what_if, bool) else what_if)
     batch = script_batch(argv, target.source)
     own = script_accumulation(argv, target.source)
+    flag = ident = None
+    first: int | None = None
+    if maximize is not None:  # the script's own option, searched as --max alone searches it
+        flag = _option(maximize, argv, target.source)
+        ident = flag.lstrip("-").replace("-", "_")
+        first = _current(flag, argv)
+        if first is None:
+            first = _default(flag, target.source, argv)
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
         run_argv = argv
+        if flag is not None:  # a probe of the search: the option's value to try
+            value = b if ident == "batch_size" else (extra or {}).get(ident)
+            if value is not None:
+                run_argv = with_option(run_argv, flag, int(value))
         if lr.accumulate > 1 and batch is not None:
             # micro-batches: the script's batch divided; the script's own accumulation option
             # multiplied where it has one (nanoGPT), nothing more where it derives it from a
@@ -647,8 +654,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                 raise
             raise type(err)(said) from err
 
-    out = what_if_runs(one, card, 1 if batch is None else batch[1], chosen, None, spec,
-                       progress, keep_snapshot, None,
-                       script=True if batch is None else batch[0])
+    out = what_if_runs(one, card, 1 if batch is None else batch[1], chosen, ident, spec,
+                       progress, keep_snapshot, search_range,
+                       script=True if batch is None else batch[0], start=first)
     assert isinstance(out, ScriptEstimate)
     return out
