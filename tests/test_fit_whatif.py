@@ -1048,3 +1048,48 @@ def test_what_if_with_max_on_a_script_equals_the_searches_written_by_hand(tmp_pa
     h = torchmem.estimate_script(str(by_hand), ["--batch-size", "8"], "T4",
                                  maximize="batch-size")
     assert e.what_if[0].cost["max_value"] == h.max_batch_size >= plain.max_batch_size
+
+
+DDP_SCRIPT = """
+import os, torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = torch.nn.Linear(128, 512); self.b = torch.nn.Linear(512, 128)
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+ddp = int(os.environ.get("RANK", -1)) != -1       # nanoGPT's test for a torchrun launch
+if ddp:
+    dist.init_process_group(backend="nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+net = torch.nn.Sequential(*[Block() for _ in range(3)]).cuda()
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+WRAP
+for i in range(10):
+    net(torch.randn(8, 64, 128, device="cuda")).sum().backward()
+    opt.step(); opt.zero_grad()
+"""
+
+
+def test_sharding_levers_on_a_script_that_wraps_its_model_in_ddp(tmp_path) -> None:  # noqa: ANN001
+    """nanoGPT-style: the script wraps its model in DDP when launched with ranks. Under the
+    sharding levers its parameters are FSDP's DTensors before the wrap; DDP then adds no
+    buckets (FSDP reduces the gradients), as with fully_shard written in place of DDP: each row
+    equals the same lever on the script without the DDP wrap (before, DDP's bucket copy mixed
+    plain tensors and DTensors and the row failed)."""
+    wrapped = tmp_path / "ddp.py"
+    wrapped.write_text(DDP_SCRIPT.replace("WRAP", "if ddp:\n    net = DDP(net)"))
+    plain = tmp_path / "plain.py"
+    plain.write_text(DDP_SCRIPT.replace("WRAP", ""))
+    levers = ["cpu_offload", "fsdp_2"]
+    a = {r.lever: r for r in torchmem.estimate_script(str(wrapped), [], "A100-40GB",
+                                                       what_if=levers).what_if}
+    b = {r.lever: r for r in torchmem.estimate_script(str(plain), [], "A100-40GB",
+                                                       what_if=levers).what_if}
+    for name in levers:
+        assert a[name].skipped is None and b[name].skipped is None, (a[name], b[name])
+        assert (a[name].peak_requested_bytes, a[name].peak_allocated_bytes,
+                a[name].peak_reserved_bytes, a[name].cost["host_peak_bytes"]) == (
+            b[name].peak_requested_bytes, b[name].peak_allocated_bytes,
+            b[name].peak_reserved_bytes, b[name].cost["host_peak_bytes"])

@@ -476,6 +476,15 @@ def _show_resize(storage: torch.UntypedStorage) -> None:
     del view
 
 
+def _sharded(params: list[torch.Tensor]) -> bool:
+    """Any of ``params`` is a DTensor (sharded by FSDP2)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch.distributed without DTensor
+        return False
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def _ddp_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     return torch.nn.Module.__new__(_FakeDDP)
 
@@ -506,14 +515,19 @@ def _make_fake_ddp() -> type:
             self.find_unused_parameters = find_unused_parameters
             self.static_graph = static_graph
             params: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad]
+            self._fake_buckets: list[tuple[torch.Tensor, list[torch.Tensor], list[int]]] = []
+            self._fake_pending: dict[int, int] = {}
+            self._fake_where: dict[int, tuple[int, int]] = {}
+            if _sharded(params):
+                # parameters FSDP already shards (the what-if's fsdp and cpu_offload levers
+                # applied to a script that wraps its model in DDP): FSDP reduces their
+                # gradients, so the wrapper is left with no buckets of its own, as the script
+                # with fully_shard written in place of DDP has none
+                return
             cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
             first = dist._DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
             indices, _ = dist._compute_bucket_assignment_by_size(
                 params, [first, cap], [False] * len(params))
-            self._fake_buckets: list[tuple[torch.Tensor, list[torch.Tensor], list[int]]]
-            self._fake_buckets = []
-            self._fake_pending: dict[int, int] = {}
-            self._fake_where: dict[int, tuple[int, int]] = {}
             for b, idx in enumerate(reversed(indices)):
                 members = [params[i] for i in idx]
                 offsets, total = [], 0

@@ -333,7 +333,11 @@ def what_if(
         return run([job[1]], world_size=job[1].world_size)
 
     # the step as written ran in this process, with its output shown; the reruns are quiet
-    results = run_all(one, jobs, workers, done, quiet=script is not False)
+    # (with TORCHMEM_DEBUG set, their output and tracebacks are shown too)
+    from torchmem._log import debug_requested
+
+    results = run_all(one, jobs, workers, done,
+                      quiet=script is not False and not debug_requested())
     if site is not None:
         k = next(k for k, j in enumerate(jobs) if j[1] is _SITE)
         res = results[k]
