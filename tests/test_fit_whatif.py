@@ -1093,3 +1093,28 @@ def test_sharding_levers_on_a_script_that_wraps_its_model_in_ddp(tmp_path) -> No
                 a[name].peak_reserved_bytes, a[name].cost["host_peak_bytes"]) == (
             b[name].peak_requested_bytes, b[name].peak_allocated_bytes,
             b[name].peak_reserved_bytes, b[name].cost["host_peak_bytes"])
+
+
+def test_checkpointing_and_fp16_on_a_trainer_equal_its_own_options_written_by_hand(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """On an unmodified ``Trainer`` script the checkpointing and float16 rows equal the
+    Trainer's own options written into its ``TrainingArguments`` by hand
+    (``gradient_checkpointing=True``, ``fp16=True``), all three GPU peaks to the byte."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "trainer_script.py"
+    f.write_text(TRAINER_SCRIPT)
+    args = ["--per_device_train_batch_size", "8"]
+    e = torchmem.estimate_script(str(f), args, "T4",
+                                 what_if=["activation_checkpointing", "fp16_autocast"])
+    rows = {r.lever: r for r in e.what_if}
+    for lever, option in (("activation_checkpointing", "gradient_checkpointing=True"),
+                          ("fp16_autocast", "fp16=True")):
+        hand = tmp_path / f"{lever}.py"
+        hand.write_text(TRAINER_SCRIPT.replace("max_steps=4,", f"max_steps=4, {option},"))
+        h = torchmem.estimate_script(str(hand), args, "T4")
+        r = rows[lever]
+        assert r.skipped is None and (r.peak_requested_bytes, r.peak_allocated_bytes,
+                                      r.peak_reserved_bytes) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+        assert h.peak_requested_bytes < e.peak_requested_bytes
