@@ -1118,3 +1118,47 @@ def test_checkpointing_and_fp16_on_a_trainer_equal_its_own_options_written_by_ha
                                       r.peak_reserved_bytes) == (
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
         assert h.peak_requested_bytes < e.peak_requested_bytes
+
+
+
+ACCELERATE_LOOP = """
+import argparse, torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+p = argparse.ArgumentParser()
+p.add_argument("--per_device_train_batch_size", type=int, default=8)
+p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+a = p.parse_args()
+accelerator = Accelerator(gradient_accumulation_steps=a.gradient_accumulation_steps)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128))
+rows = [{"input_ids": torch.randint(0, 1000, (128,))} for _ in range(64)]
+dl = DataLoader(rows, batch_size=a.per_device_train_batch_size, shuffle=True)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+model, opt, dl = accelerator.prepare(model, opt, dl)
+model.train()
+for step, batch in enumerate(dl):
+    with accelerator.accumulate(model):
+        out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        accelerator.backward(out.loss)
+        opt.step(); opt.zero_grad()
+"""
+
+
+def test_accumulation_on_an_accelerate_loop_multiplies_its_own_option(tmp_path) -> None:  # noqa: ANN001
+    """An accelerate loop (``Accelerator(gradient_accumulation_steps=...)`` fed by the
+    script's own option, run_clm_no_trainer's shape): the accumulation row halves the batch and
+    doubles that option, equal to the script run so by hand, all three GPU peaks."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    f = tmp_path / "loop.py"
+    f.write_text(ACCELERATE_LOOP)
+    e = torchmem.estimate_script(str(f), ["--per_device_train_batch_size", "8"], "T4",
+                                 what_if=["grad_accumulation_2"])
+    r = e.what_if[0]
+    assert r.applied.endswith("accumulated by the script: --gradient_accumulation_steps=1 -> 2")
+    h = torchmem.estimate_script(str(f), ["--per_device_train_batch_size", "4",
+                                          "--gradient_accumulation_steps", "2"], "T4")
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert h.peak_requested_bytes < e.peak_requested_bytes
