@@ -181,3 +181,26 @@ def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monk
     assert renamed[:2] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
     restored = capsys.readouterr().out.split("restored ")[1].split()
     assert restored[:3] == ["(64,", "64)", "True"], restored
+
+
+def _lightning_accumulating(batch):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
+                                       batch_size=batch)
+    model = _Model()
+    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=2)
+    return lambda: trainer.fit(model, data)
+
+
+def test_accumulation_lever_on_lightning_is_its_accumulate_grad_batches():
+    """``grad_accumulation_2`` on a Lightning ``Trainer.fit()`` is Lightning's own
+    ``accumulate_grad_batches=2`` at half the batch: the row equals that Trainer written by
+    hand (all three GPU peaks), and says how it was applied."""
+    e = torchmem.estimate(_lightning, gpu="T4", batch_size=16, steps=1, margin=0,
+                          what_if=["grad_accumulation_2"])
+    r = e.what_if[0]
+    assert r.skipped is None and "accumulate_grad_batches=1 -> 2" in r.applied, r.applied
+    h = torchmem.estimate(_lightning_accumulating, gpu="T4", batch_size=8, steps=1, margin=0)
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)

@@ -260,8 +260,9 @@ class LeverRun:
         #: a script's run: it is one run of the whole script (its own loop); its batch option is
         #: divided by the caller, and every ``accumulate``-th optimizer step is made
         self.script_accumulates = False
-        #: a script that accumulates itself once its batch is divided: how (its own option
-        #: multiplied, or a global batch it divides itself); set by the caller
+        #: how the step accumulates itself once its batch is divided ("by the script: its own
+        #: option multiplied", "by the program: ...", "by Lightning: ..."); "" when the lever's
+        #: every k-th optimizer step does it
         self.accumulated_by = ""
         self._grad_scaler: Any = None
         self._user_scales = False
@@ -322,7 +323,7 @@ class LeverRun:
     @contextlib.contextmanager
     def _skip_optimizer(self) -> Iterator[None]:
         def noop(*a: Any, **k: Any) -> None:
-            return None
+            _closure_only(a, k)  # step(closure): the forward and backward still run
 
         opts: list[Any] = list(self._opts)
         # the levers' own step/zero_grad (scaler, offload) are instance attributes too
@@ -354,7 +355,9 @@ class LeverRun:
                 return inner_step(*args, **kwargs)
             calls[0] += 1
             if calls[0] % lever.accumulate:
-                return None  # a micro-batch: its gradients accumulate
+                # a micro-batch: its gradients accumulate (with step(closure), as Lightning
+                # and LBFGS call it, the closure's forward and backward run, the step does not)
+                return _closure_only(args, kwargs)
             return inner_step(*args, **kwargs)
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
@@ -374,7 +377,35 @@ class LeverRun:
             self._patch_backward()
         if self.accumulate > 1 or self.lora:
             self._patch_trainer()
+        if self.accumulate > 1:
+            self._patch_lightning()
         return self
+
+    def _patch_lightning(self) -> None:
+        """Lightning's ``Trainer`` accumulates itself: made while the lever is on, its
+        ``accumulate_grad_batches`` is multiplied by ``accumulate`` (Lightning's own way; it
+        calls the optimizer's step every that many batches), where Lightning is imported."""
+        import sys
+
+        lever = self
+        for name in ("lightning.pytorch", "pytorch_lightning"):
+            trainer = getattr(sys.modules.get(name), "Trainer", None)
+            if not isinstance(trainer, type) or "__init__" not in vars(trainer):
+                continue
+            orig = vars(trainer)["__init__"]
+
+            def init(tr: Any, *args: Any, __orig: Any = orig, **kwargs: Any) -> None:
+                if not lever.accumulated_by:
+                    k = kwargs.get("accumulate_grad_batches", 1)
+                    kwargs["accumulate_grad_batches"] = int(k) * lever.accumulate
+                    lever.trainer_accumulates = True
+                    lever.accumulated_by = (f"by Lightning: accumulate_grad_batches={k} -> "
+                                            f"{kwargs['accumulate_grad_batches']}")
+                __orig(tr, *args, **kwargs)
+
+            functools.update_wrapper(init, orig)
+            setattr(trainer, "__init__", init)  # noqa: B010
+            self._undo.append(lambda t=trainer, o=orig: setattr(t, "__init__", o))  # type: ignore[misc]
 
     def _patch_trainer(self) -> None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
@@ -779,6 +810,16 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
         else:
             loose.append(p)
     return (groups if groups else host(loose)), pairs
+
+
+def _closure_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A skipped ``optimizer.step(closure)``: the closure runs (its forward and backward, with
+    gradients on, as ``step`` runs it), the step does not; ``None`` without a closure."""
+    closure = args[0] if args else kwargs.get("closure")
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:

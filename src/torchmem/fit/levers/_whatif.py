@@ -196,8 +196,7 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         return f"checkpointed {len(lr.wrapped)} blocks: {_names(lr.wrapped)}"
     if "accumulate" in s:
         if lr.accumulated_by:
-            return (f"batch as {s['accumulate']} micro-batches, accumulated by the script: "
-                    f"{lr.accumulated_by}")
+            return f"batch as {s['accumulate']} micro-batches, accumulated {lr.accumulated_by}"
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
         words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "

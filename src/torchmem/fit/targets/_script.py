@@ -619,6 +619,12 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
+        if lr.accumulate > 1 and "lightning" in target.source:
+            # Lightning's Trainer accumulates itself: imported before the levers are put on,
+            # so that the accumulation lever finds its Trainer to adjust
+            for name in ("lightning.pytorch", "pytorch_lightning"):
+                if importlib.util.find_spec(name.split(".")[0]) is not None:
+                    importlib.import_module(name)
         run_argv = argv
         if flag is not None:  # a probe of the search: the option's value to try
             value = b if ident == "batch_size" else (extra or {}).get(ident)
@@ -631,10 +637,11 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
             k = lr.accumulate
             run_argv = with_option(argv, batch[0], batch[1] // k)
             if batch[0] in SELF_ACCUMULATING:
-                lr.accumulated_by = f"{batch[0]} (the program accumulates to its global batch)"
+                lr.accumulated_by = (f"by the program: {batch[0]} divided (it accumulates to "
+                                     "its global batch)")
             elif own is not None:
                 run_argv = with_option(run_argv, own[0], own[1] * k)
-                lr.accumulated_by = f"{own[0]}={own[1]} -> {own[1] * k}"
+                lr.accumulated_by = f"by the script: {own[0]}={own[1]} -> {own[1] * k}"
             else:
                 lr.script_accumulates = True
         r = _Run(target, run_argv, steps, time_limit)
