@@ -53,6 +53,8 @@ def _host_data(x: Any) -> bool:
         >>> _host_data(torch.ones(2, device="meta"))
         False
     """
+    if type(x) is list and len(x) <= _DATA_SCAN and _SCALARS.issuperset(map(type, x)):
+        return True  # a flat list of numbers (token ids): the common case, one pass in C
     budget = _DATA_SCAN
     stack = [x]
     while stack:
@@ -94,25 +96,29 @@ def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
     # no torch-function mode, no dispatch mode (the fake mode, the tracker): plain PyTorch
     with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            if any(out is t for t in inputs):  # x.type(its own dtype), x.to(x.dtype)
-                return out
-            outs: Any = (out,)
-        elif isinstance(out, (tuple, list)):
-            outs = out
-        else:
-            return out
-        known: set[int] | None = None
         adopt = pl.on_real_host
         assert adopt is not None
-        for t in outs:
+        if type(out) is torch.Tensor:  # the common case: one plain tensor
+            if out.layout is not torch.strided:
+                return out
+            st = out.untyped_storage()
+            if inputs:
+                for t in inputs:
+                    if out is t:  # x.type(its own dtype), x.to(x.dtype)
+                        return out
+                cdata = st._cdata
+                for t in inputs:
+                    if t.untyped_storage()._cdata == cdata:  # a view of an input
+                        return out
+            adopt(st)
+            return out
+        if not isinstance(out, (tuple, list)):
+            return out
+        known = {t.untyped_storage()._cdata for t in inputs}
+        for t in out:
             if type(t) is torch.Tensor and t.layout is torch.strided:
                 st = t.untyped_storage()
-                if known is None:
-                    known = {i.untyped_storage()._cdata for i in inputs}
                 if st._cdata not in known:
+                    known.add(st._cdata)
                     adopt(st)
     return out
-
-
-
