@@ -1193,3 +1193,22 @@ def test_accumulation_with_a_closure_step_runs_the_skipped_steps_closures() -> N
     assert r.skipped is None
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+
+
+def test_adafactor_on_a_trainer_is_its_own_optim_option(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """On an unmodified ``Trainer`` script the ``adafactor`` row is the Trainer's own
+    ``optim="adafactor"`` (transformers' Adafactor, not torch's): equal to that option written
+    into its ``TrainingArguments`` by hand, all three GPU peaks."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "trainer_script.py"
+    f.write_text(TRAINER_SCRIPT)
+    args = ["--per_device_train_batch_size", "8"]
+    e = torchmem.estimate_script(str(f), args, "T4", what_if=["adafactor"])
+    r = e.what_if[0]
+    assert r.applied == "AdamW -> the Trainer's optim='adafactor' (transformers' Adafactor)"
+    hand = tmp_path / "hand.py"
+    hand.write_text(TRAINER_SCRIPT.replace("max_steps=4,", "max_steps=4, optim='adafactor',"))
+    h = torchmem.estimate_script(str(hand), args, "T4")
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)

@@ -264,6 +264,8 @@ class LeverRun:
         #: option multiplied", "by the program: ...", "by Lightning: ..."); "" when the lever's
         #: every k-th optimizer step does it
         self.accumulated_by = ""
+        #: the optimizer a ``Trainer`` was told to make itself (its ``optim``), in words
+        self.trainer_optimizer = ""
         self._grad_scaler: Any = None
         self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -281,7 +283,8 @@ class LeverRun:
                 "fsdp", "accumulate", "lora", "scaler", "offload_optimizer", "count_flops",
                 "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
-                "trainer_accumulates", "script_accumulates", "accumulated_by")
+                "trainer_accumulates", "script_accumulates", "accumulated_by",
+                "trainer_optimizer")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -375,7 +378,7 @@ class LeverRun:
         self._patch_optimizers()
         if self.scaler:
             self._patch_backward()
-        if self.accumulate > 1 or self.lora:
+        if self.accumulate > 1 or self.lora or self.replace_optimizer is torch.optim.Adafactor:
             self._patch_trainer()
         if self.accumulate > 1:
             self._patch_lightning()
@@ -413,7 +416,8 @@ class LeverRun:
         given), and each step runs once. With ``lora`` the ``Trainer`` is given
         ``get_peft_model(model, ...)`` instead of ``model``, as a user passing a peft model
         to it would (so its peft-aware code runs, and the adapters are made where the
-        model is, before the ``Trainer`` moves it to the GPU)."""
+        model is, before the ``Trainer`` moves it to the GPU). The ``adafactor`` lever sets its
+        ``optim="adafactor"`` (transformers' own Adafactor, as the option written by hand)."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -432,6 +436,12 @@ class LeverRun:
                 # (not where the script's own option was multiplied: it feeds the Trainer)
                 targs.gradient_accumulation_steps *= lever.accumulate
                 lever.trainer_accumulates = True
+            if (lever.replace_optimizer is torch.optim.Adafactor and targs is not None
+                    and getattr(targs, "optim", None) is not None):
+                # the Trainer's own way: optim="adafactor" (transformers' Adafactor)
+                targs.optim = "adafactor"
+                lever.trainer_optimizer = ("the Trainer's optim='adafactor' (transformers' "
+                                           "Adafactor)")
             model = kwargs.get("model", args[0] if args else None)
             if (lever.lora and isinstance(model, torch.nn.Module) and model not in lever._peft
                     and importlib.util.find_spec("peft") is not None):
@@ -557,7 +567,8 @@ class LeverRun:
               kwargs: dict[str, Any]) -> None:
         import inspect
 
-        if self.replace_optimizer is not None and type(opt) is not self.replace_optimizer:
+        if (self.replace_optimizer is not None and type(opt) is not self.replace_optimizer
+                and not self.trainer_optimizer):  # the Trainer made the one asked for
             new = self.replace_optimizer
             lr = kwargs.get("lr", args[0] if args else None)
             opt.__class__ = new

@@ -214,6 +214,8 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         kw = ", ".join(f"{k}={v}" for k, v in s["optimizer"].items())
         return f"{_names(base_opts)}({kw})"
     if "replace_optimizer" in s:
+        if lr.trainer_optimizer:
+            return f"{_names(base_opts)} -> {lr.trainer_optimizer}"
         to = ("torchmem.fit.Adam8bitStandIn (bitsandbytes' Adam8bit)"
               if s["replace_optimizer"] == "adam8bit" else "torch.optim.Adafactor")
         return f"{_names(base_opts)} -> {to}"
