@@ -204,3 +204,27 @@ def test_accumulation_lever_on_lightning_is_its_accumulate_grad_batches():
     h = torchmem.estimate(_lightning_accumulating, gpu="T4", batch_size=8, steps=1, margin=0)
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+
+
+def _lightning_16_mixed(batch):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
+                                       batch_size=batch)
+    model = _Model()
+    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, precision="16-mixed")
+    return lambda: trainer.fit(model, data)
+
+
+def test_fp16_lever_on_lightning_is_its_16_mixed_precision():
+    """``fp16_autocast`` on a Lightning ``Trainer.fit()`` is Lightning's own
+    ``precision="16-mixed"`` (its autocast and its GradScaler, which steps with Lightning's
+    closure; torchmem's scaler refused the closure and the row failed): equal to that Trainer
+    written by hand, all three GPU peaks."""
+    e = torchmem.estimate(_lightning, gpu="T4", batch_size=16, steps=1, margin=0,
+                          what_if=["fp16_autocast"])
+    r = e.what_if[0]
+    assert r.skipped is None and r.applied == "mixed precision by Lightning: precision='16-mixed'"
+    h = torchmem.estimate(_lightning_16_mixed, gpu="T4", batch_size=16, steps=1, margin=0)
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)

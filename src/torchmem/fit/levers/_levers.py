@@ -266,6 +266,8 @@ class LeverRun:
         self.accumulated_by = ""
         #: the optimizer a ``Trainer`` was told to make itself (its ``optim``), in words
         self.trainer_optimizer = ""
+        #: the mixed precision a ``Trainer`` was told to run itself (Lightning's), in words
+        self.trainer_precision = ""
         self._grad_scaler: Any = None
         self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -284,7 +286,7 @@ class LeverRun:
                 "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
                 "trainer_accumulates", "script_accumulates", "accumulated_by",
-                "trainer_optimizer")
+                "trainer_optimizer", "trainer_precision")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -380,14 +382,16 @@ class LeverRun:
             self._patch_backward()
         if self.accumulate > 1 or self.lora or self.replace_optimizer is torch.optim.Adafactor:
             self._patch_trainer()
-        if self.accumulate > 1:
+        if self.accumulate > 1 or self.autocast is not None:
             self._patch_lightning()
         return self
 
     def _patch_lightning(self) -> None:
-        """Lightning's ``Trainer`` accumulates itself: made while the lever is on, its
-        ``accumulate_grad_batches`` is multiplied by ``accumulate`` (Lightning's own way; it
-        calls the optimizer's step every that many batches), where Lightning is imported."""
+        """Lightning's ``Trainer`` accumulates and mixes precision itself: made while the
+        lever is on, its ``accumulate_grad_batches`` is multiplied by ``accumulate`` (it calls
+        the optimizer's step every that many batches), and a full-precision ``Trainer`` gets
+        ``precision="16-mixed"`` or ``"bf16-mixed"`` for the autocast levers (instead of
+        torchmem's autocast and scaler), where Lightning is imported."""
         import sys
 
         lever = self
@@ -398,7 +402,14 @@ class LeverRun:
             orig = vars(trainer)["__init__"]
 
             def init(tr: Any, *args: Any, __orig: Any = orig, **kwargs: Any) -> None:
-                if not lever.accumulated_by:
+                if lever.autocast is not None and kwargs.get("precision") in _FULL_PRECISION:
+                    # Lightning's own mixed precision: its autocast and (float16) GradScaler,
+                    # which calls the optimizer's step with Lightning's closure
+                    want = "16-mixed" if lever.autocast == torch.float16 else "bf16-mixed"
+                    kwargs["precision"] = want
+                    lever._user_scales = True  # the lever's scaler stays out
+                    lever.trainer_precision = f"by Lightning: precision={want!r}"
+                if lever.accumulate > 1 and not lever.accumulated_by:
                     k = kwargs.get("accumulate_grad_batches", 1)
                     kwargs["accumulate_grad_batches"] = int(k) * lever.accumulate
                     lever.trainer_accumulates = True
@@ -479,7 +490,7 @@ class LeverRun:
                     if lever.weights_dtype is not None and module in lever._done:
                         args = _cast(args, lever.weights_dtype)
                         kwargs = _cast(kwargs, lever.weights_dtype)
-                    if lever.autocast is not None:
+                    if lever.autocast is not None and not lever.trainer_precision:
                         ctx = torch.autocast("cuda", dtype=lever.autocast)
             lever._seen.add(module)
             tls.depth = depth + 1
@@ -821,6 +832,10 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
         else:
             loose.append(p)
     return (groups if groups else host(loose)), pairs
+
+
+#: Lightning's ``precision`` values of a full-precision run (None: not given, its default)
+_FULL_PRECISION = (None, 32, "32", "32-true")
 
 
 def _closure_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

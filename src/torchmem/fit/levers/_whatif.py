@@ -199,6 +199,8 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
             return f"batch as {s['accumulate']} micro-batches, accumulated {lr.accumulated_by}"
         return f"batch as {s['accumulate']} micro-batches, gradients accumulated"
     if "autocast" in s:
+        if lr.trainer_precision:
+            return f"mixed precision {lr.trainer_precision}"
         words = (f"autocast to {str(s['autocast']).removeprefix('torch.')} around "
                  f"{_names(sorted(set(lr.roots)))}")
         if lr.scaled:
