@@ -28,13 +28,13 @@ class _Model(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
-def _lightning(batch):
+def _lightning(batch, **trainer_options):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
                                        batch_size=batch)
     model = _Model()                                    # on the host: Lightning moves it
     trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, **trainer_options)
     return lambda: trainer.fit(model, data)
 
 
@@ -184,13 +184,7 @@ def test_a_trainer_that_saves_checkpoints_runs_and_writes_nothing(tmp_path, monk
 
 
 def _lightning_accumulating(batch):
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
-                                       batch_size=batch)
-    model = _Model()
-    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accumulate_grad_batches=2)
-    return lambda: trainer.fit(model, data)
+    return _lightning(batch, accumulate_grad_batches=2)
 
 
 def test_accumulation_lever_on_lightning_is_its_accumulate_grad_batches():
@@ -207,13 +201,7 @@ def test_accumulation_lever_on_lightning_is_its_accumulate_grad_batches():
 
 
 def _lightning_16_mixed(batch):
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
-                                       batch_size=batch)
-    model = _Model()
-    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, precision="16-mixed")
-    return lambda: trainer.fit(model, data)
+    return _lightning(batch, precision="16-mixed")
 
 
 def test_fp16_lever_on_lightning_is_its_16_mixed_precision():
