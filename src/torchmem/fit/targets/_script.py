@@ -619,9 +619,9 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
 
     def one(on: GPU, lr: Any, b: int | None, extra: Any, snap: bool, stacks: bool,
             world_size: int | None, alloc_conf: str | None) -> Estimate:
-        if lr.accumulate > 1 and "lightning" in target.source:
-            # Lightning's Trainer accumulates itself: imported before the levers are put on,
-            # so that the accumulation lever finds its Trainer to adjust
+        if (lr.accumulate > 1 or lr.autocast is not None) and "lightning" in target.source:
+            # Lightning's Trainer accumulates and mixes precision itself: imported before the
+            # levers are put on, so that those levers find its Trainer to adjust
             for name in ("lightning.pytorch", "pytorch_lightning"):
                 if importlib.util.find_spec(name.split(".")[0]) is not None:
                     importlib.import_module(name)
