@@ -73,94 +73,9 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.levers._model_parts import attention_projections, repeated_blocks
+
 __all__ = ["LeverRun", "attention_projections", "repeated_blocks"]
-
-
-def repeated_blocks(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The repeated blocks of ``root``: the children of each ``ModuleList``/``Sequential``
-    holding two or more modules of one class, outermost first (blocks inside a block are not
-    listed again); ``(qualified name, module)`` pairs.
-
-    Example:
-        >>> import torch
-        >>> class Net(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
-        ...         self.head = torch.nn.Linear(2, 1)
-        >>> [n for n, _ in repeated_blocks(Net())]
-        ['layers.0', 'layers.1', 'layers.2']
-    """
-    out: list[tuple[str, torch.nn.Module]] = []
-    inside: list[str] = []
-    for name, m in root.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in inside):
-            continue
-        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
-            continue
-        kids = list(m.named_children())
-        if len(kids) < 2 or len({type(k) for _, k in kids}) != 1:
-            continue
-        if not any(True for _ in kids[0][1].parameters()):
-            continue  # a stack of parameter-free modules (activations) is no block
-        for k, child in kids:
-            q = f"{name}.{k}" if name else k
-            out.append((q, child))
-            inside.append(q)
-    return out
-
-
-def _linear_types() -> tuple[type, ...]:
-    import importlib.util
-
-    types: tuple[type, ...] = (torch.nn.Linear,)
-    if importlib.util.find_spec("transformers") is not None:
-        try:
-            from transformers.pytorch_utils import Conv1D
-        except Exception:  # noqa: BLE001 - a broken install: plain Linear layers only
-            return types
-        types += (Conv1D,)
-    return types
-
-
-def _is_attention(name: str, module: torch.nn.Module) -> bool:
-    attr = name.rsplit(".", 1)[-1].lower()
-    cls = type(module).__name__.lower().rstrip("0123456789")
-    return "attn" in attr or "attention" in attr or cls.endswith(("attention", "attn"))
-
-
-def attention_projections(root: torch.nn.Module) -> list[str]:
-    """The attention projections of ``root``, as peft's ``target_modules`` names them: the last
-    name of each ``Linear`` layer (or transformers' GPT-2 ``Conv1D``) whose parent is an
-    attention module (its attribute name has ``attn`` or ``attention`` in it, or its class
-    name ends with ``Attention``/``Attn``), leaving out names also used outside attention
-    (BERT's ``dense``, GPT-2's ``c_proj``, which the MLP has too).
-
-    Example:
-        >>> import torch
-        >>> class Attention(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.q_proj, self.v_proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-        ...         self.dense = torch.nn.Linear(4, 4)
-        >>> class Block(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.mixer, self.dense = Attention(), torch.nn.Linear(4, 4)
-        >>> attention_projections(torch.nn.Sequential(Block(), Block()))
-        ['q_proj', 'v_proj']
-    """
-    linear = _linear_types()
-    mods = dict(root.named_modules())
-    inside: set[str] = set()
-    outside: set[str] = set()
-    for name, m in mods.items():
-        if not name or not isinstance(m, linear):
-            continue
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        attn = bool(parent) and _is_attention(parent, mods[parent])
-        (inside if attn else outside).add(name.rsplit(".", 1)[-1])
-    return sorted(inside - outside)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
