@@ -63,7 +63,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as _devmod
 
-from torchmem.fit.fakegpu._hostdata import _on_host_data, _real_on_host
+from torchmem.fit.fakegpu._hostdata import _fast_inputs, _on_host_data, _real_on_host
 from torchmem.fit.fakegpu._placement import _REAL, Placement, _tensors
 from torchmem.fit.fakegpu._readings import SimReadings
 
@@ -415,6 +415,13 @@ class _CudaToCpu(TorchFunctionMode):
             if gpu is None:  # PyTorch's internals, or a tensor the run did not make
                 return func(*args, **kwargs)
             return getter(gpu)
+        if (not kwargs and pl.on_real_host is not None and func not in _SPECIAL
+                and _devmod.CURRENT_DEVICE is None):
+            # host data preparation's common calls (torch.tensor(ids), x.type(torch.int64)):
+            # what _placed would decide, found at once
+            inputs = _fast_inputs(func, args)
+            if inputs is not None:
+                return _real_on_host(pl, func, args, kwargs, inputs)
         return self._placed(pl, func, args, kwargs)
 
     def _placed(self, pl: Placement, func: Any, args: Any, kwargs: Any) -> Any:

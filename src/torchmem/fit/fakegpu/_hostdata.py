@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from threading import get_ident, main_thread
 from typing import Any
 
 import torch
@@ -34,6 +35,42 @@ _FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.from
 #: gives up (the fake path then takes the call)
 _DATA_SCAN = 100_000
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+#: what a call on one real host tensor may take besides it and take :func:`_fast_inputs`
+#: (none of them names a device: a device is a string or a ``torch.device``, and the copies that
+#: read an index as one, ``.to(0)`` and ``.cuda(0)``, never take the fast path)
+_PLAIN_ARGS = frozenset({torch.dtype, int, float, bool, slice, type(None), type(Ellipsis)})
+_MAIN = main_thread().ident
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction()  # entered and left by the main thread
+
+
+def _fast_inputs(func: Any, args: tuple[Any, ...]) -> list[torch.Tensor] | None:
+    """:func:`_on_host_data`'s answer, found at once for the two calls data preparation makes
+    most (a call without keyword arguments that is neither a copy nor a special function of the
+    fake CUDA): ``torch.tensor(ids)`` on a flat list of numbers, and a call on one real host
+    tensor with plain arguments (``x.type(torch.int64)``, ``x[i:j]``, ``x.view(-1, 35)``); None
+    where the general path decides.
+
+    Example:
+        >>> _fast_inputs(torch.tensor, ([1, 2, 3],)), len(_fast_inputs(torch.Tensor.view, (torch.ones(4), 2, 2)))
+        ([], 1)
+        >>> _fast_inputs(torch.Tensor.view, (torch.ones(4, requires_grad=True), 2, 2)) is None
+        True
+    """
+    if func is torch.tensor:
+        if len(args) == 1:
+            data = args[0]
+            if (type(data) is list and len(data) <= _DATA_SCAN
+                    and _SCALARS.issuperset(map(type, data))):
+                return []
+        return None
+    if not args:
+        return None
+    t = args[0]
+    if type(t) is not torch.Tensor or t.requires_grad or not t.is_cpu:
+        return None
+    if len(args) > 1 and not _PLAIN_ARGS.issuperset(map(type, args[1:])):
+        return None
+    return [t]
 
 
 def _real_host(t: torch.Tensor) -> bool:
@@ -93,19 +130,22 @@ def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,
     """``func`` run for real, outside the fake mode and the tracker (host data preparation at
     the speed of a plain run); each new host storage it makes (not one of ``inputs``') is
     counted as host memory."""
-    # no torch-function mode, no dispatch mode (the fake mode, the tracker): plain PyTorch
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    # no torch-function mode, no dispatch mode (the fake mode, the tracker): plain PyTorch.
+    # The main thread reuses one torch-function guard (nothing inside can come back here:
+    # both kinds of mode are off); the dispatch guard is one that acts when it is made.
+    with (_NO_TORCH_FUNCTION if get_ident() == _MAIN else torch._C.DisableTorchFunction()), \
+            torch._C._DisableTorchDispatch():
         out = func(*args, **kwargs)
         adopt = pl.on_real_host
         assert adopt is not None
         if type(out) is torch.Tensor:  # the common case: one plain tensor
+            for t in inputs:
+                if out is t:  # x.type(its own dtype), x.to(x.dtype)
+                    return out
             if out.layout is not torch.strided:
                 return out
             st = out.untyped_storage()
             if inputs:
-                for t in inputs:
-                    if out is t:  # x.type(its own dtype), x.to(x.dtype)
-                        return out
                 cdata = st._cdata
                 for t in inputs:
                     if t.untyped_storage()._cdata == cdata:  # a view of an input

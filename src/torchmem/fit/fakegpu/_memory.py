@@ -47,6 +47,14 @@ def _frames(stack: tuple[str, ...] | None, op: str) -> list[dict[str, Any]]:
     return out
 
 
+
+class _HostRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a real host storage, with its key and size (what its callback needs)."""
+
+    __slots__ = ("key", "n")
+    key: int
+    n: int
+
 class _State:
     """The simulator, the storages it holds, and the running peaks."""
 
@@ -159,13 +167,18 @@ class _State:
         if key in self.real_host:
             return
         n = storage.nbytes()
-        self._host(n)
+        self.host_live += n
+        if self.host_live > self.host_peak:
+            self.host_peak = self.host_live
+        # one bound callback for every storage (no closure per storage: data preparation
+        # makes one per line); the reference carries its key and size
+        ref = _HostRef(storage, self._host_gone)
+        ref.key, ref.n = key, n
+        self.real_host[key] = ref
 
-        def gone(_: Any, key: int = key, n: int = n) -> None:
-            if self.real_host.pop(key, None) is not None:
-                self._host(-n)
-
-        self.real_host[key] = weakref.ref(storage, gone)
+    def _host_gone(self, ref: _HostRef) -> None:
+        if self.real_host.pop(ref.key, None) is not None:
+            self._host(-ref.n)
 
     def listener(self, ev: Any, storage: Any) -> None:
         if self.oom is not None:  # the run stops at the first out-of-memory point
