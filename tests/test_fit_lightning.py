@@ -216,3 +216,49 @@ def test_fp16_lever_on_lightning_is_its_16_mixed_precision():
     h = torchmem.estimate(_lightning_16_mixed, gpu="T4", batch_size=16, steps=1, margin=0)
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+
+
+FABRIC = """
+import sys, torch
+import lightning as L
+fabric = L.Fabric(accelerator="cuda", devices=1)
+fabric.launch()
+with fabric.init_module():
+    model = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+        for _ in range(4)])
+if sys.argv[1:]:  # by hand: FSDP2 on each block and the model, before Fabric wraps it
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    kw = {"offload_policy": CPUOffloadPolicy()} if sys.argv[1] == "offload" else {}
+    for block in model:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+model = fabric.setup_module(model)
+opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+for i in range(3):
+    loss = model(torch.randn(16, 512, device=fabric.device)).pow(2).mean()
+    fabric.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    fabric.print(f"step {i} loss {loss.item():.4f}")
+"""
+
+
+def test_sharding_levers_on_fabric_shard_the_model_inside_its_wrapper(tmp_path):
+    """Lightning Fabric's shape: ``fabric.setup_module(model)``, then the optimizer. The
+    sharding levers shard the model inside Fabric's ``_FabricModule`` (FSDP2 on the wrapper
+    itself changed its class and lost its ``_original_module``: the rows failed): ``fsdp_2``
+    equals ``fully_shard`` of each block and the model written before ``setup_module`` and
+    estimated as rank 0 of 2, ``cpu_offload`` the same with ``CPUOffloadPolicy`` on one GPU, all
+    three GPU peaks to the byte."""
+    script = tmp_path / "fabric_script.py"
+    script.write_text(FABRIC)
+    e = torchmem.estimate_script(str(script), [], "T4", what_if=["fsdp_2", "cpu_offload"])
+    rows = {r.lever: r for r in e.what_if}
+    for lever, how, world in (("fsdp_2", "shard", 2), ("cpu_offload", "offload", 1)):
+        r = rows[lever]
+        assert r.skipped is None, r.skipped
+        h = torchmem.estimate_script(str(script), [how], "T4", world_size=world)
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+        assert r.peak_requested_bytes < e.peak_requested_bytes

@@ -1212,3 +1212,45 @@ def test_adafactor_on_a_trainer_is_its_own_optim_option(tmp_path, monkeypatch) -
     h = torchmem.estimate_script(str(hand), args, "T4")
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+
+
+GPT2_TRAINER = """
+import argparse, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+p = argparse.ArgumentParser()
+p.add_argument("--fsdp", default="")
+a = p.parse_args()
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000,
+                                   n_positions=128)).to("cuda")
+rows = [{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.randint(0, 1000, (64,))}
+        for _ in range(64)]
+kw = dict(fsdp=True, fsdp_config={"cpu_offload": True} if "offload" in a.fsdp else {}) if a.fsdp else {}
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, max_steps=4,
+                         report_to=[], save_strategy="no", disable_tqdm=True, **kw)
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_sharding_levers_on_a_trainer_are_its_own_fsdp_option(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """On an unmodified ``Trainer`` script (run_clm's shape: GPT-2) the sharding rows are the
+    Trainer's own FSDP (``fsdp=True``: FSDP2 through accelerate's preparation), not torchmem's
+    ``fully_shard`` on a model the Trainer then hands to DDP (which refused its DTensors):
+    ``fsdp_2`` equals ``fsdp=True`` written by hand and estimated as rank 0 of 2, and
+    ``cpu_offload`` equals ``fsdp_config={"cpu_offload": True}`` on one GPU, all three GPU
+    peaks and the host peak to the byte; sharding lowers the requested peak."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "trainer_script.py"
+    f.write_text(GPT2_TRAINER)
+    e = torchmem.estimate_script(str(f), [], "T4", what_if=["fsdp_2", "cpu_offload"])
+    rows = {r.lever: r for r in e.what_if}
+    for lever, option, world in (("fsdp_2", "full_shard", 2), ("cpu_offload", "offload", 1)):
+        r = rows[lever]
+        assert r.skipped is None, r.skipped
+        assert "by the Trainer: fsdp=True" in (r.applied or "")
+        h = torchmem.estimate_script(str(f), ["--fsdp", option], "T4", world_size=world)
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes,
+                r.cost["host_peak_bytes"]) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes,
+            h.host_peak_bytes), lever
+        assert r.peak_requested_bytes < e.peak_requested_bytes

@@ -429,12 +429,22 @@ class FakeWorld:
             return out
 
         self._set(torch.UntypedStorage, "resize_", resize_)
+        # a DTensor's device is its local shard's (cuda:0 for a shard on the simulated GPU, as
+        # the fake tensor's own device says outside operators): a second fully_shard over
+        # modules already sharded checks it against the mesh's device (accelerate's FSDP2
+        # preparation shards the blocks, then the embeddings and the model)
+        self._set(DTensor, "device", property(_dtensor_device))
         # the tracker's own resize_ wrapper (for real FSDP2 runs) would record these resizes a
         # second time, without the categories this estimate keeps for them: off while estimating
         from torchmem.capture.tracker._comm import _Comm
 
         self._set(_Comm, "_install_resize", _no_resize_wrapper)
         self._set(DistributedDataParallel, "__new__", _ddp_new)
+
+
+def _dtensor_device(t: Any) -> torch.device:
+    """``DTensor.device`` under the estimate: its local shard's device."""
+    return t._local_tensor.device  # type: ignore[no-any-return]
 
 
 def _no_resize_wrapper(tracker: Any) -> None:

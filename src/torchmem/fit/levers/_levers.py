@@ -183,6 +183,8 @@ class LeverRun:
         self.trainer_optimizer = ""
         #: the mixed precision a ``Trainer`` was told to run itself (Lightning's), in words
         self.trainer_precision = ""
+        #: the sharding a ``Trainer`` was told to do itself (transformers' ``fsdp``), in words
+        self.trainer_shards = ""
         self._grad_scaler: Any = None
         self._user_scales = False
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -201,7 +203,7 @@ class LeverRun:
                 "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
                 "trainer_accumulates", "script_accumulates", "accumulated_by",
-                "trainer_optimizer", "trainer_precision")
+                "trainer_optimizer", "trainer_precision", "trainer_shards")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -295,7 +297,8 @@ class LeverRun:
         self._patch_optimizers()
         if self.scaler:
             self._patch_backward()
-        if self.accumulate > 1 or self.lora or self.replace_optimizer is torch.optim.Adafactor:
+        if (self.accumulate > 1 or self.lora or self.fsdp
+                or self.replace_optimizer is torch.optim.Adafactor):
             self._patch_trainer()
         if self.accumulate > 1 or self.autocast is not None:
             self._patch_lightning()
@@ -343,7 +346,11 @@ class LeverRun:
         ``get_peft_model(model, ...)`` instead of ``model``, as a user passing a peft model
         to it would (so its peft-aware code runs, and the adapters are made where the
         model is, before the ``Trainer`` moves it to the GPU). The ``adafactor`` lever sets its
-        ``optim="adafactor"`` (transformers' own Adafactor, as the option written by hand)."""
+        ``optim="adafactor"`` (transformers' own Adafactor, as the option written by hand).
+        The sharding levers set its own ``fsdp=True`` with ``fsdp_config={}`` (FSDP2 through
+        accelerate: each ``_no_split_modules`` block, the embeddings, the model) or
+        ``{"cpu_offload": True}``, as ``TrainingArguments(fsdp=True, ...)`` written by hand
+        would; torchmem's own ``fully_shard`` then stays out."""
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
@@ -368,6 +375,14 @@ class LeverRun:
                 targs.optim = "adafactor"
                 lever.trainer_optimizer = ("the Trainer's optim='adafactor' (transformers' "
                                            "Adafactor)")
+            if (lever.fsdp and targs is not None and not getattr(targs, "fsdp", True)
+                    and hasattr(targs, "_process_fsdp_args")):
+                # the Trainer's own way: what TrainingArguments(fsdp=True, fsdp_config=...)
+                # makes of it (accelerate's FSDP2 plugin arguments)
+                config = {"cpu_offload": True} if lever.fsdp == "offload" else {}
+                targs.fsdp, targs.fsdp_config = True, dict(config)
+                targs.fsdp_plugin_args = targs._process_fsdp_args()
+                lever.trainer_shards = f"by the Trainer: fsdp=True, fsdp_config={config}"
             model = kwargs.get("model", args[0] if args else None)
             if (lever.lora and isinstance(model, torch.nn.Module) and model not in lever._peft
                     and importlib.util.find_spec("peft") is not None):
@@ -619,10 +634,10 @@ class LeverRun:
                 self._convert(root)
         if self.lora:
             params = self._adapt(roots, params)
-        if not self.fsdp:
+        if not self.fsdp or self.trainer_shards:
             return params
         remap: dict[int, Any] = {}
-        for root in roots:
+        for root in map(_unwrapped, roots):
             old = {id(p): n for n, p in root.named_parameters()}
             from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -751,6 +766,18 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
 
 #: Lightning's ``precision`` values of a full-precision run (None: not given, its default)
 _FULL_PRECISION = (None, 32, "32", "32-true")
+
+
+def _unwrapped(root: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a framework's wrapper that FSDP cannot shard in place:
+    Lightning Fabric's ``_FabricModule`` (``fabric.setup_module(model)``) forwards to it and
+    reads its own attributes through ``__getattr__``; ``fully_shard`` changes the class of the
+    module it shards, so it goes on the model inside, as ``fully_shard(model)`` written before
+    ``setup_module`` would."""
+    inner = getattr(root, "_forward_module", None)
+    if type(root).__name__ == "_FabricModule" and isinstance(inner, torch.nn.Module):
+        return inner
+    return root
 
 
 def _closure_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -237,6 +237,9 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
             "copied to the host after backward, the step on the host, parameters copied back"
             for cls, n, b in lr.offloaded)
     if "fsdp" in s:
+        if lr.trainer_shards:
+            gpus = "1 GPU" if s["fsdp"] == "offload" else f"{lv.world_size} GPUs"
+            return f"sharded over {gpus} {lr.trainer_shards}"
         if not lr.sharded:
             return None
         how = ("fully_shard(offload_policy=CPUOffloadPolicy()) on 1 GPU"
