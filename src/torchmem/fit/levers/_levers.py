@@ -298,7 +298,7 @@ class LeverRun:
         if self.scaler:
             self._patch_backward()
         if (self.accumulate > 1 or self.lora or self.fsdp
-                or self.replace_optimizer is torch.optim.Adafactor):
+                or self.replace_optimizer in (torch.optim.Adafactor, _adam8bit())):
             self._patch_trainer()
         if self.accumulate > 1 or self.autocast is not None:
             self._patch_lightning()
@@ -347,6 +347,7 @@ class LeverRun:
         to it would (so its peft-aware code runs, and the adapters are made where the
         model is, before the ``Trainer`` moves it to the GPU). The ``adafactor`` lever sets its
         ``optim="adafactor"`` (transformers' own Adafactor, as the option written by hand).
+        ``optimizer_8bit`` sets ``optim="adamw_bnb_8bit"`` where bitsandbytes is installed.
         The sharding levers set its own ``fsdp=True`` with ``fsdp_config={}`` (FSDP2 through
         accelerate: each ``_no_split_modules`` block, the embeddings, the model) or
         ``{"cpu_offload": True}``, as ``TrainingArguments(fsdp=True, ...)`` written by hand
@@ -375,6 +376,14 @@ class LeverRun:
                 targs.optim = "adafactor"
                 lever.trainer_optimizer = ("the Trainer's optim='adafactor' (transformers' "
                                            "Adafactor)")
+            if (lever.replace_optimizer is _adam8bit() and targs is not None
+                    and getattr(targs, "optim", None) is not None
+                    and importlib.util.find_spec("bitsandbytes") is not None):
+                # the Trainer's own way: optim="adamw_bnb_8bit" (bitsandbytes' 8-bit AdamW,
+                # which runs under the estimate where bitsandbytes is installed)
+                targs.optim = "adamw_bnb_8bit"
+                lever.trainer_optimizer = ("the Trainer's optim='adamw_bnb_8bit' "
+                                           "(bitsandbytes' 8-bit AdamW)")
             if (lever.fsdp and targs is not None and not getattr(targs, "fsdp", True)
                     and hasattr(targs, "_process_fsdp_args")):
                 # the Trainer's own way: what TrainingArguments(fsdp=True, fsdp_config=...)
@@ -766,6 +775,13 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
 
 #: Lightning's ``precision`` values of a full-precision run (None: not given, its default)
 _FULL_PRECISION = (None, 32, "32", "32-true")
+
+
+def _adam8bit() -> type:
+    """The ``optimizer_8bit`` lever's class (:class:`torchmem.fit.Adam8bitStandIn`)."""
+    from torchmem.fit.fakegpu._bnb import Adam8bitStandIn
+
+    return Adam8bitStandIn
 
 
 def _unwrapped(root: torch.nn.Module) -> torch.nn.Module:
