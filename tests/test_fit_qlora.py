@@ -202,6 +202,44 @@ def test_a_single_row_takes_the_fused_kernel_with_no_dequantized_weight() -> Non
     assert seen == {"rise": 2048 * 2, "shape": (1, 2048)}
 
 
+def test_a_32_bit_override_in_one_estimate_does_not_reach_the_next() -> None:
+    """bitsandbytes' ``GlobalOptimManager`` is one per process, keyed by ``id(parameter)``
+    (transformers' ``optim="adamw_bnb_8bit"`` asks it for 32-bit state of the embeddings).
+    A run that overrides its linear layer's weight to 32 bits keeps the 32-bit state (8 B an
+    element), the next run of the same step without the override has 8-bit state again (the
+    first run's parameter ids, reused, carried the override into it: 8,396,800 B instead of
+    2,140,160 B), and the caller's own manager is the one it had before, holding none of the
+    runs' parameter ids."""
+    before = bnb.optim.GlobalOptimManager.get_instance()
+    overrides = dict(before.pid2config)
+
+    def build(override: bool) -> Any:
+        def b(batch: int) -> Any:
+            lin = torch.nn.Linear(1024, 1024, device="cuda")
+            if override:
+                bnb.optim.GlobalOptimManager.get_instance().override_config(
+                    lin.weight, "optim_bits", 32)
+            opt = bnb.optim.AdamW8bit(lin.parameters(), lr=1e-4)
+            x = torch.zeros(batch, 1024, device="cuda")
+
+            def step() -> None:
+                lin(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+            return step
+
+        return b
+
+    n = 1024 * 1024
+    state32 = run_once(build(True), 8, "A100-40GB", steps=2).by_category["optimizer_state"]
+    state8 = run_once(build(False), 8, "A100-40GB", steps=2).by_category["optimizer_state"]
+    assert state32 == 2 * 4 * n + 2 * 4 * 1024  # two float32 buffers each, weight and bias
+    assert state8 == 2 * n + 2 * 4 * (n // 256) + 2 * DYNAMIC_MAP + 2 * 4 * 1024
+    assert bnb.optim.GlobalOptimManager.get_instance() is before
+    assert before.pid2config == overrides  # nothing of the runs' parameters is left in it
+
+
 def test_8bit_paged_optimizer_state_is_managed_memory_listed_apart() -> None:
     def build(paged: bool) -> Any:
         def b(batch: int) -> Any:

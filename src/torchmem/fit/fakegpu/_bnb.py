@@ -237,7 +237,8 @@ def patch_bitsandbytes(module: Any) -> Any:
     the library on raw pointers) do nothing. The quantization maps (``create_dynamic_map`` and
     its kin: constants computed from ``linspace`` and read back with ``tolist``) are computed
     for real, on the host, so no value is assumed; bitsandbytes' module-level map cache
-    (``name2qmap``) is emptied before and after. Returns what undoes it.
+    (``name2qmap``) is emptied before and after, and its ``GlobalOptimManager`` is a fresh one
+during the estimate. Returns what undoes it.
 
     Example:
         >>> import types
@@ -285,9 +286,20 @@ def patch_bitsandbytes(module: Any) -> Any:
         if op is not None:
             KERNELS[op] = kernel
 
+    # bitsandbytes' GlobalOptimManager is a process-wide singleton keyed by id(parameter)
+    # (transformers registers 32-bit state for embeddings in it): each estimate gets a fresh
+    # one, as a fresh process would, and yours is back after (ids of a finished run's fake
+    # parameters, reused by a later run's, gave the later one 32-bit state)
+    manager = getattr(getattr(module, "optim", None), "GlobalOptimManager", None)
+    saved_manager = getattr(manager, "_instance", None)
+    if manager is not None:
+        manager._instance = None
+
     def undo() -> None:
         for k, v in old.items():
             setattr(functional, k, v)
+        if manager is not None:
+            manager._instance = saved_manager
         if isinstance(cache, dict):
             cache.clear()  # it holds the estimate's fake tensors
         KERNELS.clear()

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import threading
 import warnings
 import weakref
@@ -73,33 +72,17 @@ from typing import Any
 
 import torch
 
-from torchmem.fit.levers._model_parts import attention_projections, repeated_blocks
+from torchmem.fit.levers._model_parts import (
+    _cast,
+    _checkpointed,
+    _has_float_params,
+    _roots_holding,
+    _unwrapped,
+    attention_projections,
+    repeated_blocks,
+)
 
 __all__ = ["LeverRun", "attention_projections", "repeated_blocks"]
-
-
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    from torch.utils.checkpoint import checkpoint
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    run.__torchmem_checkpointed__ = True  # type: ignore[attr-defined]
-    return run
-
-
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        return type(x)(_cast(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    return x
-
-
-def _has_float_params(m: torch.nn.Module) -> bool:
-    return any(p.is_floating_point() for p in m.parameters())
 
 
 class LeverRun:
@@ -784,18 +767,6 @@ def _adam8bit() -> type:
     return Adam8bitStandIn
 
 
-def _unwrapped(root: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside a framework's wrapper that FSDP cannot shard in place:
-    Lightning Fabric's ``_FabricModule`` (``fabric.setup_module(model)``) forwards to it and
-    reads its own attributes through ``__getattr__``; ``fully_shard`` changes the class of the
-    module it shards, so it goes on the model inside, as ``fully_shard(model)`` written before
-    ``setup_module`` would."""
-    inner = getattr(root, "_forward_module", None)
-    if type(root).__name__ == "_FabricModule" and isinstance(inner, torch.nn.Module):
-        return inner
-    return root
-
-
 def _closure_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A skipped ``optimizer.step(closure)``: the closure runs (its forward and backward, with
     gradients on, as ``step`` runs it), the step does not; ``None`` without a closure."""
@@ -804,24 +775,3 @@ def _closure_only(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None
     with torch.enable_grad():
         return closure()
-
-
-def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
-    """The outermost modules (not a child of another live module) holding any of the
-    parameters ``ids``."""
-    frozen = gc.get_freeze_count() > 0
-    if frozen:  # the estimate froze what existed before the run: a model built before it
-        gc.unfreeze()  # is among those (gc.get_objects leaves frozen objects out)
-    try:
-        with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
-            warnings.simplefilter("ignore")
-            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-    finally:
-        if frozen:
-            gc.freeze()
-    children: set[int] = set()
-    for m in mods:
-        for c in m.children():
-            children.add(id(c))
-    return [m for m in mods if id(m) not in children
-            and any(id(p) in ids for p in m.parameters())]

@@ -1,5 +1,7 @@
 """Where the levers act on a user's model: its repeated blocks (what ``checkpoint`` and ``fsdp``
-wrap) and its attention projections (what ``lora`` targets), found by structure alone.
+wrap) and its attention projections (what ``lora`` targets), found by structure alone; the
+roots holding an optimizer's parameters, the model inside a framework's wrapper, and the
+small changes made to a block's call (checkpointed, cast).
 
 Example:
     >>> import torch
@@ -8,6 +10,11 @@ Example:
 """
 
 from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -99,3 +106,60 @@ def attention_projections(root: torch.nn.Module) -> list[str]:
         attn = bool(parent) and _is_attention(parent, mods[parent])
         (inside if attn else outside).add(name.rsplit(".", 1)[-1])
     return sorted(inside - outside)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.__torchmem_checkpointed__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _has_float_params(m: torch.nn.Module) -> bool:
+    return any(p.is_floating_point() for p in m.parameters())
+
+
+def _unwrapped(root: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a framework's wrapper that FSDP cannot shard in place:
+    Lightning Fabric's ``_FabricModule`` (``fabric.setup_module(model)``) forwards to it and
+    reads its own attributes through ``__getattr__``; ``fully_shard`` changes the class of the
+    module it shards, so it goes on the model inside, as ``fully_shard(model)`` written before
+    ``setup_module`` would."""
+    inner = getattr(root, "_forward_module", None)
+    if type(root).__name__ == "_FabricModule" and isinstance(inner, torch.nn.Module):
+        return inner
+    return root
+
+
+def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
+    """The outermost modules (not a child of another live module) holding any of the
+    parameters ``ids``."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:  # the estimate froze what existed before the run: a model built before it
+        gc.unfreeze()  # is among those (gc.get_objects leaves frozen objects out)
+    try:
+        with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
+            warnings.simplefilter("ignore")
+            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    finally:
+        if frozen:
+            gc.freeze()
+    children: set[int] = set()
+    for m in mods:
+        for c in m.children():
+            children.add(id(c))
+    return [m for m in mods if id(m) not in children
+            and any(id(p) in ids for p in m.parameters())]
