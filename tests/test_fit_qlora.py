@@ -202,6 +202,29 @@ def test_a_single_row_takes_the_fused_kernel_with_no_dequantized_weight() -> Non
     assert seen == {"rise": 2048 * 2, "shape": (1, 2048)}
 
 
+def _adamw8bit_step(paged: bool = False, override: bool = False) -> Any:
+    """A build: a 1024 x 1024 linear layer trained by bitsandbytes' (paged) AdamW8bit, its
+    weight overridden to 32-bit state with ``override``."""
+
+    def build(batch: int) -> Any:
+        lin = torch.nn.Linear(1024, 1024, device="cuda")
+        if override:
+            bnb.optim.GlobalOptimManager.get_instance().override_config(
+                lin.weight, "optim_bits", 32)
+        kind = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        opt = kind(lin.parameters(), lr=1e-4)
+        x = torch.zeros(batch, 1024, device="cuda")
+
+        def step() -> None:
+            lin(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    return build
+
+
 def test_a_32_bit_override_in_one_estimate_does_not_reach_the_next() -> None:
     """bitsandbytes' ``GlobalOptimManager`` is one per process, keyed by ``id(parameter)``
     (transformers' ``optim="adamw_bnb_8bit"`` asks it for 32-bit state of the embeddings).
@@ -213,27 +236,10 @@ def test_a_32_bit_override_in_one_estimate_does_not_reach_the_next() -> None:
     before = bnb.optim.GlobalOptimManager.get_instance()
     overrides = dict(before.pid2config)
 
-    def build(override: bool) -> Any:
-        def b(batch: int) -> Any:
-            lin = torch.nn.Linear(1024, 1024, device="cuda")
-            if override:
-                bnb.optim.GlobalOptimManager.get_instance().override_config(
-                    lin.weight, "optim_bits", 32)
-            opt = bnb.optim.AdamW8bit(lin.parameters(), lr=1e-4)
-            x = torch.zeros(batch, 1024, device="cuda")
-
-            def step() -> None:
-                lin(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-
-            return step
-
-        return b
-
     n = 1024 * 1024
-    state32 = run_once(build(True), 8, "A100-40GB", steps=2).by_category["optimizer_state"]
-    state8 = run_once(build(False), 8, "A100-40GB", steps=2).by_category["optimizer_state"]
+    state32 = run_once(_adamw8bit_step(override=True), 8, "A100-40GB",
+                       steps=2).by_category["optimizer_state"]
+    state8 = run_once(_adamw8bit_step(), 8, "A100-40GB", steps=2).by_category["optimizer_state"]
     assert state32 == 2 * 4 * n + 2 * 4 * 1024  # two float32 buffers each, weight and bias
     assert state8 == 2 * n + 2 * 4 * (n // 256) + 2 * DYNAMIC_MAP + 2 * 4 * 1024
     assert bnb.optim.GlobalOptimManager.get_instance() is before
@@ -241,24 +247,8 @@ def test_a_32_bit_override_in_one_estimate_does_not_reach_the_next() -> None:
 
 
 def test_8bit_paged_optimizer_state_is_managed_memory_listed_apart() -> None:
-    def build(paged: bool) -> Any:
-        def b(batch: int) -> Any:
-            lin = torch.nn.Linear(1024, 1024, device="cuda")
-            kind = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
-            opt = kind(lin.parameters(), lr=1e-4)
-            x = torch.zeros(batch, 1024, device="cuda")
-
-            def step() -> None:
-                lin(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
-
-            return step
-
-        return b
-
-    plain = run_once(build(False), 8, "A100-40GB", steps=2)
-    paged = run_once(build(True), 8, "A100-40GB", steps=2)
+    plain = run_once(_adamw8bit_step(), 8, "A100-40GB", steps=2)
+    paged = run_once(_adamw8bit_step(paged=True), 8, "A100-40GB", steps=2)
     n = 1024 * 1024
     # bitsandbytes' 8-bit state of the weight (two uint8 buffers, two absmax vectors of n/256,
     # the two 256-entry maps) and of the bias (1024 elements: two float32 buffers)
