@@ -1276,3 +1276,31 @@ def test_sharding_levers_on_a_trainer_are_its_own_fsdp_option(tmp_path, monkeypa
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes,
             h.host_peak_bytes), lever
         assert r.peak_requested_bytes < e.peak_requested_bytes
+
+
+def test_a_sharding_row_the_script_refuses_gives_the_scripts_own_error(tmp_path) -> None:  # noqa: ANN001
+    """nanoGPT's torchrun path: launched with ranks (``RANK`` set, as the sharding levers run
+    it), the script asserts that its accumulation divides the world size before it puts
+    anything on the GPU (having made a host tensor). The row gives that assertion, where the
+    script made it, not "put nothing on the GPU" (the same script without the lever runs and
+    fits)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, torch\n"
+        "gradient_accumulation_steps = 1\n"
+        "seeds = torch.zeros(4)  # a host tensor before the check\n"
+        "if int(os.environ.get('RANK', -1)) != -1:\n"
+        "    ddp_world_size = int(os.environ['WORLD_SIZE'])\n"
+        "    assert gradient_accumulation_steps % ddp_world_size == 0\n"
+        "net = torch.nn.Linear(64, 64, device='cuda')\n"
+        "opt = torch.optim.AdamW(net.parameters())\n"
+        "for _ in range(2):\n"
+        "    net(torch.randn(8, 64, device='cuda')).sum().backward()\n"
+        "    opt.step(); opt.zero_grad()\n")
+    e = torchmem.estimate_script(str(script), [], "T4", what_if=["fsdp_2"])
+    assert e.fits and e.script.steps_run == 2
+    why = e.what_if[0].skipped or ""
+    assert why.startswith("the step failed with it: the script raised AssertionError at "
+                          f"{script}:6 (assert gradient_accumulation_steps % ddp_world_size "
+                          "== 0)"), why
+    assert "nothing on the GPU" not in why.replace("before it put anything on the GPU", "")

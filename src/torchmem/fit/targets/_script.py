@@ -651,8 +651,16 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
         if world_size is not None:
             o["world_size"] = world_size  # FSDP levers: rank 0 of the sharded job
         try:
-            e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr, stacks=stacks,
-                         **o)
+            try:
+                e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr,
+                             stacks=stacks, **o)
+            except InvalidInputError as err:
+                if "put nothing on the GPU" not in str(err):
+                    raise
+                # the script's own error (or exit) before it reached the GPU says more (a
+                # sharding lever's ranks: nanoGPT asserts its accumulation divides them)
+                r.raise_bad_end("before it put anything on the GPU")
+                raise
             return r.finish(e)
         except InvalidInputError as err:
             # a row's reason: "the script", not the whole command line again
