@@ -28,10 +28,24 @@ class _Model(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
-def _lightning(batch, **trainer_options):
+class _ShardedModel(_Model):
+    """By hand: FSDP2 on the network the training step calls, before its optimizer."""
+
+    offload = False
+
+    def configure_optimizers(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+        if not isinstance(self.net, FSDPModule):  # fit() runs once per estimated step
+            fully_shard(self.net, **({"offload_policy": CPUOffloadPolicy()}
+                                     if self.offload else {}))
+        return super().configure_optimizers()
+
+
+def _lightning(batch, model_class=_Model, **trainer_options):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
                                        batch_size=batch)
-    model = _Model()                                    # on the host: Lightning moves it
+    model = model_class()                               # on the host: Lightning moves it
     trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, **trainer_options)
@@ -259,6 +273,29 @@ def test_sharding_levers_on_fabric_shard_the_model_inside_its_wrapper(tmp_path):
         r = rows[lever]
         assert r.skipped is None, r.skipped
         h = torchmem.estimate_script(str(script), [how], "T4", world_size=world)
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+        assert r.peak_requested_bytes < e.peak_requested_bytes
+
+
+def test_sharding_levers_on_lightning_shard_what_its_training_step_calls():
+    """A ``LightningModule``'s ``training_step`` calls its network, never its own ``forward``:
+    FSDP2 on the module itself would never gather (the rows failed mixing DTensors into a
+    plain ``addmm``), and a weak proxy Lightning keeps to it broke the search for the model.
+    The sharding rows shard its children that hold the parameters, equal to
+    ``fully_shard(self.net)`` written before its optimizer (estimated as rank 0 of 2; with
+    ``CPUOffloadPolicy`` on one GPU), all three GPU peaks to the byte."""
+    e = torchmem.estimate(_lightning, gpu="T4", batch_size=16, what_if=["fsdp_2", "cpu_offload"])
+    rows = {r.lever: r for r in e.what_if}
+
+    class _Offloaded(_ShardedModel):
+        offload = True
+
+    for lever, cls, world in (("fsdp_2", _ShardedModel, 2), ("cpu_offload", _Offloaded, 1)):
+        r = rows[lever]
+        assert r.skipped is None and r.applied.endswith(": Sequential"), (r.skipped, r.applied)
+        h = torchmem.estimate(lambda b, c=cls: _lightning(b, model_class=c), gpu="T4",
+                              batch_size=16, world_size=world)
         assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
         assert r.peak_requested_bytes < e.peak_requested_bytes

@@ -77,6 +77,7 @@ from torchmem.fit.levers._model_parts import (
     _checkpointed,
     _has_float_params,
     _roots_holding,
+    _shard_targets,
     _unwrapped,
     attention_projections,
     repeated_blocks,
@@ -629,17 +630,20 @@ class LeverRun:
         if not self.fsdp or self.trainer_shards:
             return params
         remap: dict[int, Any] = {}
-        for root in map(_unwrapped, roots):
-            old = {id(p): n for n, p in root.named_parameters()}
-            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-            kw: dict[str, Any] = ({"offload_policy": CPUOffloadPolicy()}
-                                  if self.fsdp == "offload" else {})
+        kw: dict[str, Any] = ({"offload_policy": CPUOffloadPolicy()}
+                              if self.fsdp == "offload" else {})
+        targets = {id(t): t for r in roots for t in _shard_targets(_unwrapped(r))}
+        for root in targets.values():  # once each (two roots may lead to one model)
+            if isinstance(root, FSDPModule):
+                continue  # sharded by an earlier optimizer (Lightning's fit() run again)
+            old = {id(p): n for n, p in root.named_parameters()}
             for name, block in repeated_blocks(root):
                 fully_shard(block, **kw)
                 self.sharded.append(name)
+            self.sharded.append(type(root).__name__)  # (fully_shard renames its class)
             fully_shard(root, **kw)
-            self.sharded.append(type(root).__name__)
             new = dict(root.named_parameters())
             for i, n in old.items():
                 if n in new:

@@ -144,6 +144,19 @@ def _unwrapped(root: torch.nn.Module) -> torch.nn.Module:
     return root
 
 
+def _shard_targets(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``fsdp`` shards (each after its repeated blocks): the model itself, or
+    for a Lightning ``LightningModule`` (its ``training_step`` calls its submodules, never
+    its own ``forward``, so FSDP's hooks on it would never gather) each child that holds
+    parameters, as ``fully_shard(self.net)`` written in its ``configure_model`` would."""
+    if any(c.__name__ == "LightningModule" for c in type(root).__mro__):
+        kids = [m for m in root.children() if any(True for _ in m.parameters())]
+        if kids and sum(p.numel() for k in kids for p in k.parameters()) == sum(
+                p.numel() for p in root.parameters()):  # every parameter in a child
+            return kids
+    return [root]
+
+
 def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
     """The outermost modules (not a child of another live module) holding any of the
     parameters ``ids``."""
@@ -153,7 +166,9 @@ def _roots_holding(ids: set[int]) -> list[torch.nn.Module]:
     try:
         with warnings.catch_warnings():  # isinstance on lazy module attributes may warn
             warnings.simplefilter("ignore")
-            mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+            # type(), not isinstance: a weak proxy to a module (Lightning keeps some) passes
+            # isinstance but is not one (and cannot be hashed)
+            mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
     finally:
         if frozen:
             gc.freeze()
