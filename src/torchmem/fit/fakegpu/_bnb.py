@@ -238,7 +238,7 @@ def patch_bitsandbytes(module: Any) -> Any:
     its kin: constants computed from ``linspace`` and read back with ``tolist``) are computed
     for real, on the host, so no value is assumed; bitsandbytes' module-level map cache
     (``name2qmap``) is emptied before and after, and its ``GlobalOptimManager`` is a fresh one
-during the estimate. Returns what undoes it.
+    during the estimate. Returns what undoes it.
 
     Example:
         >>> import types

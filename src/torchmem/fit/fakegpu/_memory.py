@@ -47,13 +47,13 @@ def _frames(stack: tuple[str, ...] | None, op: str) -> list[dict[str, Any]]:
     return out
 
 
-
 class _HostRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to a real host storage, with its key and size (what its callback needs)."""
 
     __slots__ = ("key", "n")
     key: int
     n: int
+
 
 class _State:
     """The simulator, the storages it holds, and the running peaks."""
