@@ -498,3 +498,35 @@ def test_a_closure_given_to_the_optimizer_step_is_forward_and_backward(mode: str
     assert closure == plain
     assert ("Sequential.1", "forward", "activation", 8 * 64 * 4) in closure
     assert any(p == "optimizer" and c == "optimizer_state" for _, p, c, _ in closure)
+
+
+@pytest.mark.parametrize("mode", ["ops", "fast"])
+def test_a_submodule_the_forward_reads_without_calling_holds_parameters(mode: str) -> None:
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` in its own forward and never calls
+    ``out_proj``: its weight and bias (and their gradients) were "other". Named on the
+    module's first return, every parameter allocation is a parameter and every gradient a
+    gradient, the sizes of ``parameters()`` exactly (ops mode gave 789,504 B of parameters
+    and 526,336 B of "other" before; fast mode 263,168 B of "other")."""
+    if mode == "fast":
+        from torchmem.capture.fast import native_available
+
+        if not native_available():
+            pytest.skip("mode='fast' needs a C++ compiler and ninja to build")
+    with torchmem.track(mode=mode) as tr:
+        m = torch.nn.MultiheadAttention(256, 4, batch_first=True)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(4, 32, 256)
+        out, _ = m(x, x, x)
+        out.sum().backward()
+        opt.step()
+    by_cat: dict[str, int] = {}
+    for e in tr.events():
+        if e.kind.label == "alloc":
+            by_cat[e.category.label] = by_cat.get(e.category.label, 0) + e.nbytes
+    want = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert want == 1_052_672
+    assert by_cat["parameter"] == want and by_cat.get("other", 0) == 0, by_cat
+    assert by_cat["gradient"] == want
+    names = {e.module for e in tr.events() if e.kind.label == "alloc"
+             and e.category.label == "parameter"}
+    assert "MultiheadAttention.out_proj" in names

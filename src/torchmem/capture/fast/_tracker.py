@@ -136,6 +136,8 @@ class FastTracker:
                             **(metadata or {})})
         self._native: Any = None
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+        #: ids of modules whose forward has returned once (their uncalled children named)
+        self._settled: set[int] = set()
         self._stack: list[int] = []
         self._mods: list[Any] = []
         self._phase = _P_OTHER
@@ -203,6 +205,26 @@ class FastTracker:
         self._stack.pop()
         self._seq_mark(self._stack[-1] if self._stack else 0)
         self._set()
+        if id(module) not in self._settled:
+            self._settled.add(id(module))
+            self._name_uncalled(module)
+
+    def _name_uncalled(self, m: torch.nn.Module) -> None:
+        """On ``m``'s first return: its submodules its forward did not call
+        (``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) are named below it, so
+        their parameters and buffers are parameters and buffers, not "other"."""
+        pidx = self._names.get(m)
+        if pidx is None:
+            return
+        pname = self.trace.strings[pidx]
+        for attr, child in m._modules.items():
+            if child is None or self._names.get(child) is not None:
+                continue
+            idx = self._names[child] = self.trace.intern(f"{pname}.{attr}")
+            self._note_params(child.parameters(recurse=False))
+            self._native.mark(_M_PARAMS, idx, _ptrs(child.parameters(recurse=False)))
+            self._native.mark(_M_BUFFERS, idx, _ptrs(child.buffers(recurse=False)))
+            self._name_uncalled(child)
 
     def _grads_mark(self) -> None:
         ptrs = []

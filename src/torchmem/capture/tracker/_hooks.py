@@ -84,6 +84,26 @@ class _Hooks(_Comm):
         mods.pop()
         self._fw_names.pop()
         self._seq_mark(self._fw_names[-1] if self._fw_names else 0)
+        if id(module) not in self._settled:
+            self._settled.add(id(module))
+            self._name_uncalled(module)
+
+    def _name_uncalled(self, m: torch.nn.Module) -> None:
+        """On ``m``'s first return: its submodules its forward did not call
+        (``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) are named below it, so
+        their parameters and buffers are parameters and buffers, not "other"."""
+        pidx = self._names.get(m)
+        if pidx is None:
+            return
+        pname = self.trace.strings[pidx]
+        for attr, child in m._modules.items():
+            if child is None or self._names.get(child) is not None:
+                continue
+            idx = self._names[child] = self.trace.intern(f"{pname}.{attr}")
+            self._note_params(child.parameters(recurse=False))
+            self._reclassify(child.parameters(recurse=False), _C.PARAMETER, int(_C.OTHER), idx)
+            self._reclassify(child.buffers(recurse=False), _C.BUFFER, int(_C.OTHER), idx)
+            self._name_uncalled(child)
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self._active or threading.get_ident() != self._thread:

@@ -205,6 +205,8 @@ class _Recorder:
         self._seq_cap = _NEVER  # entries the map may hold (aggregated: Aggregate.within)
         self._bw_last = 0
         self._names = _ModuleNames()
+        #: ids of modules whose forward has returned once (their uncalled children named)
+        self._settled: set[int] = set()
         self._optims: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._clock_opt: weakref.ref[torch.optim.Optimizer] | None = None
         self._skip_code: dict[CodeType, bool] = {}
