@@ -434,3 +434,28 @@ def test_by_module_lists_every_module_and_the_text_report_the_top_15(tmp_path, c
     assert main(["estimate", "--gpu", "T4", str(tmp_path / "deep.py")]) == 0
     out = capsys.readouterr().out
     assert f"... and {len(by_module) - 15} more modules (--json lists all)" in out
+
+
+def test_multihead_attention_out_proj_weights_are_parameters_in_an_estimate() -> None:
+    """The estimate's categories for ``nn.MultiheadAttention`` (its forward reads
+    ``out_proj.weight`` without calling ``out_proj``): parameters and gradients are the
+    parameters' sizes, 1,052,672 B each, nothing "other" (before: 789,504 B of parameters and
+    gradients, 526,336 B "other")."""
+    def build(batch: int):  # noqa: ANN202
+        m = torch.nn.MultiheadAttention(256, 4, batch_first=True, device="cuda")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(batch, 32, 256, device="cuda")
+
+        def step() -> None:
+            out, _ = m(x, x, x)
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    e = torchmem.estimate(build, gpu="T4", batch_size=4)
+    want = 4 * (3 * 256 * 256 + 3 * 256 + 256 * 256 + 256)
+    assert want == 1_052_672
+    assert e.by_category["parameter"] == want and e.by_category["gradient"] == want
+    assert e.by_category["other"] == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, MutableSequence
+from collections.abc import Callable, Iterable, Iterator, MutableSequence
 from typing import Any
 
 import torch
@@ -40,6 +40,26 @@ def _path_below(parent: torch.nn.Module, m: torch.nn.Module, pname: str) -> str:
         if sub is m and qualified:
             return f"{pname}.{qualified}"
     return f"{pname}.{type(m).__name__}"
+
+
+def uncalled_below(m: torch.nn.Module, pname: str, named: Callable[[torch.nn.Module], bool]
+                   ) -> Iterator[tuple[torch.nn.Module, str]]:
+    """The submodules of ``m`` (named ``pname``) that ``named`` does not know, depth first,
+    with their qualified names: what ``m``'s forward did not call (``nn.MultiheadAttention``
+    reads ``out_proj.weight`` itself), for the trackers to name on ``m``'s first return.
+
+    Example:
+        >>> import torch
+        >>> mha = torch.nn.MultiheadAttention(4, 1)
+        >>> [n for _, n in uncalled_below(mha, "MHA", lambda m: False)]
+        ['MHA.out_proj']
+    """
+    for attr, child in m._modules.items():
+        if child is None or named(child):
+            continue
+        name = f"{pname}.{attr}"
+        yield child, name
+        yield from uncalled_below(child, name, named)
 
 
 def check_track_args(

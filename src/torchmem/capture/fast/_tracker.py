@@ -57,6 +57,7 @@ from torchmem.capture._names import (
     initial_state,
     note_params,
     seq_mark,
+    uncalled_below,
 )
 from torchmem.capture.fast._build import load_native
 from torchmem.errors import InvalidInputError
@@ -216,15 +217,13 @@ class FastTracker:
         pidx = self._names.get(m)
         if pidx is None:
             return
-        pname = self.trace.strings[pidx]
-        for attr, child in m._modules.items():
-            if child is None or self._names.get(child) is not None:
-                continue
-            idx = self._names[child] = self.trace.intern(f"{pname}.{attr}")
+        names = self._names
+        for child, name in uncalled_below(m, self.trace.strings[pidx],
+                                          lambda c: names.get(c) is not None):
+            idx = names[child] = self.trace.intern(name)
             self._note_params(child.parameters(recurse=False))
             self._native.mark(_M_PARAMS, idx, _ptrs(child.parameters(recurse=False)))
             self._native.mark(_M_BUFFERS, idx, _ptrs(child.buffers(recurse=False)))
-            self._name_uncalled(child)
 
     def _grads_mark(self) -> None:
         ptrs = []

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below, around_closure
+from torchmem.capture._names import _path_below, around_closure, uncalled_below
 from torchmem.capture.tracker._comm import _Comm
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
@@ -95,15 +95,13 @@ class _Hooks(_Comm):
         pidx = self._names.get(m)
         if pidx is None:
             return
-        pname = self.trace.strings[pidx]
-        for attr, child in m._modules.items():
-            if child is None or self._names.get(child) is not None:
-                continue
-            idx = self._names[child] = self.trace.intern(f"{pname}.{attr}")
+        names = self._names
+        for child, name in uncalled_below(m, self.trace.strings[pidx],
+                                          lambda c: names.get(c) is not None):
+            idx = names[child] = self.trace.intern(name)
             self._note_params(child.parameters(recurse=False))
             self._reclassify(child.parameters(recurse=False), _C.PARAMETER, int(_C.OTHER), idx)
             self._reclassify(child.buffers(recurse=False), _C.BUFFER, int(_C.OTHER), idx)
-            self._name_uncalled(child)
 
     def _opt_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self._active or threading.get_ident() != self._thread:
