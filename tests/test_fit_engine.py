@@ -459,3 +459,45 @@ def test_multihead_attention_out_proj_weights_are_parameters_in_an_estimate() ->
     assert want == 1_052_672
     assert e.by_category["parameter"] == want and e.by_category["gradient"] == want
     assert e.by_category["other"] == 0
+
+
+class _EightBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def test_the_split_at_an_out_of_memory_point_is_the_one_at_that_moment() -> None:
+    """A run out of memory in its first forward (a 630 MiB card, eight 1024 x 1024 blocks,
+    batch 2048): the split at the out-of-memory point counts the parameters of every block,
+    the six the forward never reached included (before: 8,396,800 B of parameters and
+    25,190,400 B "other"), and the forward's live tensors as what they were then (before: the
+    unwinding after the error freed them inside the forward, and they read "temporary")."""
+    def build(batch: int):  # noqa: ANN202
+        net = _EightBlocks().cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(batch, 1024, device="cuda")
+
+        def step() -> None:
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    e = torchmem.estimate(build, gpu="630 MiB", batch_size=2048)
+    assert not e.fits and e.oom is not None and e.oom.phase == "forward"
+    params = sum(p.numel() * 4 for p in _EightBlocks().parameters())
+    one = 2048 * 1024 * 4  # an activation of the batch
+    cats = e.by_category
+    assert cats["parameter"] == params == 33_587_200
+    assert cats["other"] == 0 and cats["input"] == one
+    # at the peak: the first block's output (freed after its ReLU: a temporary) and the ReLU's
+    # output (kept for backward: an activation)
+    assert (cats["activation"], cats["temporary"]) == (one, one)
+    assert params + 3 * one == e.peak_requested_bytes

@@ -88,6 +88,14 @@ class _Hooks(_Comm):
             self._settled.add(id(module))
             self._name_uncalled(module)
 
+    def _name_open_modules(self) -> None:
+        """Name the uncalled children of every module still running (outermost first): a
+        report made in the middle of a forward (an out-of-memory point) sees the parameters of
+        the blocks the forward has not reached yet as parameters."""
+        for m in list(self._fw_mods):
+            if m is not _OPT_SENTINEL:
+                self._name_uncalled(m)
+
     def _name_uncalled(self, m: torch.nn.Module) -> None:
         """On ``m``'s first return: its submodules its forward did not call
         (``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) are named below it, so

@@ -64,6 +64,12 @@ class _State:
         self.sim = sim
         self.frames = frames
         self.emu = emu
+        #: called once when the run stops at its out-of-memory point (before the unwinding
+        #: frees anything): the engine names the modules still running and freezes categories
+        self.on_oom: Any = None
+        #: the trace's categories as they were at the out-of-memory point (a forward tensor
+        #: freed while the run unwinds would read "temporary" after it), or None
+        self.oom_categories: Any = None
         self.addr: dict[int, int] = {}
         self.live_req = 0
         #: the decode-step record (:mod:`torchmem.fit.run._decode`), when extrapolating
@@ -142,6 +148,8 @@ class _State:
                 reserved_bytes=self.sim.reserved_bytes,
                 message=f"{label}: {e}",
             )
+            if self.on_oom is not None:
+                self.on_oom()
             return None
         self._peaks()
         return addr
@@ -345,6 +353,7 @@ def _live_at(
     over: dict[int, str] = st.dist.cat if st.dist is not None else {}
     live: dict[int, tuple[int, str, str]] = {}
     host = st.pl.host_ever
+    frozen = st.oom_categories
     for ev in tracker.events():
         if ev.seq > last_seq:
             break
@@ -352,7 +361,9 @@ def _live_at(
             continue
         if ev.kind == _ALLOC:
             sid = ev.storage
-            key = "kv_cache" if sid in kv_ids else over.get(sid) or _KEYS.get(ev.category, "other")
+            cat = ev.category if frozen is None or ev.seq >= len(frozen) else Category(
+                frozen[ev.seq])
+            key = "kv_cache" if sid in kv_ids else over.get(sid) or _KEYS.get(cat, "other")
             live[sid] = (ev.nbytes, key, ev.module or "")
         elif ev.kind == _FREE:
             live.pop(ev.storage, None)

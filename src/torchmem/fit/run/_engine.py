@@ -230,6 +230,17 @@ def run_once(
         on_record=lambda on: setattr(st, "frames", on or keep_snapshot),
     )
     tracker = track(stacks=stacks or keep_snapshot, listeners=[st.listener])
+
+    def at_oom() -> None:
+        # the split at the out-of-memory point is the one at that moment: the modules still
+        # running name their children not called yet (their parameters are parameters), and
+        # the categories are kept before the unwinding frees the forward's tensors
+        name_open = getattr(tracker, "_name_open_modules", None)
+        if name_open is not None:
+            name_open()
+        st.oom_categories = bytes(tracker.trace.category)
+
+    st.on_oom = at_oom
     step: Any = None
     failure: InvalidInputError | None = None
     values = ValueReads(strict=strict_values)
