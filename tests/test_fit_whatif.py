@@ -1195,46 +1195,35 @@ def test_accumulation_with_a_closure_step_runs_the_skipped_steps_closures() -> N
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
 
 
-def test_adafactor_on_a_trainer_is_its_own_optim_option(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("lever", "option", "applied", "needs"), [
+    ("adafactor", "adafactor", "AdamW -> the Trainer's optim='adafactor' (transformers' Adafactor)",
+     "transformers"),
+    ("optimizer_8bit", "adamw_bnb_8bit",
+     "AdamW -> the Trainer's optim='adamw_bnb_8bit' (bitsandbytes' 8-bit AdamW)", "bitsandbytes"),
+])
+def test_optimizer_levers_on_a_trainer_are_its_own_optim_option(  # noqa: PLR0913
+        tmp_path, monkeypatch, lever, option, applied, needs) -> None:  # noqa: ANN001
     """On an unmodified ``Trainer`` script the ``adafactor`` row is the Trainer's own
-    ``optim="adafactor"`` (transformers' Adafactor, not torch's): equal to that option written
-    into its ``TrainingArguments`` by hand, all three GPU peaks."""
+    ``optim="adafactor"`` (transformers' Adafactor, not torch's), and with bitsandbytes
+    installed the ``optimizer_8bit`` row is its own ``optim="adamw_bnb_8bit"`` (bitsandbytes'
+    8-bit AdamW, run under the estimate): each equal to that option written into its
+    ``TrainingArguments`` by hand, all three GPU peaks, with less optimizer state than AdamW's."""
     pytest.importorskip("transformers")
+    pytest.importorskip(needs)
     monkeypatch.chdir(tmp_path)
     f = tmp_path / "trainer_script.py"
     f.write_text(TRAINER_SCRIPT)
     args = ["--per_device_train_batch_size", "8"]
-    e = torchmem.estimate_script(str(f), args, "T4", what_if=["adafactor"])
+    e = torchmem.estimate_script(str(f), args, "T4", what_if=[lever])
     r = e.what_if[0]
-    assert r.applied == "AdamW -> the Trainer's optim='adafactor' (transformers' Adafactor)"
+    assert r.applied == applied
     hand = tmp_path / "hand.py"
-    hand.write_text(TRAINER_SCRIPT.replace("max_steps=4,", "max_steps=4, optim='adafactor',"))
-    h = torchmem.estimate_script(str(hand), args, "T4")
-    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
-        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
-
-
-
-def test_8bit_optimizer_on_a_trainer_is_its_own_bitsandbytes_option(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """With bitsandbytes installed, the ``optimizer_8bit`` row of an unmodified ``Trainer``
-    script is the Trainer's own ``optim="adamw_bnb_8bit"`` (bitsandbytes' 8-bit AdamW, run under
-    the estimate), equal to that option written into its ``TrainingArguments`` by hand, all
-    three GPU peaks; its 8-bit state is below AdamW's 32-bit one."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("bitsandbytes")
-    monkeypatch.chdir(tmp_path)
-    f = tmp_path / "trainer_script.py"
-    f.write_text(TRAINER_SCRIPT)
-    args = ["--per_device_train_batch_size", "8"]
-    e = torchmem.estimate_script(str(f), args, "T4", what_if=["optimizer_8bit"])
-    r = e.what_if[0]
-    assert r.applied == "AdamW -> the Trainer's optim='adamw_bnb_8bit' (bitsandbytes' 8-bit AdamW)"
-    hand = tmp_path / "hand.py"
-    hand.write_text(TRAINER_SCRIPT.replace("max_steps=4,", "max_steps=4, optim='adamw_bnb_8bit',"))
+    hand.write_text(TRAINER_SCRIPT.replace("max_steps=4,", f"max_steps=4, optim='{option}',"))
     h = torchmem.estimate_script(str(hand), args, "T4")
     assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
         h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
     assert h.by_category["optimizer_state"] < e.by_category["optimizer_state"]
+
 
 GPT2_TRAINER = """
 import argparse, torch
