@@ -335,15 +335,24 @@ class LeverRun:
         The sharding levers set its own ``fsdp=True`` with ``fsdp_config={}`` (FSDP2 through
         accelerate: each ``_no_split_modules`` block, the embeddings, the model) or
         ``{"cpu_offload": True}``, as ``TrainingArguments(fsdp=True, ...)`` written by hand
-        would; torchmem's own ``fully_shard`` then stays out."""
+        would; torchmem's own ``fully_shard`` then stays out.
+
+        Where ``transformers.trainer`` is not imported yet, the patch waits for the step's own
+        import of it (importing it here costs seconds per lever, in every forked worker, for a
+        step that never uses it)."""
+        from torchmem.fit.fakegpu._imports import when_imported
+
+        imports = when_imported({"transformers.trainer": self._patch_trainer_class})
+        imports.__enter__()
+        self._undo.append(lambda: imports.__exit__(None, None, None))
+
+    def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
+        """:meth:`_patch_trainer` on ``transformers.trainer``, once imported."""
         import importlib.util
 
-        if importlib.util.find_spec("transformers") is None:
-            return
-        try:
-            from transformers import Trainer
-        except Exception:  # noqa: BLE001 - a broken install: no Trainer to adjust
-            return
+        Trainer = getattr(module, "Trainer", None)  # noqa: N806 - the class, by its name
+        if not isinstance(Trainer, type) or "__init__" not in vars(Trainer):
+            return None
         orig = vars(Trainer)["__init__"]
         lever = self
 
@@ -389,7 +398,7 @@ class LeverRun:
 
         functools.update_wrapper(init, orig)  # inspect.signature(Trainer) as written
         setattr(Trainer, "__init__", init)  # noqa: B010
-        self._undo.append(lambda: setattr(Trainer, "__init__", orig))
+        return lambda: setattr(Trainer, "__init__", orig)
 
     def __exit__(self, *exc: object) -> None:
         while self._undo:
@@ -657,18 +666,17 @@ class LeverRun:
                 out.append(remap.get(id(p), p))
         return out
 
-
     def _get_peft_model(self, root: torch.nn.Module) -> torch.nn.Module | None:
         """``get_peft_model(root, LoraConfig(...))`` on ``root``'s attention projections,
         recorded in ``adapted``; ``None`` (the reason in ``lora_refused``) without them."""
-        from peft import LoraConfig, get_peft_model
-
         targets = attention_projections(root)
         if not targets:
             self.lora_refused.append(
                 f"no attention projections in {type(root).__name__} (Linear layers inside "
                 "a module named attn or attention)")
             return None
+        from peft import LoraConfig, get_peft_model  # seconds to import: only when it applies
+
         # GPT-2's Conv1D keeps its weight transposed: peft's fan_in_fan_out says so
         conv = any(type(m).__name__ == "Conv1D" for n, m in root.named_modules()
                    if n.rsplit(".", 1)[-1] in targets)

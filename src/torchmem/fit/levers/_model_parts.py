@@ -56,16 +56,12 @@ def repeated_blocks(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _linear_types() -> tuple[type, ...]:
-    import importlib.util
+    """``Linear``, and transformers' ``Conv1D`` where a model may hold one (its module is
+    imported: importing it here would cost seconds for models without it)."""
+    import sys
 
-    types: tuple[type, ...] = (torch.nn.Linear,)
-    if importlib.util.find_spec("transformers") is not None:
-        try:
-            from transformers.pytorch_utils import Conv1D
-        except Exception:  # noqa: BLE001 - a broken install: plain Linear layers only
-            return types
-        types += (Conv1D,)
-    return types
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return (torch.nn.Linear, conv1d) if isinstance(conv1d, type) else (torch.nn.Linear,)
 
 
 def _is_attention(name: str, module: torch.nn.Module) -> bool:
