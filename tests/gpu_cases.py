@@ -391,20 +391,18 @@ def recorded(name: str) -> dict[str, Any]:
 
 
 def recorded_gpu(name: str) -> Any:
-    """The GPU case ``name`` was recorded on, as an estimate target: its name, usable bytes (times
-    the case's memory fraction) and compute capability.
+    """The GPU case ``name`` was recorded on, as an estimate target: its name, memory and
+    compute capability (a case's memory fraction is the program's own call: :func:`estimate_case`).
 
     Example:
         >>> g = recorded_gpu("oom_fraction")
-        >>> g.name, g.total_bytes == int(recorded("oom_fraction")["versions"]["total_memory"] * 0.08)
+        >>> g.name, g.total_bytes == recorded("oom_fraction")["versions"]["total_memory"]
         ('NVIDIA H100 80GB HBM3', True)
     """
     from torchmem.fit import GPU
 
     v = recorded(name)["versions"]
-    frac = CASES[name].memory_fraction
-    total = v["total_memory"] if frac is None else int(v["total_memory"] * frac)
-    return GPU(v["gpu"], total, tuple(v["capability"]), "tests/data/gpu (recorded)",
+    return GPU(v["gpu"], v["total_memory"], tuple(v["capability"]), "tests/data/gpu (recorded)",
                multiprocessors=v.get("multiprocessors"))
 
 
@@ -425,9 +423,15 @@ def estimate_case(name: str) -> Any:
         return torchmem.estimate_hf(HF_LLAMA, task="generate", gpu=recorded_gpu(name),
                                     batch_size=rec["batch_size"], dtype="bfloat16", attn="sdpa",
                                     steps=rec["steps"], margin=0, **c.params)
-    return torchmem.estimate(lambda bs: c.build(bs, **c.params), gpu=recorded_gpu(name),
-                             batch_size=rec["batch_size"], alloc_conf=c.alloc_conf or None,
-                             steps=rec["steps"], margin=0)
+    def build(bs: int) -> Callable[[], None]:
+        if c.memory_fraction is not None:  # as scripts/record_gpu_reference.py ran it
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(c.memory_fraction)
+        return c.build(bs, **c.params)
+
+    return torchmem.estimate(build, gpu=recorded_gpu(name), batch_size=rec["batch_size"],
+                             alloc_conf=c.alloc_conf or None, steps=rec["steps"], margin=0)
 
 
 def make(name: str) -> Callable[[], None]:

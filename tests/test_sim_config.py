@@ -184,3 +184,28 @@ def test_notes_on_older_snapshots() -> None:
     assert any("torch <= about 2.8" in n for n in notes)
     assert any("also freed expandable blocks" in n for n in notes)
     assert AllocatorConfig.from_settings(old) == AllocatorConfig.parse(old["PYTORCH_CUDA_ALLOC_CONF"])
+
+
+def test_a_memory_fraction_set_later_ages_the_blocks_cached_before() -> None:
+    """``set_memory_fraction`` after blocks were cached (a program calling
+    ``torch.cuda.set_per_process_memory_fraction`` mid-run): the collector of
+    ``garbage_collection_threshold`` runs from then on, its allowed bytes a fraction of the
+    device's whole memory. By hand: a 300 MiB segment cached; allowed 0.5 x 1000 MiB = 500 MiB,
+    collected above 0.5 x 500 = 250 MiB; a 400 MiB request finds no block, so the collector
+    first frees the cached segment (no retry needed), then a 400 MiB segment is made."""
+    a = CachingAllocator(capacity=900 * MiB, config="garbage_collection_threshold:0.5")
+    a.free(a.malloc(300 * MiB))
+    a.set_memory_fraction(0.5, total=1000 * MiB)
+    assert a.allowed_bytes == 500 * MiB
+    a.malloc(400 * MiB)
+    assert [e[0] for e in a.events[-3:]] == ["segment_free", "segment_alloc", "alloc"]
+    assert a.events[-3][2] == 300 * MiB and a.reserved_bytes == 400 * MiB
+    assert a.num_alloc_retries == 0
+    # without the collector the same request frees the cached segment only on the retry
+    b = CachingAllocator(capacity=900 * MiB)
+    b.free(b.malloc(300 * MiB))
+    b.set_memory_fraction(0.5, total=1000 * MiB)
+    b.malloc(400 * MiB)
+    assert b.num_alloc_retries == 1 and b.reserved_bytes == 400 * MiB
+    with pytest.raises(InvalidInputError, match=r"memory fraction must be a number in \[0.0, 1.0\], got 1.5"):
+        a.set_memory_fraction(1.5)

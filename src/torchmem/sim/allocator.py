@@ -533,6 +533,40 @@ class CachingAllocator(ExpandableMixin):
             "num_device_free": counts["segment_free"] + counts["segment_unmap"],
         }
 
+    def set_memory_fraction(self, fraction: float, total: int | None = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction(fraction)``: from now on new segments
+        fit within ``fraction`` x ``total`` bytes (the device's whole memory, as PyTorch takes
+        it from ``cudaMemGetInfo``; default :attr:`capacity`), and ``garbage_collection_threshold``
+        applies. The CUDA context is not counted against it, only this allocator's segments.
+
+        Example:
+            >>> a = CachingAllocator(capacity=90 << 20)
+            >>> a.set_memory_fraction(0.25, total=100 << 20); a.allowed_bytes >> 20
+            25
+            >>> a.malloc(30 << 20)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            torchmem.errors.SimulatedOutOfMemoryError: ...
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                0.0 <= fraction <= 1.0):
+            raise InvalidInputError(
+                f"memory fraction must be a number in [0.0, 1.0], got {fraction!r}")
+        base = self.capacity if total is None else total
+        if base is None:
+            raise InvalidInputError(
+                f"memory fraction {fraction} needs the device's memory (bytes): pass total=... "
+                "or make the allocator with a capacity")
+        self.allowed_bytes = int(fraction * base)
+        if self.config.garbage_collection_threshold > 0.0 and not self._gc:
+            self._gc = self._special = True
+            # blocks cached before: aged from now (PyTorch counts the pool's free-block
+            # searches only while the collector is on)
+            for small, pools in self._free.items():
+                for keys in pools.values():
+                    for key in keys:
+                        self._gc_base.setdefault(key & _MASK, self._gc_count[small])
+
     def reset_peak(self) -> None:
         """Reset :attr:`max_allocated_bytes`, :attr:`max_reserved_bytes`,
         :attr:`max_active_bytes` and :attr:`max_requested_bytes` to the current values, as

@@ -319,7 +319,10 @@ class DriverAddressAllocator(CachingAllocator):
         return self._top
 
 
-def _make_sim(capacity: int, alloc_conf: str | None) -> CachingAllocator:
+def _make_sim(capacity: int, alloc_conf: str | None, total: int | None = None) -> CachingAllocator:
+    """The estimate's allocator: ``capacity`` bytes for its segments (the GPU less its CUDA
+    context); a ``per_process_memory_fraction`` in ``alloc_conf`` is a fraction of ``total``,
+    the device's whole memory, as PyTorch takes it (default ``capacity``)."""
     if alloc_conf is None:
         return DriverAddressAllocator(capacity)
     if not isinstance(alloc_conf, str):
@@ -327,7 +330,11 @@ def _make_sim(capacity: int, alloc_conf: str | None) -> CachingAllocator:
             f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string such as "
             f"'expandable_segments:True', got {type(alloc_conf).__name__}"
         )
-    return DriverAddressAllocator(capacity, config=alloc_conf)
+    sim = DriverAddressAllocator(capacity, config=alloc_conf)
+    fraction = sim.config.per_process_memory_fraction
+    if fraction is not None and total is not None:
+        sim.set_memory_fraction(fraction, total)
+    return sim
 
 
 #: Category label -> report key.

@@ -267,6 +267,40 @@ class SimReadings:
         free = max(0, self.total_bytes - self.context_bytes - self.sim.reserved_bytes)
         return free, self.total_bytes
 
+    def set_per_process_memory_fraction(self, fraction: Any, device: Any = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction(fraction)``: the simulated allocator's
+        segments fit within ``fraction`` x the device's whole memory from now on (the CUDA
+        context not counted, as in PyTorch); the same errors as PyTorch's for a bad value.
+
+        Example:
+            >>> from torchmem.sim import CachingAllocator
+            >>> sim = CachingAllocator(900 << 20); r = SimReadings(sim, total_bytes=1 << 30)
+            >>> r.set_per_process_memory_fraction(0.5); sim.allowed_bytes >> 20
+            512
+            >>> r.get_per_process_memory_fraction()
+            0.5
+        """
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.sim.set_memory_fraction(fraction, self.total_bytes or None)
+        self._fraction = fraction
+
+    def get_per_process_memory_fraction(self, device: Any = None) -> float:
+        """``torch.cuda.get_per_process_memory_fraction()``: the last fraction set (by the
+        program or ``per_process_memory_fraction`` in the allocator settings), else 1.0.
+
+        Example:
+            >>> from torchmem.sim import CachingAllocator
+            >>> SimReadings(CachingAllocator()).get_per_process_memory_fraction()
+            1.0
+        """
+        fraction = getattr(self, "_fraction", None)
+        if fraction is None:
+            fraction = self.sim.config.per_process_memory_fraction
+        return 1.0 if fraction is None else float(fraction)
+
     # -- memory history ------------------------------------------------------------------------
 
     def record_memory_history(
@@ -374,6 +408,8 @@ class SimReadings:
             "memory_stats_as_nested_dict": self.memory_stats_as_nested_dict,
             "memory_summary": self.memory_summary,
             "mem_get_info": self.mem_get_info,
+            "set_per_process_memory_fraction": self.set_per_process_memory_fraction,
+            "get_per_process_memory_fraction": self.get_per_process_memory_fraction,
             "memory_snapshot": self.memory_snapshot,
             "_record_memory_history": self.record_memory_history,
             "_snapshot": self.snapshot,

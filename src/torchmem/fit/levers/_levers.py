@@ -342,9 +342,9 @@ class LeverRun:
         step that never uses it)."""
         from torchmem.fit.fakegpu._imports import when_imported
 
-        imports = when_imported({"transformers.trainer": self._patch_trainer_class})
-        imports.__enter__()
-        self._undo.append(lambda: imports.__exit__(None, None, None))
+        stack = contextlib.ExitStack()
+        stack.enter_context(when_imported({"transformers.trainer": self._patch_trainer_class}))
+        self._undo.append(stack.close)
 
     def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
         """:meth:`_patch_trainer` on ``transformers.trainer``, once imported."""

@@ -220,7 +220,7 @@ def run_once(
     call = f"build({', '.join([repr(batch_size)] + [f'{k}={v!r}' for k, v in kw.items()])})"
     from torch._subclasses import FakeTensorMode
 
-    sim = _make_sim(card.usable_bytes, alloc_conf)
+    sim = _make_sim(card.usable_bytes, alloc_conf, card.total_bytes)
     emu = _emulation(card)
     st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
     st.stop_over = stop_over

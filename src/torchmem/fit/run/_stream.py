@@ -38,7 +38,8 @@ from torchmem.errors import SimulatedOutOfMemoryError
 __all__ = ["StreamRecorder", "StreamModel", "replay"]
 
 #: One request: (kind, value, ref): ``("m", size, -1)``, ``("f", 0, index of the malloc)``,
-#: ``("e", 0, -1)``, ``("r", delta of requested bytes, -1)``.
+#: ``("e", 0, -1)``, ``("r", delta of requested bytes, -1)``, ``("x", bytes allowed, -1)`` (a
+#: memory fraction set by the program).
 Event = tuple[str, int, int]
 
 
@@ -75,6 +76,14 @@ class StreamRecorder:
             return empty(*a, **kw)
 
         sim.malloc, sim.free, sim.empty_cache = rec_malloc, rec_free, rec_empty
+        fraction = getattr(sim, "set_memory_fraction", None)
+        if fraction is not None:
+            def rec_fraction(*a: Any, **kw: Any) -> Any:
+                out = fraction(*a, **kw)
+                events.append(("x", sim.allowed_bytes, -1))
+                return out
+
+            sim.set_memory_fraction = rec_fraction
 
     def req(self, delta: int) -> None:
         """Record a change of the requested bytes."""
@@ -182,6 +191,8 @@ def replay(events: list[Event], sim: Any) -> tuple[int, int, int, int, int | Non
             req += value
             if req > peak_req:
                 peak_req = req
+        elif kind == "x":
+            sim.set_memory_fraction(1.0, value)  # value bytes allowed, as in the probe
         else:
             sim.empty_cache()
     return peak_req, peak_alloc, peak_res, frag, None

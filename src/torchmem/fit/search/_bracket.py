@@ -227,8 +227,8 @@ def _stream_search(
             return real_probe(v)
         predicted.add(v)
         base = real[min(model.points, key=lambda x: abs(x - v))]
-        return margin(_predicted(base, replay(events, _make_sim(card.usable_bytes,
-                                                                base.alloc_conf)), name, v))
+        return margin(_predicted(base, replay(events, _make_sim(
+            card.usable_bytes, base.alloc_conf, card.total_bytes)), name, v))
 
     for _ in range(STREAM_ROUNDS):
         predicted.clear()
