@@ -434,6 +434,52 @@ def estimate_case(name: str) -> Any:
                              alloc_conf=c.alloc_conf or None, steps=rec["steps"], margin=0)
 
 
+def false_fits(est: Any, card: Any, real_reserved: int, real_oom: bool) -> str | None:
+    """Why the estimate ``est`` (made with ``margin=0``) would mislead on a real run whose peak
+    reserved was ``real_reserved`` bytes and which did (``real_oom``) or did not run out of
+    memory on ``card``: its verdict with the default margin says "fits" for a run that ran out
+    of memory, or its peak is below the real one by more than that margin (the margin would not
+    cover the gap). ``None`` when neither. The rule of issue 43: never a false "fits".
+
+    Example:
+        >>> from torchmem.fit import GPU, Estimate
+        >>> card = GPU("x", 10 << 30, (9, 0), "test", context_override=0)
+        >>> e = Estimate("x", 1, True, capacity_bytes=card.usable_bytes, overhead_bytes=0,
+        ...              peak_requested_bytes=0, peak_allocated_bytes=0,
+        ...              peak_reserved_bytes=4 << 30)
+        >>> false_fits(e, card, 4 << 30, real_oom=False) is None
+        True
+        >>> false_fits(e, card, 5 << 30, real_oom=False)
+        'peak reserved 4,294,967,296 B is 1,073,741,824 B below the real 5,368,709,120 B, more than the margin (42,949,673 B)'
+        >>> false_fits(e, card, 4 << 30, real_oom=True)
+        'says fits (headroom 6,442,450,944 B, margin 42,949,673 B) for a run that ran out of memory'
+    """
+    from torchmem.fit.verdict._margin import margin_for
+
+    margin = margin_for(None, card, est.peak_reserved_bytes)
+    says_fits = est.oom is None and est.headroom_bytes >= margin
+    if says_fits and real_oom:
+        return (f"says fits (headroom {est.headroom_bytes:,} B, margin {margin:,} B) for a run "
+                "that ran out of memory")
+    gap = real_reserved - est.peak_reserved_bytes
+    if not real_oom and gap > margin:
+        return (f"peak reserved {est.peak_reserved_bytes:,} B is {gap:,} B below the real "
+                f"{real_reserved:,} B, more than the margin ({margin:,} B)")
+    return None
+
+
+def case_false_fits(name: str, est: Any) -> str | None:
+    """:func:`false_fits` of case ``name``'s estimate against its recorded run.
+
+    Example:
+        >>> case_false_fits("sdpa_flash", estimate_case("sdpa_flash")) is None
+        True
+    """
+    rec = recorded(name)
+    return false_fits(est, recorded_gpu(name), rec["stats"]["reserved_bytes.all.peak"],
+                      rec["oom"] is not None)
+
+
 def make(name: str) -> Callable[[], None]:
     """Build case ``name`` on ``"cuda"`` (or under :func:`torchmem.estimate`'s fake GPU).
 

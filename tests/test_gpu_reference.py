@@ -131,6 +131,7 @@ def test_estimate_within_goals(name):
     assert abs(est.peak_allocated_bytes - real_alloc) <= 0.01 * real_alloc
     assert abs(est.peak_reserved_bytes - real_res) <= 0.05 * real_res
     assert est.fits
+    assert gpu_cases.case_false_fits(name, est) is None  # (the default margin's verdict too)
     if name in EXACT_ALLOCATED:
         assert est.peak_allocated_bytes == real_alloc
 
@@ -145,6 +146,7 @@ def test_a_memory_fraction_set_by_the_program_limits_the_segments_as_on_the_h100
     est = gpu_cases.estimate_case("oom_fraction")
     st = oom["stats"]
     assert not est.fits and est.oom is not None
+    assert gpu_cases.case_false_fits("oom_fraction", est) is None
     assert f"Tried to allocate {est.oom.requested_bytes / 2**20:.2f} MiB" in oom["oom"]
     assert est.oom.allocated_bytes == st["allocated_bytes.all.peak"]
     assert est.peak_allocated_bytes == st["allocated_bytes.all.peak"]
@@ -158,6 +160,7 @@ def test_a_memory_fraction_set_by_the_program_limits_the_segments_as_on_the_h100
     assert gc.peak_reserved_bytes == st["reserved_bytes.all.peak"]
     assert gc.peak_allocated_bytes == st["allocated_bytes.all.peak"]
     assert gc.fits  # (its case is left out of WITHIN_GOALS: checked here, to the byte)
+    assert gpu_cases.case_false_fits("alloc_gc0.6_fraction", gc) is None
 
 
 def test_a_memory_fraction_in_the_allocator_settings_is_the_programs_call():
@@ -171,6 +174,28 @@ def test_a_memory_fraction_in_the_allocator_settings_is_the_programs_call():
     assert est.oom is not None
     assert est.peak_reserved_bytes == rec["stats"]["reserved_bytes.all.peak"]
     assert est.oom.allocated_bytes == rec["stats"]["allocated_bytes.all.peak"]
+
+
+#: The cases outside WITHIN_GOALS and the test that checks each one's verdict (no false fits).
+VERDICT_ELSEWHERE = {
+    "convnet": "test_estimate_gpu_reference.py::test_cudnn_convolution_workspaces_convnet",
+    "two_streams": "test_estimate_gpu_reference.py::test_record_stream_two_streams_allocated",
+    "hf_trainer": "test_math_attention_softmax_temporaries_as_on_the_h100",
+    "oom_fraction": "test_a_memory_fraction_set_by_the_program_limits_the_segments_as_on_the_h100",
+    "alloc_gc0.6_fraction": "test_a_memory_fraction_set_by_the_program_limits_the_segments_as_on_the_h100",
+}
+
+
+def test_every_cases_verdict_is_checked():
+    """Issue 43: every recorded case's estimate is checked for a false "fits" (its verdict with
+    the default margin against the real run), in one test or another: a new case cannot slip
+    by."""
+    assert set(WITHIN_GOALS) | set(VERDICT_ELSEWHERE) == set(gpu_cases.CASES)
+    assert not set(WITHIN_GOALS) & set(VERDICT_ELSEWHERE)
+    here = Path(__file__).read_text() + (Path(__file__).parent / "test_estimate_gpu_reference.py").read_text()
+    for name, test in VERDICT_ELSEWHERE.items():
+        assert f"def {test.split('::')[-1]}(" in here, (name, test)
+        assert f'case_false_fits("{name}"' in here or name == "hf_trainer", name
 
 
 def test_a_missing_reference_file_is_named(monkeypatch, tmp_path):
@@ -222,3 +247,6 @@ def test_math_attention_softmax_temporaries_as_on_the_h100():
     real = _runs(_snapshot(name), pattern)
     assert real == gpu_cases.HF_LLAMA["num_hidden_layers"] * 3  # 2 layers, 3 optimizer steps
     assert _runs(est.snapshot, pattern) == real
+    # the 13.5% low reserved peak of this case (an 8 MiB block more in torch 2.11's attention
+    # backward) stays within the default margin: no false fits
+    assert gpu_cases.case_false_fits(name, est) is None

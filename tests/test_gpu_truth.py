@@ -51,6 +51,7 @@ import torch
 from torch._subclasses import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gpu_cases
 import torchmem
 from torchmem.capture import track
 from torchmem.fit.fakegpu._env import fake_cuda
@@ -318,3 +319,5 @@ def test_magma27_with_torchmem_estimate():
     assert est.peak_requested_bytes + workspaces == 13_923_997_700
     assert abs(est.peak_allocated_bytes - 13_927_832_064) <= 1 << 20
     assert est.peak_reserved_bytes == 14_180_941_824
+    # issue 43's rule: no false "fits" with the default margin
+    assert gpu_cases.false_fits(est, torchmem.fit.gpu("RTX-3090"), 14_180_941_824, False) is None

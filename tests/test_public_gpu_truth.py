@@ -159,9 +159,14 @@ QUICK = ("vanilla", "fp16", "adam8bit")
 
 
 @functools.cache
+def _estimate(name: str) -> torchmem.Estimate:
+    """A variant's estimate (no margin), once a session."""
+    return cases.estimate(name)
+
+
 def _figure(name: str) -> float:
-    """A variant's estimate as the page's figure (MiB, with the page's context), once a session."""
-    return cases.estimated_mib(cases.estimate(name))
+    """A variant's estimate as the page's figure (MiB, with the page's context)."""
+    return cases.estimated_mib(_estimate(name))
 
 
 def _check(name: str) -> None:
@@ -173,6 +178,25 @@ def _check(name: str) -> None:
 @pytest.mark.parametrize("name", QUICK)
 def test_published_figure_within_5_percent(name: str):
     _check(name)
+
+
+_FP16_GAP = ("issue 43, open: the fp16 run's published figure is 440 MiB above the estimate "
+              "(-3.16%), more than the default margin (377 MiB: 1% of the peak + 256 MiB); the "
+              "gap is not explained (2022's torch 1.10 autocast and cuBLAS against 2.13's)")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_FP16_GAP))
+                                  if n == "fp16" else n for n in QUICK])
+def test_published_run_gets_no_false_fits(name: str):
+    """Issue 43's rule on the published runs: the verdict on the V100 16 GB with the default
+    margin says "fits" (they ran), and the estimate's peak reserved is not below the published
+    figure (less the page's measured CUDA context) by more than that margin."""
+    import gpu_cases
+
+    e = _estimate(name)
+    real = (cases.VARIANTS[name].published_mib - cases.CONTEXT_MIB) << 20
+    problem = gpu_cases.false_fits(e, torchmem.fit.gpu(cases.GPU), real, real_oom=False)
+    assert problem is None, problem
 
 
 def test_the_sweeps_verdict_fails_on_a_missed_goal():
