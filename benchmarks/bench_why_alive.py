@@ -10,10 +10,16 @@
    objects each referring to the next) wait for the collector: ``why_alive`` finds the cycle
    among the collector's pending garbage (one strongly-connected-components pass; before it,
    a search per garbage object was quadratic in the ring); the backward walk finds no path.
-3. One ``host_memory()`` reading (RSS, USS, PSS of the process tree; reads smaps_rollup) against
+3. A tensor nothing holds (the answer is "no path"; the whole heap is walked, then the pending
+   garbage), asked three times in a row: each call's time, objects searched, and the cyclic
+   garbage a call leaves behind (a search that leaves its own bookkeeping in a cycle makes the
+   next call slower). ``--with-transformers`` first imports transformers' ``Trainer`` (and
+   Lightning where installed), the heap of a real training process; a dict subclass there
+   (transformers' lazy auto-mappings) imports every model module when its ``items()`` runs.
+4. One ``host_memory()`` reading (RSS, USS, PSS of the process tree; reads smaps_rollup) against
    ``psutil.Process().memory_info()`` (RSS only).
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py [--repeats 5] [--ring 4000]`` (each search timed
+Usage: ``PYTHONPATH=src python benchmarks/bench_why_alive.py [--repeats 5] [--ring 4000] [--with-transformers]`` (each search timed
 as the best of ``--repeats``, each host-memory reading as the best of 4x that).
 """
 
@@ -99,12 +105,40 @@ def cycle_case(ring: int, reps: int) -> None:
         gc.enable()
 
 
+def freeable_case(calls: int = 3) -> None:
+    modules = len(sys.modules)
+    gc.collect()  # nothing pending before the first call
+    print(f"a tensor nothing holds, {calls} calls in a row:")
+    for i in range(calls):
+        t0 = time.perf_counter()
+        found = why_alive(torch.zeros(10), timeout=600)
+        dt = time.perf_counter() - t0
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            left = gc.collect()
+        finally:
+            gc.set_debug(0)
+        del gc.garbage[:]
+        gc.collect()  # freed now (saved above only to be counted)
+        print(f"  call {i + 1}: {dt:7.2f} s, {found.searched:,} objects searched, {left:,} cyclic "
+              f"garbage objects left, {len(sys.modules) - modules} modules imported by the search")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="best of this many timings (default 5)")
     ap.add_argument("--ring", type=int, default=4000,
                     help="garbage objects in the ring of case 2 (default 4000)")
+    ap.add_argument("--with-transformers", action="store_true",
+                    help="import transformers' Trainer (and Lightning) first: a real heap")
     args = ap.parse_args()
+    if args.with_transformers:
+        import importlib.util
+
+        from transformers import Trainer  # noqa: F401 - its import is the point
+        if importlib.util.find_spec("lightning") is not None:
+            import lightning  # noqa: F401
+
     reps = args.repeats
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256)
@@ -125,6 +159,8 @@ def main() -> None:
     print(f"  backward walk:  {backward_walk(x)}  (the graph is invisible to gc)")
     print()
     cycle_case(args.ring, reps)
+    print()
+    freeable_case()
     print()
     t_host = best_of(lambda: host_memory(), n=4 * reps)
     proc = psutil.Process()

@@ -416,3 +416,74 @@ def test_cycle_members_among_pending_garbage_are_found_in_one_pass() -> None:
         ], (paths.stopped, paths.note)
     finally:
         gc.enable()
+
+
+class _LazyMapping(dict):  # type: ignore[type-arg]
+    """A dict subclass whose own items() and __iter__ run code (as transformers' lazy
+    auto-mappings import every model module): the search must not call them."""
+
+    calls = 0
+
+    def items(self):  # type: ignore[override]
+        type(self).calls += 1
+        raise RuntimeError("items() ran")
+
+    def __iter__(self):  # type: ignore[override]
+        type(self).calls += 1
+        raise RuntimeError("__iter__ ran")
+
+
+class _LazyList(list):  # type: ignore[type-arg]
+    calls = 0
+
+    def __iter__(self):  # type: ignore[override]
+        type(self).calls += 1
+        raise RuntimeError("__iter__ ran")
+
+
+def test_container_subclasses_are_read_without_running_their_code() -> None:
+    """The entries of a dict or list subclass are followed through the built-in storage, its
+    attributes as an object's; its overridden ``items()``/``__iter__`` never run."""
+    t = torch.zeros(7)
+    lazy = _LazyMapping()
+    dict.__setitem__(lazy, "w", t)
+    lazy_list = _LazyList([None, t])
+    lazy_list.note = {"kept": t}  # type: ignore[attr-defined]
+    CACHE["lazy"], CACHE["lazy_list"] = lazy, lazy_list
+    try:
+        texts = sorted(_texts(why_alive(t, max_paths=5, timeout=T)))
+        assert texts == sorted([
+            f"{MOD} global CACHE (dict) ['lazy'] (_LazyMapping) ['w'] -> Tensor float32[7] 28 B",
+            f"{MOD} global CACHE (dict) ['lazy_list'] (_LazyList) [1] -> Tensor float32[7] 28 B",
+            f"{MOD} global CACHE (dict) ['lazy_list'] (_LazyList) -> _LazyList.note (dict) "
+            "['kept'] -> Tensor float32[7] 28 B",
+        ]), texts
+        assert _LazyMapping.calls == 0 and _LazyList.calls == 0
+    finally:
+        CACHE.clear()
+
+
+def test_a_search_leaves_no_cycle_of_its_own_behind() -> None:
+    """A search's bookkeeping (its parents map, its root list: its own frame among the roots)
+    is freed when it returns, not left as cyclic garbage that the next search would walk."""
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        first = why_alive(torch.zeros(3), timeout=T)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            left = gc.collect()
+        finally:
+            gc.set_debug(0)
+        kinds = sorted({type(o).__name__ for o in gc.garbage})
+        del gc.garbage[:]
+        gc.collect()
+        second = why_alive(torch.zeros(3), timeout=T)
+    finally:
+        if enabled:
+            gc.enable()
+    assert left == 0, kinds
+    assert second.searched <= first.searched + 1000  # the second walks no leftovers of the first

@@ -330,21 +330,47 @@ def _optimizer_edges(opt: torch.optim.Optimizer) -> Iterator[_Edge]:
             yield f"{cls}.{k}", v
 
 
+# A container's own subclass may override items() or __iter__ with code that runs on each call
+# (transformers' lazy auto-mappings import every model module when iterated): its entries are
+# read through the built-in type's methods, and its attributes as an object's.
+
+def _subclass_attrs(o: Any) -> Iterator[_Edge]:
+    d = _attrs(o)
+    if d:
+        for k, v in d.items():
+            yield f"{type(o).__name__}.{k}", v
+
+
 def _dict_edges(o: dict) -> Iterator[_Edge]:  # type: ignore[type-arg]
-    for k, v in o.items():
+    for k, v in dict.items(o):
         if not isinstance(k, _ATOMIC):
             yield "(dict key)", k
         yield None, v
+    if type(o) is not dict:
+        yield from _subclass_attrs(o)
+
+
+def _builtin_iter(o: Any) -> Iterator[Any]:
+    """``iter(o)`` by the built-in container type ``o`` derives from (never a subclass's own)."""
+    bases: tuple[Any, ...] = (list, tuple, collections.deque, set, frozenset)
+    for base in bases:
+        if isinstance(o, base):
+            return base.__iter__(o)  # type: ignore[no-any-return]
+    return iter(o)
 
 
 def _seq_edges(o: Any) -> Iterator[_Edge]:
-    for v in o:
+    for v in _builtin_iter(o):
         yield None, v
+    if type(o) not in (list, tuple, collections.deque):
+        yield from _subclass_attrs(o)
 
 
 def _set_edges(o: Any) -> Iterator[_Edge]:
-    for v in o:
+    for v in _builtin_iter(o):
         yield "(set member)", v
+    if type(o) not in (set, frozenset):
+        yield from _subclass_attrs(o)
 
 
 def _method_edges(o: types.MethodType) -> Iterator[_Edge]:
@@ -437,11 +463,11 @@ def _children(o: Any) -> Iterator[_Edge]:
 def _label(parent: Any, child: Any) -> str:
     """How ``parent`` refers to ``child``, for the generic containers and objects."""
     if isinstance(parent, dict):
-        for k, v in parent.items():
+        for k, v in dict.items(parent):
             if v is child:
                 return f"[{_short(k)}]"
     elif isinstance(parent, (list, tuple, collections.deque)):
-        for i, v in enumerate(parent):
+        for i, v in enumerate(_builtin_iter(parent)):
             if v is child:
                 return f"[{i}]"
     elif isinstance(parent, types.MethodType):
@@ -493,6 +519,7 @@ def _roots(skip_frames: set[int], extra: Optional[Mapping[str, Any]]) -> list[tu
     for name in ("last_exc", "last_value", "last_traceback"):
         if getattr(sys, name, None) is not None:
             roots.append((f"sys.{name}", getattr(sys, name)))
+    top: Optional[types.FrameType]
     for top in sys._current_frames().values():
         f: Optional[types.FrameType] = top
         while f is not None:
@@ -503,6 +530,9 @@ def _roots(skip_frames: set[int], extra: Optional[Mapping[str, Any]]) -> list[tu
                 for k, v in f.f_locals.items():
                     roots.append((f"{text} local `{k}`", v))
             f = f.f_back
+    # this thread's top frame is this function's own: kept in a local, it would make a cycle
+    # (frame -> local -> frame) holding every root until the collector runs
+    top = f = None
     seen_dicts: set[int] = set()
     for mod_name, module in list(sys.modules.items()):
         d = _attrs(module) if isinstance(module, types.ModuleType) else None
@@ -842,6 +872,8 @@ def _why_alive(obj: Any, max_depth: int, timeout: float, max_paths: int,
                     paths.append(_to_path(chain, target, cycle=cycle))
             search.searched += gsearch.searched
             search.stopped = search.stopped or gsearch.stopped
+            gsearch.parent.clear()
+            gsearch.keep.clear()
         finally:
             del garbage
     if not paths:
@@ -853,5 +885,9 @@ def _why_alive(obj: Any, max_depth: int, timeout: float, max_paths: int,
     paths.sort(key=len)
     result = RetentionPaths(paths[:max_paths], stopped=search.stopped, searched=search.searched,
                             note=note)
+    # the search's own bookkeeping may have reached itself (its dict among the heap's objects):
+    # emptied here, it is freed now instead of waiting, a cycle, for the collector (a next
+    # why_alive would walk its hundreds of thousands of entries as pending garbage)
     search.keep.clear()
+    search.parent.clear()
     return result
