@@ -353,6 +353,27 @@ def test_levers_a_step_cannot_take_say_why() -> None:
     assert all(r.peak_reserved_bytes is None for r in e.what_if)
 
 
+def test_an_optimizer_kernel_the_step_already_uses_says_no_change() -> None:
+    """A step that makes ``AdamW(fused=True)`` itself (nanoGPT does): the ``optimizer_fused``
+    lever changes nothing, and its row says so (its peaks equal the step as written's, checked
+    here too) instead of looking like a lever to take; the other kernels are real rows."""
+    build = by_hand(opt_kw={"fused": True})
+    base = torchmem.estimate(build, gpu="T4", batch_size=BATCH)
+    e = torchmem.estimate(build, gpu="T4", batch_size=BATCH,
+                          what_if=["optimizer_fused", "optimizer_per_parameter"])
+    rows = {r.lever: r for r in e.what_if}
+    why = rows["optimizer_fused"].skipped
+    assert why == ("no change: the step already makes AdamW(fused=True), and its peaks equal "
+                   "the step as written's to the byte"), why
+    per = rows["optimizer_per_parameter"]
+    assert per.skipped is None
+    assert per.peak_allocated_bytes != base.peak_allocated_bytes  # it does change the step
+    # the same lever on a step written without fused=True is a row of its own
+    plain = torchmem.estimate(by_hand(), gpu="T4", batch_size=BATCH, what_if=["optimizer_fused"])
+    assert plain.what_if[0].skipped is None
+    assert plain.what_if[0].peak_allocated_bytes == base.peak_allocated_bytes
+
+
 def test_unknown_lever_is_a_clear_error() -> None:
     with pytest.raises(InvalidInputError, match="unknown lever 'turbo'"):
         check_levers(["turbo"])
@@ -1028,6 +1049,13 @@ def test_a_lever_the_script_fails_with_names_the_script_not_its_whole_command(tm
     assert why.startswith("the step failed with it: the script raised ValueError at "
                           f"{f}:"), why
     assert "this script wants AdamW" in why and "--batch-size" not in why
+    # the pointer to TORCHMEM_DEBUG is said once under the table, not on each row
+    assert "TORCHMEM_DEBUG" not in why, why
+    from torchmem.fit.levers._whatif import what_if_lines
+
+    lines = what_if_lines(e.what_if, e.what_if_best, e)
+    assert sum("TORCHMEM_DEBUG=1" in line for line in lines) == 1, lines
+    assert lines.index(f"    adafactor: {why}") < len(lines) - 2
 
 
 def test_what_if_with_max_on_a_script_equals_the_searches_written_by_hand(tmp_path) -> None:  # noqa: ANN001

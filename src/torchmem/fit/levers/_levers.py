@@ -149,6 +149,8 @@ class LeverRun:
         self.roots: list[str] = []
         self.optimizers: list[str] = []
         self.optimizer_refused: list[str] = []
+        #: optimizers made with the lever's kernel choice already (``AdamW(fused=True)``)
+        self.optimizer_already: list[str] = []
         self.converted: list[str] = []
         self.sharded: list[str] = []
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
@@ -184,7 +186,8 @@ class LeverRun:
         weak sets and thread state stay behind)."""
         keep = ("checkpoint", "autocast", "weights_dtype", "optimizer", "replace_optimizer",
                 "fsdp", "accumulate", "lora", "scaler", "offload_optimizer", "count_flops",
-                "flops", "wrapped", "roots", "optimizers", "optimizer_refused", "converted",
+                "flops", "wrapped", "roots", "optimizers", "optimizer_refused",
+                "optimizer_already", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
                 "trainer_accumulates", "script_accumulates", "accumulated_by",
                 "trainer_optimizer", "trainer_precision", "trainer_shards")
@@ -530,6 +533,10 @@ class LeverRun:
                     f"{type(opt).__name__} takes no {', '.join(k + '=' for k in missing)} argument"
                 )
             else:
+                if _same_kernels(kwargs, self.optimizer):
+                    shown = ", ".join(f"{k}={kwargs[k]!r}" for k in ("fused", "foreach")
+                                      if kwargs.get(k) is not None)
+                    self.optimizer_already.append(f"{type(opt).__name__}({shown})")
                 kwargs = {**kwargs, **self.optimizer}
         orig(opt, params, *args, **kwargs)
 
@@ -770,6 +777,25 @@ def _host_copies(params: list[Any]) -> tuple[list[Any], list[tuple[torch.Tensor,
 
 #: Lightning's ``precision`` values of a full-precision run (None: not given, its default)
 _FULL_PRECISION = (None, 32, "32", "32-true")
+
+
+def _same_kernels(written: dict[str, Any], lever: dict[str, Any]) -> bool:
+    """Whether an optimizer made with the keyword arguments ``written`` already runs the
+    kernels the lever's ``optimizer`` settings ask for: ``fused=True`` (foreach is then
+    unused), ``foreach=True`` without fused, or the per-parameter loop (``foreach=False``,
+    not fused; ``None`` means foreach on CUDA, so it is not the loop).
+
+    Example:
+        >>> _same_kernels({"lr": 1e-3, "fused": True}, {"fused": True, "foreach": False})
+        True
+        >>> _same_kernels({}, {"foreach": False, "fused": False})
+        False
+    """
+    if lever.get("fused"):
+        return written.get("fused") is True
+    if lever.get("foreach"):
+        return written.get("foreach") is True and not written.get("fused")
+    return written.get("foreach") is False and not written.get("fused")
 
 
 def _adam8bit() -> type:

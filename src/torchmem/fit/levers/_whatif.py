@@ -71,6 +71,7 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -362,7 +363,8 @@ def what_if(
             rows[at] = res
             continue
         if isinstance(res, InvalidInputError):
-            rows[at] = _skip(lv.name, f"the step failed with it: {str(res).splitlines()[0]}")
+            why = _DEBUG_HINT.sub("", str(res).splitlines()[0])  # said once under the table
+            rows[at] = _skip(lv.name, f"{_FAILED}{why}")
             continue
         if isinstance(res, WorkerLost):  # a crash in native code: the other rows stand
             rows[at] = _skip(lv.name, f"failed: {res}")
@@ -374,6 +376,13 @@ def what_if(
         if applied is not None and lv.name in _ALREADY and _peaks(e) == _peaks(base):
             rows[at] = _skip(lv.name, f"no change: {applied}, and its peaks equal the step "
                              f"as written's to the byte{_ALREADY.get(lv.name, '')}")
+            continue
+        if (applied is not None and "optimizer" in lv.settings and lr.optimizer_already
+                and len(lr.optimizer_already) == len(lr.optimizers)
+                and _peaks(e) == _peaks(base)):  # nanoGPT's AdamW(fused=True) and fused
+            rows[at] = _skip(lv.name, f"no change: the step already makes "
+                             f"{_names(lr.optimizer_already)}, and its peaks equal the step as "
+                             "written's to the byte")
             continue
         rows[at] = (_skip(lv.name, _why_unchanged(lv, lr)) if applied is None
                     else _row(lv.name, applied, e, _cost(lv, e, lr, base_flops, param_bytes)))
@@ -600,6 +609,14 @@ def best_combination(
     return None
 
 
+#: How a lever's row begins when the step failed with it.
+_FAILED = "the step failed with it: "
+#: The estimator's pointer to TORCHMEM_DEBUG at the end of a step's error: dropped from each
+#: row, said once under the table.
+_DEBUG_HINT = re.compile(r"\s*\(torchmem runs it under fake tensors; set TORCHMEM_DEBUG=1 for "
+                         r"the full traceback\)")
+
+
 def what_if_lines(rows: Sequence[WhatIfRow], best: WhatIfRow | None, base: Estimate) -> list[str]:
     """The report's what-if table: one line per lever (sorted by peak reserved), the skipped
     ones with their reasons, then the recommended combination.
@@ -634,6 +651,9 @@ def what_if_lines(rows: Sequence[WhatIfRow], best: WhatIfRow | None, base: Estim
     if skipped:
         out.append("  not applied:")
         out.extend(f"    {r.lever}: {r.skipped}" for r in skipped)
+        if any(r.skipped and r.skipped.startswith(_FAILED) for r in skipped):
+            out.append("    (the levers ran under fake tensors; set TORCHMEM_DEBUG=1 for a failed "
+                       "one's full traceback)")
     if best is None:
         out.append("best: nothing tried fits (try a larger GPU or more GPUs)")
     elif best.lever == "as_written":
