@@ -330,47 +330,58 @@ def _optimizer_edges(opt: torch.optim.Optimizer) -> Iterator[_Edge]:
             yield f"{cls}.{k}", v
 
 
-# A container's own subclass may override items() or __iter__ with code that runs on each call
-# (transformers' lazy auto-mappings import every model module when iterated): its entries are
-# read through the built-in type's methods, and its attributes as an object's.
-
-def _subclass_attrs(o: Any) -> Iterator[_Edge]:
-    d = _attrs(o)
-    if d:
-        for k, v in d.items():
-            yield f"{type(o).__name__}.{k}", v
-
-
 def _dict_edges(o: dict) -> Iterator[_Edge]:  # type: ignore[type-arg]
-    for k, v in dict.items(o):
+    for k, v in o.items():
         if not isinstance(k, _ATOMIC):
             yield "(dict key)", k
         yield None, v
-    if type(o) is not dict:
-        yield from _subclass_attrs(o)
+
+
+def _seq_edges(o: Any) -> Iterator[_Edge]:
+    for v in o:
+        yield None, v
+
+
+def _set_edges(o: Any) -> Iterator[_Edge]:
+    for v in o:
+        yield "(set member)", v
+
+
+# A container's own subclass may override items() or __iter__ with code that runs on each call
+# (transformers' lazy auto-mappings import every model module when iterated): its entries are
+# read through the built-in type's methods, and its attributes as an object's. Decided once
+# per type (_handler): the built-in containers themselves keep the plain loops above.
+_CONTAINERS: tuple[type, ...] = (dict, list, tuple, collections.deque, set, frozenset)
 
 
 def _builtin_iter(o: Any) -> Iterator[Any]:
-    """``iter(o)`` by the built-in container type ``o`` derives from (never a subclass's own)."""
-    bases: tuple[Any, ...] = (list, tuple, collections.deque, set, frozenset)
+    """``iter(o)`` of a sequence by the built-in type it derives from (a path's label)."""
+    bases: tuple[Any, ...] = (list, tuple, collections.deque)
     for base in bases:
         if isinstance(o, base):
             return base.__iter__(o)  # type: ignore[no-any-return]
     return iter(o)
 
 
-def _seq_edges(o: Any) -> Iterator[_Edge]:
-    for v in _builtin_iter(o):
-        yield None, v
-    if type(o) not in (list, tuple, collections.deque):
-        yield from _subclass_attrs(o)
+def _subclass_edges(t: type) -> _EdgeFn:
+    """The edge function of a subclass ``t`` of a built-in container: its entries by the
+    built-in type, then its attributes."""
+    base = next(b for b in t.__mro__ if b in _CONTAINERS)
+    label = "(set member)" if base in (set, frozenset) else None
 
+    def edges(o: Any) -> Iterator[_Edge]:
+        if base is dict:
+            for k, v in dict.items(o):
+                if not isinstance(k, _ATOMIC):
+                    yield "(dict key)", k
+                yield None, v
+        else:
+            for v in base.__iter__(o):  # type: ignore[attr-defined]
+                yield label, v
+        for k, v in (_attrs(o) or {}).items():
+            yield f"{t.__name__}.{k}", v
 
-def _set_edges(o: Any) -> Iterator[_Edge]:
-    for v in _builtin_iter(o):
-        yield "(set member)", v
-    if type(o) not in (set, frozenset):
-        yield from _subclass_attrs(o)
+    return edges
 
 
 def _method_edges(o: types.MethodType) -> Iterator[_Edge]:
@@ -449,6 +460,8 @@ def _handler(o: Any) -> _EdgeFn:
         (_ATOMIC, _no_edges),
     )
     fn = next((f for k, f in table if issubclass(t, k)), None)
+    if fn in (_dict_edges, _seq_edges, _set_edges) and t not in _CONTAINERS:
+        fn = _subclass_edges(t)
     if fn is None:
         fn = _node_edges if _is_node(o) else _object_edges
     _HANDLERS[t] = fn
