@@ -62,6 +62,28 @@ def uncalled_below(m: torch.nn.Module, pname: str, named: Callable[[torch.nn.Mod
         yield from uncalled_below(child, name, named)
 
 
+def name_uncalled(m: torch.nn.Module, names: Any, trace: Any
+                  ) -> Iterator[tuple[torch.nn.Module, int]]:
+    """Name in ``names`` (module -> interned name index in ``trace``) the submodules of ``m``
+    its forward did not call (:func:`uncalled_below`), yielding each with its new index; nothing
+    when ``m`` itself has no name. The trackers then mark the children's tensors their way.
+
+    Example:
+        >>> import torch
+        >>> from torchmem.model.trace import Trace
+        >>> mha, trace = torch.nn.MultiheadAttention(4, 1), Trace()
+        >>> names = {mha: trace.intern("MHA")}
+        >>> [trace.strings[i] for _, i in name_uncalled(mha, names, trace)]
+        ['MHA.out_proj']
+    """
+    pidx = names.get(m)
+    if pidx is None:
+        return
+    for child, name in uncalled_below(m, trace.strings[pidx], lambda c: names.get(c) is not None):
+        idx = names[child] = trace.intern(name)
+        yield child, idx
+
+
 def check_track_args(
     targets: tuple[Any, ...], step_marker: str, path: Any
 ) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:

@@ -55,9 +55,9 @@ from torchmem.capture._names import (
     around_closure,
     check_track_args,
     initial_state,
+    name_uncalled,
     note_params,
     seq_mark,
-    uncalled_below,
 )
 from torchmem.capture.fast._build import load_native
 from torchmem.errors import InvalidInputError
@@ -214,13 +214,7 @@ class FastTracker:
         """On ``m``'s first return: its submodules its forward did not call
         (``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) are named below it, so
         their parameters and buffers are parameters and buffers, not "other"."""
-        pidx = self._names.get(m)
-        if pidx is None:
-            return
-        names = self._names
-        for child, name in uncalled_below(m, self.trace.strings[pidx],
-                                          lambda c: names.get(c) is not None):
-            idx = names[child] = self.trace.intern(name)
+        for child, idx in name_uncalled(m, self._names, self.trace):
             self._note_params(child.parameters(recurse=False))
             self._native.mark(_M_PARAMS, idx, _ptrs(child.parameters(recurse=False)))
             self._native.mark(_M_BUFFERS, idx, _ptrs(child.buffers(recurse=False)))

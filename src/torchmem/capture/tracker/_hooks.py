@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchmem._containers import iter_tensors
-from torchmem.capture._names import _path_below, around_closure, uncalled_below
+from torchmem.capture._names import _path_below, around_closure, name_uncalled
 from torchmem.capture.tracker._comm import _Comm
 from torchmem.capture.tracker._phases import _graph_task_id
 from torchmem.capture.tracker._recorder import _C, _P_FWD, _P_OPT, _P_OTHER
@@ -100,13 +100,7 @@ class _Hooks(_Comm):
         """On ``m``'s first return: its submodules its forward did not call
         (``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) are named below it, so
         their parameters and buffers are parameters and buffers, not "other"."""
-        pidx = self._names.get(m)
-        if pidx is None:
-            return
-        names = self._names
-        for child, name in uncalled_below(m, self.trace.strings[pidx],
-                                          lambda c: names.get(c) is not None):
-            idx = names[child] = self.trace.intern(name)
+        for child, idx in name_uncalled(m, self._names, self.trace):
             self._note_params(child.parameters(recurse=False))
             self._reclassify(child.parameters(recurse=False), _C.PARAMETER, int(_C.OTHER), idx)
             self._reclassify(child.buffers(recurse=False), _C.BUFFER, int(_C.OTHER), idx)
