@@ -207,5 +207,5 @@ def test_a_memory_fraction_set_later_ages_the_blocks_cached_before() -> None:
     b.set_memory_fraction(0.5, total=1000 * MiB)
     b.malloc(400 * MiB)
     assert b.num_alloc_retries == 1 and b.reserved_bytes == 400 * MiB
-    with pytest.raises(InvalidInputError, match=r"memory fraction must be a number in \[0.0, 1.0\], got 1.5"):
+    with pytest.raises(InvalidInputError, match=r"memory_fraction must be a number in \[0.0, 1.0\], got 1.5"):
         a.set_memory_fraction(1.5)

@@ -150,6 +150,14 @@ class _SegmentLayout(tuple[int, int, int, list[tuple[int, int, bool]]]):
         return self
 
 
+def _check_fraction(fraction: object, bool_ok: bool = True) -> None:
+    """A memory fraction is a number in [0.0, 1.0] (``bool_ok=False``: not True or False);
+    else the error that says so."""
+    if (not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0
+            or (not bool_ok and isinstance(fraction, bool))):
+        raise InvalidInputError(f"memory_fraction must be a number in [0.0, 1.0], got {fraction!r}")
+
+
 class CachingAllocator(ExpandableMixin):
     """PyTorch 2.13's CUDA caching allocator for one device, simulated in Python.
 
@@ -205,10 +213,7 @@ class CachingAllocator(ExpandableMixin):
         fraction = memory_fraction if memory_fraction is not None else cfg.per_process_memory_fraction
         allowed: int | None = None
         if fraction is not None:
-            if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-                raise InvalidInputError(
-                    f"memory_fraction must be a number in [0.0, 1.0], got {fraction!r}"
-                )
+            _check_fraction(fraction)
             if capacity is None:
                 raise InvalidInputError(
                     f"memory_fraction={fraction} needs the device's capacity (bytes): pass "
@@ -548,10 +553,7 @@ class CachingAllocator(ExpandableMixin):
             ...
             torchmem.errors.SimulatedOutOfMemoryError: ...
         """
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-                0.0 <= fraction <= 1.0):
-            raise InvalidInputError(
-                f"memory fraction must be a number in [0.0, 1.0], got {fraction!r}")
+        _check_fraction(fraction, bool_ok=False)
         base = self.capacity if total is None else total
         if base is None:
             raise InvalidInputError(

@@ -105,6 +105,7 @@ class SimReadings:
         self._trace_on = False
         self._max_entries = sys.maxsize
         self._base: dict[str, int] = {}
+        self._fraction: float | None = None  # set by the program's set_per_process_memory_fraction
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -296,7 +297,7 @@ class SimReadings:
             >>> SimReadings(CachingAllocator()).get_per_process_memory_fraction()
             1.0
         """
-        fraction = getattr(self, "_fraction", None)
+        fraction = self._fraction
         if fraction is None:
             fraction = self.sim.config.per_process_memory_fraction
         return 1.0 if fraction is None else float(fraction)
