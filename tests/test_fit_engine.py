@@ -68,6 +68,34 @@ def test_workspaces_by_thread_and_generation():
     assert h.peak_reserved_bytes == (32 + 32 + 2) * MiB  # >= 10 MiB: exact-size segments
 
 
+def test_clearing_cublas_workspaces_gives_them_back_and_the_next_gemm_makes_its_own():
+    # torch._C._cuda_clearCublasWorkspaces() (a CUDA build's; PyTorch's memory tests call it
+    # before each reading) frees every workspace to the allocator; the next GEMM of the thread
+    # allocates one again, so a step that clears between two forwards reads it twice
+    readings: list[int] = []
+
+    def build(batch: int):
+        net = torch.nn.Linear(64, 64, bias=False)  # plain mm: the cuBLAS workspace only
+        x = torch.randn(batch, 64)
+
+        def step():
+            with torch.no_grad():
+                net(x)
+                readings.append(torch.cuda.memory_allocated())
+                torch._C._cuda_clearCublasWorkspaces()
+                readings.append(torch.cuda.memory_allocated())
+                net(x)
+                readings.append(torch.cuda.memory_allocated())
+        return step
+
+    e = estimate(build, gpu="H100-80GB", batch_size=16, steps=1, default_device="cuda")
+    weights_and_input = 64 * 64 * 4 + 16 * 64 * 4  # each a 512 B multiple already
+    assert readings == [weights_and_input + WS_HOPPER, weights_and_input,
+                        weights_and_input + WS_HOPPER]
+    assert e.workspace_bytes == WS_HOPPER  # the most held at once
+    assert not hasattr(torch._C, "_cuda_clearCublasWorkspaces") or torch.cuda.is_available()
+
+
 def test_exact_small_figures():
     e = estimate(rows, gpu=exact_gpu(1 << 30), batch_size=3, steps=1, default_device="cuda")
     # x: 3 MiB (a 20 MiB segment, split); x*2: 3 MiB from the same segment's remainder

@@ -600,6 +600,7 @@ def fake_cuda(
     capability: tuple[int, int],
     *,
     empty_cache: Callable[[], None] | None = None,
+    clear_workspaces: Callable[[], None] | None = None,
     readings: SimReadings | None = None,
     total_bytes: int = 0,
     context_bytes: int = 0,
@@ -609,7 +610,9 @@ def fake_cuda(
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
-    ``empty_cache`` is called by ``torch.cuda.empty_cache()``; ``readings`` answers the memory
+    ``empty_cache`` is called by ``torch.cuda.empty_cache()``, ``clear_workspaces`` by
+    ``torch._C._cuda_clearCublasWorkspaces()`` (a CUDA build's; PyTorch's memory tests call
+    it before each reading); ``readings`` answers the memory
     readings (``torch.cuda.memory_allocated()`` and the rest) from the estimate's simulator
     (without it, from an empty one). ``placement`` (:class:`~torchmem.fit.fakegpu._placement.Placement`)
     keeps the host and the GPU apart; without it every fake tensor stands for GPU memory and
@@ -710,8 +713,12 @@ def fake_cuda(
         accel_patches = {k: v for k, v in accel_patches.items() if hasattr(accel, k)}
         c_patches = {k: (lambda *a, **kw: cuda0) for k in
                      ("_get_accelerator", "_accelerator_getAccelerator") if hasattr(torch._C, k)}
+    clear = clear_workspaces if clear_workspaces is not None else (lambda: None)
+    c_patches["_cuda_clearCublasWorkspaces"] = lambda: clear()
+    if hasattr(cuda, "_clear_cublas_workspaces"):  # torch.cuda's name for it in later versions
+        patches["_clear_cublas_workspaces"] = lambda: clear()
     accel_saved = {k: getattr(accel, k) for k in accel_patches}
-    c_saved = {k: getattr(torch._C, k) for k in c_patches}
+    c_saved = {k: getattr(torch._C, k) for k in c_patches if hasattr(torch._C, k)}
     mode = _CudaToCpu(placement)
     loads: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if placement is not None:  # weights are never read: see _checkpoints
@@ -755,8 +762,11 @@ def fake_cuda(
             del torch.Tensor._make_subclass
         for k, v in accel_saved.items():
             setattr(accel, k, v)
-        for k, v in c_saved.items():
-            setattr(torch._C, k, v)
+        for k in c_patches:
+            if k in c_saved:
+                setattr(torch._C, k, c_saved[k])
+            else:
+                delattr(torch._C, k)
         torch.nn.Module._apply = module_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]

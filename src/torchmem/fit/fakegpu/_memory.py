@@ -82,8 +82,10 @@ class _State:
         self.peak_alloc = 0
         self.frag_at_peak = 0
         self.peak_res = 0
-        self.ws_bytes = 0
+        self.ws_bytes = 0  # workspace bytes held now
+        self.ws_most = 0  # the most held at once (the estimate's workspace_bytes)
         self.ws_keys: set[object] = set()
+        self.ws_blocks: list[tuple[int, int]] = []  # (address, size) of each held workspace
         #: where each storage is: the GPU or the host (:mod:`torchmem.fit.fakegpu._placement`)
         self.pl = Placement()
         #: host memory: live and peak bytes (pinned or pageable)
@@ -235,6 +237,24 @@ class _State:
             if addr is not None:
                 self.sim.free(addr)
 
+    def _workspace(self, nbytes: int, op: str, label: str) -> None:
+        addr = self._malloc(nbytes, None, op, label)
+        if addr is not None:
+            self.ws_blocks.append((addr, nbytes))
+            self.ws_bytes += nbytes
+            self.ws_most = max(self.ws_most, self.ws_bytes)
+
+    def clear_workspaces(self) -> None:
+        """``torch._C._cuda_clearCublasWorkspaces()``: every cuBLAS and cuBLASLt workspace goes
+        back to the caching allocator (cached there, not released), and the next GEMM of each
+        thread and stream allocates its own again, as ``CublasHandlePool.cpp``'s
+        ``clearCublasWorkspaces`` does (it clears the maps that own them)."""
+        for addr, nbytes in self.ws_blocks:
+            self.sim.free(addr)
+            self.ws_bytes -= nbytes
+        self.ws_blocks.clear()
+        self.ws_keys.clear()
+
     def after_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if not self.pl.current:  # an operator on host tensors: no GPU workspace
             return
@@ -245,8 +265,7 @@ class _State:
             )
             if key not in self.ws_keys:
                 self.ws_keys.add(key)
-                if self._malloc(self.ws_size, None, str(func), "cuBLAS workspace") is not None:
-                    self.ws_bytes += self.ws_size
+                self._workspace(self.ws_size, str(func), "cuBLAS workspace")
             # cuBLASLt's own workspace, after the cuBLAS one, at the first Lt GEMM
             lt_key = ("cublasLt", key)
             if (
@@ -256,8 +275,7 @@ class _State:
                 and self.emu.uses_cublaslt(func, args, kwargs or {})
             ):
                 self.ws_keys.add(lt_key)
-                if self._malloc(self.lt_size, None, str(func), "cuBLASLt workspace") is not None:
-                    self.ws_bytes += self.lt_size
+                self._workspace(self.lt_size, str(func), "cuBLASLt workspace")
         if self.emu is not None:
             # outputs CUDA keeps in host memory: not device memory after all
             for t in self.emu.host_outputs(func, out):

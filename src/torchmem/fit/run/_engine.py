@@ -264,6 +264,7 @@ def run_once(
     with _world(world, fake_mode, build, st, tracker), tracker, _gc_frozen():
         with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
+            clear_workspaces=st.clear_workspaces,
             total_bytes=card.total_bytes,
             context_bytes=card.context_bytes, placement=st.pl, devices=world or 1, values=values,
         ):
@@ -333,7 +334,7 @@ def run_once(
                         strict_values=strict_values, default_device=default_device,
                         routing=routing, levers=levers, stacks=stacks, stream=stream,
                         stop_over=stop_over)
-    if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_bytes:
+    if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_most:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""
         raise InvalidInputError(
@@ -476,7 +477,7 @@ def _result(
         oom=None if st.stopped else st.oom,
         stopped_over=st.stop_over if st.stopped else None,
         fragmentation_bytes=st.frag_at_peak,
-        workspace_bytes=st.ws_bytes,
+        workspace_bytes=st.ws_most,
         overhead={"cuda_context": card.context_bytes},
         steps=steps,
         alloc_conf=alloc_conf,
