@@ -212,6 +212,28 @@ def test_snapshot_in_pytorchs_format_with_stacks(tmp_path: Any) -> None:
     assert sum(s["allocated_size"] for s in seen["segments"]) == MiB
 
 
+def test_the_scripts_own_snapshot_while_the_estimate_keeps_stacks() -> None:
+    # keep_snapshot=True (and `torchmem estimate -o`) records every block's stack; a block whose
+    # stack no trace entry had interned yet made torch.cuda.memory_snapshot() raise IndexError
+    seen: dict[str, Any] = {}
+
+    def build(batch: int) -> Any:
+        keep = _empty(MiB)
+
+        def step() -> None:
+            y = _empty(3 * MiB)
+            seen["segments"] = torch.cuda.memory_snapshot()
+            seen["keep"] = keep
+            del y
+        return step
+
+    est = torchmem.estimate(build, gpu="H100-80GB", batch_size=1, steps=1, keep_snapshot=True)
+    blocks = [b for s in seen["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert sorted(b["requested_size"] for b in blocks) == [MiB, 3 * MiB]
+    assert all(any(fr["filename"] == __file__ for fr in b["frames"]) for b in blocks)
+    assert est.snapshot is not None and est.peak_requested_bytes == 4 * MiB
+
+
 def test_everything_is_restored_after_the_estimate() -> None:
     names = ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "memory_stats",
              "memory_summary", "mem_get_info", "_record_memory_history", "_snapshot")

@@ -314,6 +314,8 @@ def to_pytorch_dict(snapshot: Snapshot) -> dict[str, Any]:
     stack_lists: list[list[dict[str, Any]] | None] = [None] * len(snapshot.stacks)
 
     def sl(idx: int) -> list[dict[str, Any]]:
+        if idx >= len(stack_lists):  # a block's stack interned just now (not in any trace)
+            stack_lists.extend([None] * (len(snapshot.stacks) - len(stack_lists)))
         lst = stack_lists[idx]
         if lst is None:
             lst = stack_lists[idx] = [fd(f) for f in snapshot.stacks[idx]]
