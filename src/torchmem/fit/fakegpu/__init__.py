@@ -21,7 +21,9 @@ A run's operators flow through here, from the user's code down to the simulated 
 - ``_dist``: the other ranks of a job (a fake process group, :class:`FakeWorld`);
 - ``_checkpoints``: checkpoints loaded from their shapes, never their weights (``torch.load``,
   safetensors, transformers' ``from_pretrained``, Lightning's lazy load), with ``_imports``
-  patching libraries when the script imports them.
+  patching libraries when the script imports them;
+- ``_compile``: the program's ``torch.compile`` calls, which run eagerly here, named in the
+  report's note.
 
 It imports :mod:`torchmem.fit.verdict` only; the run (:mod:`torchmem.fit.run`) assembles it.
 

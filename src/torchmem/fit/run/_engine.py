@@ -43,6 +43,7 @@ import torch
 
 from torchmem.capture import track
 from torchmem.errors import InvalidInputError, TorchmemError
+from torchmem.fit.fakegpu._compile import compile_calls, compile_note
 from torchmem.fit.fakegpu._dispatch import _Abort, _SimMode
 from torchmem.fit.fakegpu._dist import DistWatch, FakeWorld, check_world_size
 from torchmem.fit.fakegpu._env import fake_cuda
@@ -270,7 +271,8 @@ def run_once(
         ):
             emu_ctx = emu if emu is not None else _Null()
             with emu_ctx, _SimMode(st, gen, values, routing), kv, lever_ctx, \
-                    SimulatedPointers(st, values), _own_hooks_unannounced():
+                    SimulatedPointers(st, values), _own_hooks_unannounced(), \
+                    compile_calls() as compiled:
                 try:
                     gen.install()
                     try:
@@ -351,6 +353,8 @@ def run_once(
     from torchmem.fit.fakegpu import _bnb, _checkpoints
 
     est.notes.extend(_checkpoints.NOTES)  # models loaded from their config alone
+    if compiled:  # torch.compile ran eagerly here: the report says so
+        est.notes.append(compile_note(compiled))
     if _bnb.PAGED:
         est.notes.append(_bnb.paged_note())
     if emu is not None:  # None: a plain fake run without the CUDA emulation (benchmarks/gpu_truth.py)
