@@ -248,3 +248,18 @@ def test_tmtrace_file_loads_as_snapshot(tmp_path: Path) -> None:
     assert snap.source.format == "torchmem-events"
     assert [b.size for s in snap.segments for b in s.blocks] == [1024]
     assert isinstance(snap, Snapshot)
+
+
+def test_a_trace_slices_like_a_list_of_its_entries() -> None:
+    raw = _raw("MAGMA27_a2__memory_snapshot.pickle")
+    trace = load_snapshot(DATA / "MAGMA27_a2__memory_snapshot.pickle").traces[0]
+    entries = list(trace)
+    assert len(entries) == len(raw["device_traces"][0]) > 600
+    for sl in (slice(None, 600), slice(-5, None), slice(10, 100, 7), slice(600, 10, -3),
+               slice(len(entries) + 5, None)):
+        got = trace[sl]
+        assert [(e.index, e.action, e.addr, e.size) for e in got] == [
+            (e.index, e.action, e.addr, e.size) for e in entries[sl]]
+    # the plain pickle's own entries, by position
+    assert [(e.action, e.size) for e in trace[:3]] == [
+        (r["action"], r["size"]) for r in raw["device_traces"][0][:3]]

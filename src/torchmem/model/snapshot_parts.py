@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from torchmem.model.events import Category, Phase
 
@@ -530,8 +530,25 @@ class DeviceTrace:
         self._text_count = len(texts)
         return i
 
-    def __getitem__(self, i: int) -> TraceEntry:
+    @overload
+    def __getitem__(self, i: int) -> TraceEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[TraceEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> TraceEntry | list[TraceEntry]:
+        """Entry ``i`` (negative counts from the end), or a list of entries for a slice.
+
+        Example:
+            >>> t = DeviceTrace(0, [()])
+            >>> t.append("alloc", 4096, 512, 0, None, 0)
+            >>> t.append("free_completed", 4096, 512, 0, None, 0)
+            >>> t[-1].action, [e.action for e in t[:1]], t[5:]
+            ('free_completed', ['alloc'], [])
+        """
         n = len(self.actions)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
         if i < 0:
             i += n
         if not 0 <= i < n:
