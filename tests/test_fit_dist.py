@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 
 import pytest
@@ -287,6 +288,54 @@ def test_tensor_parallel_holds_its_slices():
     assert e.collectives["_c10d_functional::all_reduce"]["largest_buffer_bytes"] == 8 * 256 * 4
 
 
+def _uneven_tp_build(batch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda", (4,))
+    net = torch.nn.Sequential(torch.nn.Linear(256, 10)).cuda()  # 10 rows over 4 ranks
+    parallelize_module(net, mesh, {"0": ColwiseParallel()})
+    seen["rank"] = (dist.get_rank(), os.environ["RANK"], os.environ["LOCAL_RANK"])
+    return _adamw_step(net, batch, 256)
+
+
+seen: dict[str, object] = {}
+
+
+def test_another_rank_holds_its_own_slice_of_an_uneven_split(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    # rank 0, then rank 3 in the same process: DTensor's cached plans of rank 0 (its local
+    # shapes) must not be reused for rank 3
+    for rank in (0, 3):
+        e = estimate(_uneven_tp_build, batch_size=8, world_size=4, rank=rank,
+                     default_device="cuda")
+        # torch.chunk's split of 10 output rows over 4 ranks: 3, 3, 3, 1 (weight rows, bias)
+        rows = [3, 3, 3, 1][rank]
+        one = 4 * (rows * 256 + rows)
+        assert e.model_state["gradient"] == one and e.model_state["optimizer_state"] == 2 * one
+        # DTensor scatters padded shards (3 rows each) and narrows the last rank's to its row:
+        # that parameter is a view, and the padded buffer stays allocated under it
+        assert e.model_state["parameter"] == 4 * (3 * 256 + 3)
+        assert seen["rank"] == (rank, str(rank), str(rank))
+        assert e.rank == rank and e.to_dict()["rank"] == rank
+        assert f"rank {rank} of 4:" in e.verdict_line()
+
+
+@pytest.mark.parametrize("bad", [4, -1, 1.0, True])
+def test_a_rank_outside_the_job_is_a_clear_error(bad):
+    with pytest.raises(InvalidInputError, match="rank must be an int from 0 to 3"):
+        estimate(_fsdp_build, batch_size=2, world_size=4, rank=bad, default_device="cuda")
+
+
+def test_a_rank_without_a_world_size_or_with_what_if_is_refused():
+    with pytest.raises(InvalidInputError, match="no world size was given"):
+        estimate(_fsdp_build, batch_size=2, rank=1, default_device="cuda")
+    with pytest.raises(InvalidInputError, match="levers are tried on rank 0"):
+        estimate(_fsdp_build, batch_size=2, world_size=4, rank=1, what_if=True,
+                 default_device="cuda")
+
+
 def test_an_initialised_default_group_is_an_error_and_is_left_alone():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -368,6 +417,23 @@ def test_cli_world_size_text(train, capsys):
 def test_cli_bad_world_size(train, capsys, value):
     assert main(["estimate", f"{train}:build", "--world-size", value]) == 2
     assert "--world-size: expected the number of ranks" in capsys.readouterr().err
+
+
+def test_cli_rank(train, capsys):
+    assert main(["estimate", f"{train}:build", "--world-size", "8", "--rank", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 7 of 8: FITS" in out and "rank 7 of 8: model state" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "8", "--rank", "8"], "rank must be an int from 0 to 7"),
+    (["--rank", "1"], "--rank 1 names one rank of a job, but no --world-size was given"),
+    (["--world-size", "8", "--rank", "-1"], "--rank: expected a rank of the job"),
+])
+def test_cli_bad_rank(train, capsys, argv, message):
+    assert main(["estimate", f"{train}:build", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_cli_world_size_with_hf_config_is_refused(tmp_path, capsys):

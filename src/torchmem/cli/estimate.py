@@ -23,9 +23,10 @@ fit (``--max``: not even 1), 2 bad input (an unknown parameter, a value of the w
 search range in which nothing fits, ...). ``--hf-config config.json --task
 forward|generate|train`` estimates a transformers model from its config alone instead of a
 build function (:mod:`torchmem.cli._estimate_hf`); ``--max seq_len`` works there too.
-``--world-size N`` estimates rank 0 of an N-rank job: ``build`` may call ``fully_shard`` or wrap
-in DDP (a fake process group of N ranks; see :func:`torchmem.estimate`); the report adds the
-model state at the end of ``optimizer.step()`` and the collectives with their largest buffers.
+``--world-size N`` estimates rank 0 of an N-rank job (``--rank R`` another rank): ``build`` may
+call ``fully_shard`` or wrap in DDP (a fake process group of N ranks; see
+:func:`torchmem.estimate`); the report adds the model state at the end of ``optimizer.step()``
+and the collectives with their largest buffers.
 
 ``--what-if`` (``--levers a,b+c`` to choose them) also tries the memory levers on the step, each applied
 by torchmem to the model and optimizer ``build`` makes (:mod:`torchmem.fit.levers._whatif`): a table
@@ -133,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
                              "or wrap in DistributedDataParallel; shards, all-gathers, "
                              "reduce-scatters and DDP buckets get their per-rank sizes and the "
                              "collectives' buffers are reported as 'communication'")
+    parser.add_argument("--rank", type=_rank, default=None, metavar="R",
+                        help="with --world-size N: the rank to estimate, 0 to N-1 (default 0); "
+                             "a plan that splits a dimension unevenly gives the last ranks "
+                             "fewer rows")
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
@@ -170,6 +175,17 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
     add_hf_arguments(parser)
 
 
+def _int_at_least(text: str, low: int, expected: str) -> int:
+    """``text`` as an int >= ``low``; else argparse's error, which names the option."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = low - 1
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return n
+
+
 def _world_size(text: str) -> int:
     """``--world-size`` as an int >= 1 (argparse reports the error with the option's name).
 
@@ -177,14 +193,17 @@ def _world_size(text: str) -> int:
         >>> _world_size("64")
         64
     """
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected the number of ranks, an int >= 1 (e.g. --world-size 8), got {text!r}")
-    return n
+    return _int_at_least(text, 1, "the number of ranks, an int >= 1 (e.g. --world-size 8)")
+
+
+def _rank(text: str) -> int:
+    """``--rank`` as an int >= 0 (whether it is below the world size is checked with it).
+
+    Example:
+        >>> _rank("3")
+        3
+    """
+    return _int_at_least(text, 0, "a rank of the job, an int >= 0 (e.g. --rank 3)")
 
 
 def _fmt(n: int) -> str:
@@ -335,7 +354,7 @@ def _render_ranks(est: Any, con: Any) -> None:
     if getattr(est, "world_size", None) is None:
         return
     if est.model_state:
-        t = Table(title=f"rank 0 of {est.world_size}: model state at the end of "
+        t = Table(title=f"rank {getattr(est, 'rank', 0)} of {est.world_size}: model state at the end of "
                         "optimizer.step()", show_header=True)
         t.add_column("category")
         t.add_column("bytes", justify="right")
@@ -527,6 +546,14 @@ def run(args: argparse.Namespace) -> int:
             options["default_device"] = args.default_device
         if getattr(args, "routing", None):
             options["routing"] = args.routing
+    if getattr(args, "rank", None) is not None:
+        if getattr(args, "world_size", None) is None:
+            raise InvalidInputError(
+                f"--rank {args.rank} names one rank of a job, but no --world-size was given; "
+                "fix: add --world-size N (the job's number of ranks), or drop --rank"
+            )
+        if not getattr(args, "hf_config", None):
+            options["rank"] = args.rank
     if getattr(args, "hf_config", None) and getattr(args, "world_size", None) is not None:
         raise InvalidInputError(
             "--world-size runs a build function's sharding (fully_shard, DDP) on a fake process "

@@ -4,11 +4,14 @@
 
 - **The process group** is PyTorch's own *fake* backend (``FakeProcessGroup`` with a
   ``FakeStore``, from ``torch.testing._internal.distributed.fake_pg``, the one PyTorch's tests
-  use for ``fully_shard`` under fake tensors): rank 0 of ``N``; collectives return at once and
+  use for ``fully_shard`` under fake tensors): rank ``R`` of ``N`` (``rank=R``, default 0;
+  :func:`check_rank`); collectives return at once and
   move no data, but every tensor they are given or return has its real per-rank size, so
   ``fully_shard`` (FSDP2) shards to ``ceil(dim0 / N)`` rows (padded), all-gathers into
-  ``N x shard`` buffers and reduce-scatters from them exactly as on a real job. ``RANK``,
-  ``LOCAL_RANK`` and ``WORLD_SIZE`` are set when unset. A default process group that is
+  ``N x shard`` buffers and reduce-scatters from them exactly as on a real job; a tensor
+  parallel plan gives the rank its own local shapes (``torch.chunk``'s split: the last ranks
+  of an uneven dimension hold fewer rows). ``RANK`` and ``LOCAL_RANK`` (the rank),
+  ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are set when unset. A default process group that is
   already initialised is an **error** (torchmem never reuses or tears down a group it did not
   create); the build's own ``dist.init_process_group(...)`` is accepted and does nothing.
   On exit the group is destroyed and every patch is undone, so a second estimate starts clean.
@@ -93,6 +96,63 @@ def check_world_size(value: object, where: str = "world_size") -> int | None:
             f"{value!r} ({type(value).__name__}); fix: e.g. {where}=8 for 8 GPUs"
         )
     return value
+
+
+def check_rank(rank: Any, world_size: int | None, where: str = "rank") -> int:
+    """Validate the rank a per-rank estimate runs: an int in ``0 .. world_size - 1``; a rank
+    other than 0 needs a world size.
+
+    Example:
+        >>> check_rank(3, 8)
+        3
+        >>> check_rank(8, 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: rank must be an int from 0 to 7 ..., got 8 ...
+    """
+    if world_size is None:
+        if rank == 0 and isinstance(rank, int) and not isinstance(rank, bool):
+            return 0
+        raise InvalidInputError(
+            f"{where} {rank!r} names one rank of a job, but no world size was given; fix: give "
+            "the job's size too (world_size=N, CLI: --world-size N), or drop the rank"
+        )
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise InvalidInputError(
+            f"{where} must be an int from 0 to {world_size - 1} (a rank of the "
+            f"{world_size}-rank job), got {rank!r} ({type(rank).__name__}); fix: e.g. "
+            f"{where}={world_size - 1} for the last rank"
+        )
+    return rank
+
+
+def _forget_plans() -> None:
+    """Clear DTensor's caches of sharding plans. They are keyed by the device mesh, which
+    compares equal across ranks, and hold the local shapes of the rank that filled them: a
+    process runs one rank on a real job, but an estimate of rank 3 after one of rank 0 would
+    reuse rank 0's shapes (a view of 3 rows on rank 3's 1-row shard)."""
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # another torch version: nothing of the kind to clear
+        return
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+
+
+def levers_on_rank_0(rank: int) -> None:
+    """``what_if`` tries its levers on rank 0 of a job only: another rank is refused.
+
+    Example:
+        >>> levers_on_rank_0(0)
+        >>> levers_on_rank_0(2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: what_if with rank=2: the levers are tried on rank 0 ...
+    """
+    if rank:
+        raise InvalidInputError(
+            f"what_if with rank={rank}: the levers are tried on rank 0 of the job only; fix: "
+            f"drop rank, or estimate rank {rank} without what_if"
+        )
 
 
 def _local(t: Any) -> torch.Tensor | None:
@@ -283,7 +343,7 @@ class DistWatch:
 
 
 class FakeWorld:
-    """Rank 0 of a ``world_size``-rank job in this process: PyTorch's fake process group and
+    """Rank ``rank`` (default 0) of a ``world_size``-rank job in this process: PyTorch's fake process group and
     the patches that let ``fully_shard``/DDP run under ``fake_mode`` (see the module's
     docstring). ``extra_globals``: namespaces (the build's module globals) whose
     ``init_device_mesh``/``init_process_group`` are patched too; ``modes``: dispatch-mode
@@ -296,13 +356,17 @@ class FakeWorld:
         >>> with FakeWorld(4, FakeTensorMode()):
         ...     dist.get_world_size(), dist.get_rank()
         (4, 0)
+        >>> with FakeWorld(4, FakeTensorMode(), rank=3):
+        ...     dist.get_rank()
+        3
         >>> dist.is_initialized()
         False
     """
 
     def __init__(self, world_size: int, fake_mode: Any, extra_globals: list[dict[str, Any]]
-                 | None = None, modes: tuple[type, ...] = ()) -> None:
+                 | None = None, modes: tuple[type, ...] = (), rank: int = 0) -> None:
         self.world_size = check_world_size(world_size) or 1
+        self.rank = check_rank(rank, self.world_size)
         self.fake_mode = fake_mode
         self._extra = extra_globals or []
         self._modes = modes  # more dispatch modes that must see DTensor's local operations
@@ -328,11 +392,13 @@ class FakeWorld:
 
         stack = self._stack
         keep_defaults_groupless()  # else a dispatch mode entered later may keep the fake group
+        _forget_plans()  # another rank's, from an earlier estimate in this process
+        stack.callback(_forget_plans)
         try:
-            dist.init_process_group("fake", rank=0, world_size=self.world_size,
+            dist.init_process_group("fake", rank=self.rank, world_size=self.world_size,
                                     store=FakeStore())
             stack.callback(_destroy)
-            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"),
+            for name, value in (("RANK", str(self.rank)), ("LOCAL_RANK", str(self.rank)),
                                 ("WORLD_SIZE", str(self.world_size)),
                                 ("LOCAL_WORLD_SIZE", str(self.world_size))):
                 if name not in os.environ:

@@ -45,7 +45,7 @@ from torchmem.capture import track
 from torchmem.errors import InvalidInputError, TorchmemError
 from torchmem.fit.fakegpu._compile import compile_calls, compile_note
 from torchmem.fit.fakegpu._dispatch import _Abort, _SimMode
-from torchmem.fit.fakegpu._dist import DistWatch, FakeWorld, check_world_size
+from torchmem.fit.fakegpu._dist import DistWatch, FakeWorld, check_rank, check_world_size
 from torchmem.fit.fakegpu._env import fake_cuda
 from torchmem.fit.fakegpu._generate import GenerationPatches
 from torchmem.fit.fakegpu._memory import _REPORT_KEYS, _live_at, _make_sim, _State
@@ -142,6 +142,7 @@ def run_once(
     params: Mapping[str, Any] | None = None,
     kv_cache_attr: Sequence[str] | None = None,
     world_size: int | None = None,
+    rank: int = 0,
     strict_values: bool = False,
     extrapolate_decode: bool = False,
     default_device: str | None = None,
@@ -160,8 +161,8 @@ def run_once(
     (:mod:`torchmem.fit.run._kv`); transformers (``generate()``, its mask code) runs with its own
     value reads answered as on a GPU (:mod:`torchmem.fit.fakegpu._generate`).
 
-    ``world_size=N`` runs rank 0 of an ``N``-rank job under a fake process group
-    (:mod:`torchmem.fit.fakegpu._dist`): ``build`` may call ``fully_shard`` or wrap in DDP.
+    ``world_size=N`` runs rank ``rank`` (default 0) of an ``N``-rank job under a fake process
+    group (:mod:`torchmem.fit.fakegpu._dist`): ``build`` may call ``fully_shard`` or wrap in DDP.
 
     Values read from tensors (``.item()``, ``float(t)``, ``if t:``, ``.tolist()``) are answered
     by :mod:`torchmem.fit.fakegpu._values`' policy and listed in ``Estimate.assumed_values``;
@@ -215,6 +216,7 @@ def run_once(
     card = _gpu(gpu)
     attrs = check_attrs(kv_cache_attr)
     world = check_world_size(world_size)
+    rank = check_rank(rank, world)
     on_device = check_default_device(default_device)
     routing = check_routing(routing)
     kw = dict(params or {})
@@ -262,7 +264,7 @@ def run_once(
     # that makes many objects (fake tensors, data preparation) otherwise pays for full passes
     # over them, several times what its plain run pays (a process that froze objects itself
     # keeps its own freeze)
-    with _world(world, fake_mode, build, st, tracker), tracker, _gc_frozen():
+    with _world(world, fake_mode, build, st, tracker, rank), tracker, _gc_frozen():
         with fake_mode, fake_cuda(
             card.name, card.compute_capability, empty_cache=sim.empty_cache, readings=readings,
             clear_workspaces=st.clear_workspaces,
@@ -333,6 +335,7 @@ def run_once(
     if feed is not None and feed.rec.replayed and not feed.rec.valid:
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
+                        rank=rank,
                         strict_values=strict_values, default_device=default_device,
                         routing=routing, levers=levers, stacks=stacks, stream=stream,
                         stop_over=stop_over)
@@ -349,6 +352,7 @@ def run_once(
         )
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv, feed)
     est.params = kw
+    est.rank = rank
     est.assumed_values = [r.to_dict() for r in values.reads]
     from torchmem.fit.fakegpu import _bnb, _checkpoints
 
@@ -389,14 +393,15 @@ def check_default_device(device: Any) -> Callable[[], Any]:
 
 @contextlib.contextmanager
 def _world(
-    world: int | None, fake_mode: Any, build: Any, st: _State, tracker: Any
+    world: int | None, fake_mode: Any, build: Any, st: _State, tracker: Any, rank: int = 0
 ) -> Iterator[None]:
     """For a per-rank estimate (``world`` ranks): the fake process group and the watch of
     the run's categories and collectives (:mod:`torchmem.fit.fakegpu._dist`); nothing otherwise."""
     if world is None:
         yield
         return
-    with FakeWorld(world, fake_mode, [getattr(build, "__globals__", {})], (_SimMode,)), DistWatch(
+    with FakeWorld(world, fake_mode, [getattr(build, "__globals__", {})], (_SimMode,),
+                   rank=rank), DistWatch(
         st.sid_of.get, lambda: len(tracker)
     ) as watch:
         st.dist = watch
@@ -510,7 +515,7 @@ def _dist_result(est: Estimate, world: int, st: _State, tracker: Any) -> None:
                 state[key] += n
         est.model_state = state
     est.notes.append(
-        f"rank 0 of {world} (a fake process group: collectives move no data; every buffer "
+        f"rank {est.rank} of {world} (a fake process group: collectives move no data; every buffer "
         "has its per-rank size)"
     )
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchmem.errors import InvalidInputError
-from torchmem.fit.fakegpu._dist import check_world_size
+from torchmem.fit.fakegpu._dist import check_rank, check_world_size, levers_on_rank_0
 from torchmem.fit.run._engine import BuildFn, run_once
 from torchmem.fit.search._bracket import _search, _stream_search
 from torchmem.fit.search._checks import _apply_margin, _check_params, _check_range, _is_int
@@ -61,6 +61,7 @@ def estimate(
     default_device: str | None = None,
     routing: str = "balanced",
     what_if: bool | Sequence[str] = False,
+    rank: int = 0,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -130,7 +131,8 @@ def estimate(
     by ``one_hot`` gives each expert its share, ``routing="balanced"``, or every token,
     ``routing="worst"``), listed in ``assumed_values`` too (:mod:`torchmem.fit.fakegpu._shapes`).
 
-    ``world_size=N`` estimates one rank (rank 0) of an ``N``-rank job without the ranks:
+    ``world_size=N`` estimates one rank (``rank``, default 0) of an ``N``-rank job without the
+    ranks (``rank=R`` runs rank R: its own shards where a plan splits unevenly):
     torchmem creates PyTorch's fake process group of ``N`` ranks for ``build`` and ``step``,
     so ``build`` may call ``fully_shard`` (FSDP2) or wrap the model in
     ``DistributedDataParallel``; shards, all-gathers, reduce-scatters and DDP's gradient
@@ -169,6 +171,7 @@ def estimate(
     card = _gpu(gpu)
     margin = check_margin(margin)
     world_size = check_world_size(world_size)
+    rank = check_rank(rank, world_size)
     kw = dict(params or {})
     if not all(isinstance(k, str) for k in kw):
         raise InvalidInputError(f"params must map keyword names to values, got keys {list(kw)}")
@@ -210,7 +213,7 @@ def estimate(
         # out-of-memory site, and an answer with one (nothing fits) is rerun with them
         e = run_once(build, b, card, steps=steps, alloc_conf=alloc_conf, keep_snapshot=snap,
                      params={**kw, **extra}, kv_cache_attr=kv_cache_attr,
-                     world_size=world_size, strict_values=strict_values,
+                     world_size=world_size, rank=rank, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
                      routing=routing, stream=stream, stop_over=stop_over,
                      stacks=not fast)
@@ -224,6 +227,7 @@ def estimate(
                 f"{maximize!r} is both set (params) and maximized; fix: drop it from params"
             )
 
+        levers_on_rank_0(rank)
         chosen = check_levers(None if what_if is True else what_if)
         return _what_if(build, card, batch_size or 1, kw, chosen, maximize, margin, progress,
                         dict(steps=steps, alloc_conf=alloc_conf, kv_cache_attr=kv_cache_attr,

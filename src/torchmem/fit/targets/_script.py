@@ -78,7 +78,7 @@ from torchmem._scripts import script_file
 from torchmem.capture.tracker._sites import BOUNDARIES
 from torchmem.errors import InvalidInputError
 from torchmem.fit.fakegpu._dispatch import _Abort
-from torchmem.fit.fakegpu._dist import check_world_size
+from torchmem.fit.fakegpu._dist import check_rank, check_world_size, levers_on_rank_0
 from torchmem.fit.run._engine import _hint, _user_frame, run_once
 from torchmem.fit.search._bracket import _search
 from torchmem.fit.search._checks import _apply_margin, _check_range
@@ -491,6 +491,7 @@ def estimate_script(
     routing: str = "balanced",
     what_if: bool | Sequence[str] = False,
     world_size: int | None = None,
+    rank: int = 0,
 ) -> ScriptEstimate:
     """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
     ``python -m script args`` with ``module=True``) under the estimate (see the module
@@ -505,9 +506,9 @@ def estimate_script(
     probe) for the largest value that fits, with the search of :func:`torchmem.estimate`
     (``search_range=(lo, hi[, step])``, ``progress(message)`` told each probe); the answer is
     ``max_value`` (and ``max_batch_size`` for ``batch-size``), its option in ``params``.
-    ``world_size=N`` runs the script as rank 0 of an ``N``-rank job (a fake process group:
-    ``init_process_group``, device meshes and FSDP2 work as on ``N`` GPUs), as for a build
-    function.
+    ``world_size=N`` runs the script as rank ``rank`` (default 0) of an ``N``-rank job (a fake
+    process group: ``init_process_group``, device meshes and FSDP2 work as on ``N`` GPUs;
+    ``RANK`` and ``LOCAL_RANK`` are the rank), as for a build function.
 
     Returns a :class:`ScriptEstimate`; ``.script`` (:class:`ScriptRun`) says how many optimizer
     steps ran, why the run stopped and which writes (``torch.save``, safetensors) were skipped.
@@ -539,10 +540,12 @@ def estimate_script(
     card = _gpu(gpu)
     spec = check_margin(margin)
     world_size = check_world_size(world_size)
+    rank = check_rank(rank, world_size)
     target = _find(os.fspath(script), module)
     lo, hi, step = _check_range(search_range, maximize)
 
     if what_if is not False:
+        levers_on_rank_0(rank)
         return _script_what_if(target, list(args), card, steps, float(time_limit), what_if,
                                maximize, spec, progress, keep_snapshot, search_range,
                                dict(alloc_conf=alloc_conf, strict_values=strict_values,
@@ -554,7 +557,7 @@ def estimate_script(
         try:
             e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
                          strict_values=strict_values, default_device=default_device,
-                         routing=routing, world_size=world_size)
+                         routing=routing, world_size=world_size, rank=rank)
         except InvalidInputError as err:
             if "put nothing on the GPU" not in str(err):
                 raise

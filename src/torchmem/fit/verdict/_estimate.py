@@ -131,8 +131,9 @@ class Estimate:
     kernel(s) ``scaled_dot_product_attention`` ran (``"flash"``, ``"efficient"``, ``"math"``;
     ``None`` when it was not called).
 
-    A per-rank estimate (``world_size=N``: rank 0 of an ``N``-rank job under a fake process
-    group, :mod:`torchmem.fit.fakegpu._dist`) sets ``world_size``; ``by_category["communication"]``
+    A per-rank estimate (``world_size=N``: rank ``rank`` of an ``N``-rank job, rank 0 unless
+    asked for another, under a fake process group, :mod:`torchmem.fit.fakegpu._dist`) sets
+    ``world_size`` and ``rank``; ``by_category["communication"]``
     holds the collectives' buffers live at the peak; ``model_state`` gives the
     ``parameter``, ``gradient``, ``optimizer_state`` and ``communication`` bytes live at the
     end of the last ``optimizer.step()`` (empty when the step never calls one);
@@ -191,6 +192,8 @@ class Estimate:
     fits_without_margin: bool | None = None
     attention_kernel: str | None = None
     world_size: int | None = None
+    #: the rank a per-rank estimate ran (0 unless asked for another)
+    rank: int = 0
     model_state: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     assumed_values: list[dict[str, Any]] = field(default_factory=list)
@@ -249,7 +252,7 @@ class Estimate:
         what = f", batch {self.batch_size}" if self.batch_size is not None else ""
         what += "".join(f", {k} {v}" for k, v in self.params.items())
         if self.world_size is not None:
-            what += f", rank 0 of {self.world_size}"
+            what += f", rank {self.rank} of {self.world_size}"
         kept = f"; margin {format_bytes(self.margin_bytes)} kept free" if self.margin_bytes else ""
         if self.incomplete:
             return (f"{self.gpu}{what}: INCOMPLETE, no verdict ({self.incomplete}); peak "
@@ -343,7 +346,8 @@ class Estimate:
         if self.kv_cache is not None:
             d.update(self.kv_cache.to_dict())
         if self.world_size is not None:
-            d.update(world_size=self.world_size, model_state=dict(self.model_state),
+            d.update(world_size=self.world_size, rank=self.rank,
+                     model_state=dict(self.model_state),
                      collectives={k: dict(v) for k, v in self.collectives.items()})
         d["assumed_values"] = [dict(a) for a in self.assumed_values]
         if self.what_if:
