@@ -336,6 +336,29 @@ def test_a_rank_without_a_world_size_or_with_what_if_is_refused():
                  default_device="cuda")
 
 
+def test_a_mesh_that_does_not_divide_the_world_is_a_clear_error():
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_device_mesh("cuda", (3,))
+        return _adamw_step(torch.nn.Linear(8, 8).cuda(), batch, 8)
+
+    with pytest.raises(InvalidInputError, match=r"a mesh of shape \(3,\) \(3 ranks\) does not "
+                       r"divide the job's 4 ranks .*e\.g\. --world-size 6"):
+        estimate(build, batch_size=2, world_size=4, default_device="cuda")
+    # a mesh whose size divides the world's (2 x 4 on 8 ranks) is accepted
+    estimate(_mesh_build((2, 4)), batch_size=2, world_size=8, default_device="cuda")
+
+
+def _mesh_build(shape):
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_device_mesh("cuda", shape, mesh_dim_names=("dp", "tp"))
+        return _adamw_step(torch.nn.Linear(8, 8).cuda(), batch, 8)
+    return build
+
+
 def test_an_initialised_default_group_is_an_error_and_is_left_alone():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import warnings
@@ -137,6 +138,31 @@ def _forget_plans() -> None:
         return
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
+
+
+def _check_mesh(shape: Any, world_size: int) -> None:
+    """A device mesh of the job must fit its ranks: a mesh whose size does not divide the
+    world size (``(3,)`` on 4 ranks) is refused in one line, naming the fix (a mesh larger
+    than the world is torch's own error).
+
+    Example:
+        >>> _check_mesh((2, 4), 8); _check_mesh((2,), 8)
+        >>> _check_mesh((3,), 4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        torchmem.errors.InvalidInputError: init_device_mesh: a mesh of shape (3,) (3 ranks) does not divide ...
+    """
+    try:
+        dims = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return  # not a shape: torch's own error says so
+    size = math.prod(dims)
+    if size >= 1 and size <= world_size and world_size % size:
+        raise InvalidInputError(
+            f"init_device_mesh: a mesh of shape {dims} ({size} ranks) does not divide the job's "
+            f"{world_size} ranks (world_size={world_size}); fix: a world size that is a multiple "
+            f"of {size} (e.g. --world-size {size * -(-world_size // size)}), or a mesh whose "
+            f"dimensions multiply to a divisor of {world_size}"
+        )
 
 
 def levers_on_rank_0(rank: int) -> None:
@@ -451,8 +477,12 @@ class FakeWorld:
 
         original_mesh = dm.init_device_mesh
 
+        world = self.world_size
+
         @functools.wraps(original_mesh)
         def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+            shape = args[0] if args else kwargs.get("mesh_shape")
+            _check_mesh(shape, world)
             with _disable_current_modes():
                 return original_mesh(device_type, *args, **kwargs)
 
