@@ -46,9 +46,10 @@ def _lightning(batch, model_class=_Model, **trainer_options):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
                                        batch_size=batch)
     model = model_class()                               # on the host: Lightning moves it
-    trainer = L.Trainer(max_steps=2, accelerator="gpu", devices=1, logger=False,
+    options = {"devices": 1, **trainer_options}
+    trainer = L.Trainer(max_steps=2, accelerator="gpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, **trainer_options)
+                        enable_model_summary=False, **options)
     return lambda: trainer.fit(model, data)
 
 
@@ -278,24 +279,33 @@ def test_sharding_levers_on_fabric_shard_the_model_inside_its_wrapper(tmp_path):
         assert r.peak_requested_bytes < e.peak_requested_bytes
 
 
-def test_sharding_levers_on_lightning_shard_what_its_training_step_calls():
-    """A ``LightningModule``'s ``training_step`` calls its network, never its own ``forward``:
-    FSDP2 on the module itself would never gather (the rows failed mixing DTensors into a
-    plain ``addmm``), and a weak proxy Lightning keeps to it broke the search for the model.
-    The sharding rows shard its children that hold the parameters, equal to
-    ``fully_shard(self.net)`` written before its optimizer (estimated as rank 0 of 2; with
-    ``CPUOffloadPolicy`` on one GPU), all three GPU peaks to the byte."""
+def test_sharding_levers_on_lightning_are_its_own_fsdp_strategy_or_shard_its_network():
+    """``fsdp_2`` on a one-device Lightning ``Trainer`` is Lightning's own sharding:
+    ``strategy="fsdp", devices=2`` (its ``FSDPStrategy``, FSDP1), equal to that written into
+    the ``Trainer`` by hand and estimated as rank 0 of 2. ``cpu_offload`` (one GPU) shards the
+    children that hold the parameters (a ``LightningModule``'s ``training_step`` calls its
+    network, never its own ``forward``: FSDP2 on the module itself would never gather), equal
+    to ``fully_shard(self.net, offload_policy=CPUOffloadPolicy())`` written before its
+    optimizer. All three GPU peaks to the byte."""
     e = torchmem.estimate(_lightning, gpu="T4", batch_size=16, what_if=["fsdp_2", "cpu_offload"])
     rows = {r.lever: r for r in e.what_if}
 
     class _Offloaded(_ShardedModel):
         offload = True
 
-    for lever, cls, world in (("fsdp_2", _ShardedModel, 2), ("cpu_offload", _Offloaded, 1)):
-        r = rows[lever]
-        assert r.skipped is None and r.applied.endswith(": Sequential"), (r.skipped, r.applied)
-        h = torchmem.estimate(lambda b, c=cls: _lightning(b, model_class=c), gpu="T4",
-                              batch_size=16, world_size=world)
+    fsdp = rows["fsdp_2"]
+    assert fsdp.skipped is None, fsdp.skipped
+    assert fsdp.applied == "sharded over 2 GPUs by Lightning: strategy='fsdp', devices=2"
+    by_hand = torchmem.estimate(lambda b: _lightning(b, strategy="fsdp", devices=2), gpu="T4",
+                                batch_size=16, world_size=2)
+    offload = rows["cpu_offload"]
+    assert offload.skipped is None and offload.applied.endswith(": Sequential"), offload.applied
+    offload_by_hand = torchmem.estimate(lambda b: _lightning(b, model_class=_Offloaded),
+                                        gpu="T4", batch_size=16, world_size=1)
+    for r, h in ((fsdp, by_hand), (offload, offload_by_hand)):
         assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
-            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), r.lever
         assert r.peak_requested_bytes < e.peak_requested_bytes
+    # FSDP1 shards the flat parameters over the 2 ranks: half the model per rank
+    params = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
+    assert by_hand.model_state["parameter"] == params // 2

@@ -288,7 +288,7 @@ class LeverRun:
         if (self.accumulate > 1 or self.lora or self.fsdp
                 or self.replace_optimizer in (torch.optim.Adafactor, _adam8bit())):
             self._patch_trainer()
-        if self.accumulate > 1 or self.autocast is not None:
+        if self.accumulate > 1 or self.autocast is not None or self.fsdp is True:
             self._patch_lightning()
         return self
 
@@ -297,7 +297,10 @@ class LeverRun:
         lever is on, its ``accumulate_grad_batches`` is multiplied by ``accumulate`` (it calls
         the optimizer's step every that many batches), and a full-precision ``Trainer`` gets
         ``precision="16-mixed"`` or ``"bf16-mixed"`` for the autocast levers (instead of
-        torchmem's autocast and scaler), where Lightning is imported."""
+        torchmem's autocast and scaler), and a one-device ``Trainer`` with no strategy of its
+        own gets ``strategy="fsdp", devices=N`` for the sharding levers over N GPUs (Lightning's
+        ``FSDPStrategy``, FSDP1, as written by hand; the lever runs as rank 0 of N), where
+        Lightning is imported."""
         import sys
 
         lever = self
@@ -315,6 +318,8 @@ class LeverRun:
                     kwargs["precision"] = want
                     lever._user_scales = True  # the lever's scaler stays out
                     lever.trainer_precision = f"by Lightning: precision={want!r}"
+                if lever.fsdp is True and not lever.trainer_shards:
+                    lever._lightning_shards(kwargs)
                 if lever.accumulate > 1 and not lever.accumulated_by:
                     k = kwargs.get("accumulate_grad_batches", 1)
                     kwargs["accumulate_grad_batches"] = int(k) * lever.accumulate
@@ -326,6 +331,20 @@ class LeverRun:
             functools.update_wrapper(init, orig)
             setattr(trainer, "__init__", init)  # noqa: B010
             self._undo.append(lambda t=trainer, o=orig: setattr(t, "__init__", o))  # type: ignore[misc]
+
+    def _lightning_shards(self, kwargs: dict[str, Any]) -> None:
+        """A Lightning ``Trainer``'s own sharding for ``fsdp_N`` (see :meth:`_patch_lightning`):
+        only where it runs on one device with no strategy chosen (the lever's world is the
+        fake group's N ranks)."""
+        import torch.distributed as dist
+
+        n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if n < 2 or kwargs.get("strategy", "auto") != "auto":
+            return
+        if kwargs.get("devices", "auto") not in ("auto", 1, "1", [0]):
+            return
+        kwargs["strategy"], kwargs["devices"] = "fsdp", n
+        self.trainer_shards = f"by Lightning: strategy='fsdp', devices={n}"
 
     def _patch_trainer(self) -> None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
