@@ -459,6 +459,63 @@ def test_cli_bad_rank(train, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+TP_BUILD = textwrap.dedent("""
+    import torch
+
+    def build(batch):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cuda", (4,))
+        net = torch.nn.Sequential(torch.nn.Linear(256, 10)).cuda()  # 3, 3, 3, 1 rows
+        parallelize_module(net, mesh, {"0": ColwiseParallel()})
+        x = torch.randn(batch, 256, device="cuda")
+        opt = torch.optim.AdamW(net.parameters())
+
+        def step():
+            net(x).sum().backward(); opt.step(); opt.zero_grad()
+        return step
+""")
+
+
+def test_cli_every_rank(tmp_path, capsys):
+    path = tmp_path / "tp.py"
+    path.write_text(TP_BUILD)
+    assert main(["estimate", f"{path}:build", "--world-size", "4", "--rank", "all",
+                 "--batch-size", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    ranks = d["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and d["worst_rank"] == 0
+    # each rank its own slice (gradients: rows x 257 floats), as --rank R alone gives
+    assert [r["model_state"]["gradient"] for r in ranks] == [4 * 257 * n for n in (3, 3, 3, 1)]
+    one = estimate(lambda b: _load(path)(b), batch_size=8, world_size=4, rank=3)
+    assert ranks[3]["peak_requested_bytes"] == one.peak_requested_bytes
+    assert ranks[3]["peak_requested_bytes"] < ranks[0]["peak_requested_bytes"]
+    assert main(["estimate", f"{path}:build", "--world-size", "4", "--rank", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "worst rank: 0 (peak reserved" in out and "the worst rank's report (rank 0)" in out
+    assert len([ln for ln in out.splitlines() if ln.strip().split(" ")[0] in "0123"
+                and ln.rstrip().endswith("FITS")]) == 4
+
+
+def _load(path):
+    ns: dict[str, object] = {}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    return ns["build"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--what-if"], "--rank all with --what-if: those give one answer per run"),
+    (["--max-batch-size"], "--rank all with --max"),
+    ([], "but no --world-size was given"),
+])
+def test_cli_every_rank_refuses_what_gives_one_answer(train, capsys, extra, message):
+    world = [] if not extra else ["--world-size", "2"]
+    assert main(["estimate", f"{train}:build", "--rank", "all", *world, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_cli_world_size_with_hf_config_is_refused(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text("{}")

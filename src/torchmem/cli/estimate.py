@@ -135,9 +135,10 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
                              "reduce-scatters and DDP buckets get their per-rank sizes and the "
                              "collectives' buffers are reported as 'communication'")
     parser.add_argument("--rank", type=_rank, default=None, metavar="R",
-                        help="with --world-size N: the rank to estimate, 0 to N-1 (default 0); "
+                        help="with --world-size N: the rank to estimate, 0 to N-1 (default 0; "
                              "a plan that splits a dimension unevenly gives the last ranks "
-                             "fewer rows")
+                             "fewer rows), or 'all': each rank in turn, a table of their peaks "
+                             "and the worst rank's report")
     parser.add_argument("--alloc-conf", default=None, metavar="CONF",
                         help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. "
                              "'expandable_segments:True'")
@@ -196,14 +197,17 @@ def _world_size(text: str) -> int:
     return _int_at_least(text, 1, "the number of ranks, an int >= 1 (e.g. --world-size 8)")
 
 
-def _rank(text: str) -> int:
-    """``--rank`` as an int >= 0 (whether it is below the world size is checked with it).
+def _rank(text: str) -> int | str:
+    """``--rank`` as an int >= 0 (whether it is below the world size is checked with it), or
+    ``"all"`` (every rank, :mod:`torchmem.cli._estimate_ranks`).
 
     Example:
-        >>> _rank("3")
-        3
+        >>> _rank("3"), _rank("all")
+        (3, 'all')
     """
-    return _int_at_least(text, 0, "a rank of the job, an int >= 0 (e.g. --rank 3)")
+    if text == "all":
+        return text
+    return _int_at_least(text, 0, "a rank of the job, an int >= 0 (e.g. --rank 3), or all")
 
 
 def _fmt(n: int) -> str:
@@ -546,7 +550,15 @@ def run(args: argparse.Namespace) -> int:
             options["default_device"] = args.default_device
         if getattr(args, "routing", None):
             options["routing"] = args.routing
-    if getattr(args, "rank", None) is not None:
+    every_rank = getattr(args, "rank", None) == "all"
+    if every_rank:
+        from torchmem.cli._estimate_ranks import check_all_ranks
+
+        check_all_ranks(getattr(args, "world_size", None), {
+            "--what-if": bool(getattr(args, "what_if", False)), "--max": maximize is not None,
+            "-o": bool(args.output), "--suggest": bool(getattr(args, "suggest", False)),
+            "--hf-config": bool(getattr(args, "hf_config", None))})
+    elif getattr(args, "rank", None) is not None:
         if getattr(args, "world_size", None) is None:
             raise InvalidInputError(
                 f"--rank {args.rank} names one rank of a job, but no --world-size was given; "
@@ -580,6 +592,13 @@ def run(args: argparse.Namespace) -> int:
         options["what_if"] = True if names is None else names
     # with --json, stdout is the JSON document: what the user's code prints goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    if every_rank:
+        from torchmem.cli._estimate_ranks import run_all_ranks
+
+        def one(rank: int) -> Any:
+            with quiet:
+                return _estimate(args, card, params, maximize, say, {**options, "rank": rank})
+        return run_all_ranks(args.world_size, one, say, args.json, render_text)
     with quiet:
         est = _estimate(args, card, params, maximize, say, options)
     if args.output:
