@@ -529,3 +529,21 @@ def test_the_split_at_an_out_of_memory_point_is_the_one_at_that_moment() -> None
     # output (kept for backward: an activation)
     assert (cats["activation"], cats["temporary"]) == (one, one)
     assert params + 3 * one == e.peak_requested_bytes
+
+
+def test_hub_kernels_are_off_inside_an_estimate_and_the_environment_is_put_back(monkeypatch):
+    # transformers 5.25+ downloads CUDA kernels from the Hub for a model on a GPU (RoPE's
+    # kernels-community/rotary), failing offline; under the estimate its own switch is off
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    seen = []
+
+    def build(batch):
+        seen.append(os.environ.get("USE_HUB_KERNELS"))
+        x = torch.zeros(batch, device="cuda")
+        return lambda: seen.append(os.environ.get("USE_HUB_KERNELS")) or x.sum()
+
+    estimate(build, gpu="T4", batch_size=4, steps=1)
+    assert seen == ["NO", "NO"] and "USE_HUB_KERNELS" not in os.environ
+    monkeypatch.setenv("USE_HUB_KERNELS", "YES")  # the program's own choice is left alone
+    estimate(build, gpu="T4", batch_size=4, steps=1)
+    assert seen[2:] == ["YES", "YES"] and os.environ["USE_HUB_KERNELS"] == "YES"

@@ -55,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -343,6 +344,21 @@ class _Stream(_Event):
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@contextlib.contextmanager
+def _no_hub_kernels() -> Iterator[None]:
+    """transformers 5.25+ swaps in CUDA kernels from the Hub for a model on a GPU (RoPE's
+    ``kernels-community/rotary``); the estimate downloads nothing: the layers run their PyTorch
+    code, as transformers' ``USE_HUB_KERNELS=NO`` makes them (unless the program sets it)."""
+    if "USE_HUB_KERNELS" in os.environ:
+        yield
+        return
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    try:
+        yield
+    finally:
+        os.environ.pop("USE_HUB_KERNELS", None)
 
 
 def _fake_record_stream(self: torch.Tensor, stream: Any) -> None:
@@ -751,7 +767,7 @@ def fake_cuda(
         RandomSampler.__iter__ = _real_indices(sampler_iter)  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = _real_init(loader_iter_init)  # type: ignore[method-assign]
         DataLoader.__iter__ = _main_process_iter(loader_iter)  # type: ignore[method-assign]
-        with loads, mode:
+        with loads, mode, _no_hub_kernels():
             yield
     finally:
         FakeTensor.device = fake_device  # type: ignore[method-assign]
