@@ -28,20 +28,6 @@ class _Model(L.LightningModule):
         return torch.optim.AdamW(self.parameters())
 
 
-class _ShardedModel(_Model):
-    """By hand: FSDP2 on the network the training step calls, before its optimizer."""
-
-    offload = False
-
-    def configure_optimizers(self):
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
-
-        if not isinstance(self.net, FSDPModule):  # fit() runs once per estimated step
-            fully_shard(self.net, **({"offload_policy": CPUOffloadPolicy()}
-                                     if self.offload else {}))
-        return super().configure_optimizers()
-
-
 def _lightning(batch, model_class=_Model, **trainer_options):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 512)),
                                        batch_size=batch)
@@ -236,22 +222,24 @@ def test_fp16_lever_on_lightning_is_its_16_mixed_precision():
 FABRIC = """
 import sys, torch
 import lightning as L
-fabric = L.Fabric(accelerator="cuda", devices=1)
+from lightning.fabric.strategies import FSDPStrategy
+how = sys.argv[1] if sys.argv[1:] else ""
+# by hand: Fabric's own sharding over 2 GPUs, or on one GPU with the state on the host
+kw = ({"strategy": "fsdp", "devices": 2} if how == "fsdp" else
+      {"strategy": FSDPStrategy(cpu_offload=True), "devices": 1} if how == "offload" else
+      {"devices": 1})
+fabric = L.Fabric(accelerator="cuda", **kw)
 fabric.launch()
+with fabric.rank_zero_first():  # litgpt's data setup: a Gloo group and its monitored barrier
+    data = torch.randn(16, 512)
 with fabric.init_module():
     model = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
         for _ in range(4)])
-if sys.argv[1:]:  # by hand: FSDP2 on each block and the model, before Fabric wraps it
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    kw = {"offload_policy": CPUOffloadPolicy()} if sys.argv[1] == "offload" else {}
-    for block in model:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
 model = fabric.setup_module(model)
 opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
 for i in range(3):
-    loss = model(torch.randn(16, 512, device=fabric.device)).pow(2).mean()
+    loss = model(data.to(fabric.device)).pow(2).mean()
     fabric.backward(loss)
     opt.step()
     opt.zero_grad()
@@ -259,39 +247,45 @@ for i in range(3):
 """
 
 
-def test_sharding_levers_on_fabric_shard_the_model_inside_its_wrapper(tmp_path):
-    """Lightning Fabric's shape: ``fabric.setup_module(model)``, then the optimizer. The
-    sharding levers shard the model inside Fabric's ``_FabricModule`` (FSDP2 on the wrapper
-    itself changed its class and lost its ``_original_module``: the rows failed): ``fsdp_2``
-    equals ``fully_shard`` of each block and the model written before ``setup_module`` and
-    estimated as rank 0 of 2, ``cpu_offload`` the same with ``CPUOffloadPolicy`` on one GPU, all
-    three GPU peaks to the byte."""
+def test_sharding_levers_on_fabric_are_its_own_fsdp_strategy(tmp_path):
+    """Lightning Fabric's shape (litgpt's): ``fabric.launch()``, ``rank_zero_first()`` (a
+    ``new_group(backend="gloo")`` and its ``monitored_barrier``: under the fake ranks the group
+    is a fake one, the barrier returns; a Gloo group over the fake store failed every sharding
+    row), ``fabric.setup_module(model)``, then the optimizer. The sharding levers are Fabric's
+    own: ``fsdp_2`` is ``Fabric(strategy="fsdp", devices=2)`` and ``cpu_offload``
+    ``Fabric(strategy=FSDPStrategy(cpu_offload=True), devices=1)``, each equal to that written by
+    hand and estimated as rank 0 of its ranks, all three GPU peaks to the byte."""
     script = tmp_path / "fabric_script.py"
     script.write_text(FABRIC)
     e = torchmem.estimate_script(str(script), [], "T4", what_if=["fsdp_2", "cpu_offload"])
     rows = {r.lever: r for r in e.what_if}
-    for lever, how, world in (("fsdp_2", "shard", 2), ("cpu_offload", "offload", 1)):
+    hands = {}
+    for lever, how, world, said in (
+            ("fsdp_2", "fsdp", 2, "sharded over 2 GPUs by Lightning Fabric: strategy='fsdp', "
+                                  "devices=2"),
+            ("cpu_offload", "offload", 1, "sharded over 1 GPU by Lightning Fabric: "
+                                          "strategy=FSDPStrategy(cpu_offload=True), devices=1")):
         r = rows[lever]
         assert r.skipped is None, r.skipped
-        h = torchmem.estimate_script(str(script), [how], "T4", world_size=world)
+        assert r.applied == said
+        h = hands[lever] = torchmem.estimate_script(str(script), [how], "T4", world_size=world)
         assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
-        assert r.peak_requested_bytes < e.peak_requested_bytes
+    # FSDP1 over 2 ranks: each holds half the flat parameters (4 blocks of two Linear layers)
+    params = 4 * (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
+    assert hands["fsdp_2"].model_state["parameter"] == params // 2
+    assert rows["fsdp_2"].peak_requested_bytes < e.peak_requested_bytes
+    assert rows["cpu_offload"].peak_requested_bytes < e.peak_requested_bytes
 
 
 def test_sharding_levers_on_lightning_are_its_own_fsdp_strategy_or_shard_its_network():
     """``fsdp_2`` on a one-device Lightning ``Trainer`` is Lightning's own sharding:
     ``strategy="fsdp", devices=2`` (its ``FSDPStrategy``, FSDP1), equal to that written into
-    the ``Trainer`` by hand and estimated as rank 0 of 2. ``cpu_offload`` (one GPU) shards the
-    children that hold the parameters (a ``LightningModule``'s ``training_step`` calls its
-    network, never its own ``forward``: FSDP2 on the module itself would never gather), equal
-    to ``fully_shard(self.net, offload_policy=CPUOffloadPolicy())`` written before its
-    optimizer. All three GPU peaks to the byte."""
+    the ``Trainer`` by hand and estimated as rank 0 of 2; ``cpu_offload`` (one GPU) is
+    ``strategy=FSDPStrategy(cpu_offload=True)``, equal to that written by hand. All three GPU
+    peaks to the byte."""
     e = torchmem.estimate(_lightning, gpu="T4", batch_size=16, what_if=["fsdp_2", "cpu_offload"])
     rows = {r.lever: r for r in e.what_if}
-
-    class _Offloaded(_ShardedModel):
-        offload = True
 
     fsdp = rows["fsdp_2"]
     assert fsdp.skipped is None, fsdp.skipped
@@ -299,9 +293,13 @@ def test_sharding_levers_on_lightning_are_its_own_fsdp_strategy_or_shard_its_net
     by_hand = torchmem.estimate(lambda b: _lightning(b, strategy="fsdp", devices=2), gpu="T4",
                                 batch_size=16, world_size=2)
     offload = rows["cpu_offload"]
-    assert offload.skipped is None and offload.applied.endswith(": Sequential"), offload.applied
-    offload_by_hand = torchmem.estimate(lambda b: _lightning(b, model_class=_Offloaded),
-                                        gpu="T4", batch_size=16, world_size=1)
+    assert offload.skipped is None and offload.applied == (
+        "sharded over 1 GPU by Lightning: strategy=FSDPStrategy(cpu_offload=True), devices=1")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    offload_by_hand = torchmem.estimate(
+        lambda b: _lightning(b, strategy=FSDPStrategy(cpu_offload=True)), gpu="T4",
+        batch_size=16, world_size=1)
     for r, h in ((fsdp, by_hand), (offload, offload_by_hand)):
         assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), r.lever

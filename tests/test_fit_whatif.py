@@ -1321,3 +1321,60 @@ def test_a_sharding_row_the_script_refuses_gives_the_scripts_own_error(tmp_path)
                           f"{script}:6 (assert gradient_accumulation_steps % ddp_world_size "
                           "== 0)"), why
     assert "nothing on the GPU" not in why.replace("before it put anything on the GPU", "")
+
+
+HF_PARSER_TRAINER = """
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer,
+                          TrainingArguments)
+(args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses()
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000,
+                                   n_positions=128))
+rows = [{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.randint(0, 1000, (64,))}
+        for _ in range(64)]
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_trainer_levers_are_its_own_command_line_options(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """run_clm's shape (``HfArgumentParser`` reads ``TrainingArguments`` from the command
+    line; the model made on the host, the Trainer moves it): accumulation, float16 autocast,
+    activation checkpointing and Adafactor are the Trainer's own options, each row equal to the
+    option written on the command line by hand (``--per_device_train_batch_size 4
+    --gradient_accumulation_steps 2``, ``--fp16``, ``--gradient_checkpointing``, ``--optim
+    adafactor``), all three GPU peaks to the byte, and saying so."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "clm_script.py"
+    f.write_text(HF_PARSER_TRAINER)
+    base = ["--output_dir", "out", "--max_steps", "4", "--report_to", "none",
+            "--save_strategy", "no", "--disable_tqdm", "true"]
+    e = torchmem.estimate_script(
+        str(f), [*base, "--per_device_train_batch_size", "8"], "T4",
+        what_if=["grad_accumulation_2", "fp16_autocast", "activation_checkpointing",
+                 "adafactor"])
+    rows = {r.lever: r for r in e.what_if}
+    import transformers
+
+    checkpointing = ("activation_checkpointing" if int(transformers.__version__.split(".")[0]) >= 5
+                     else "gradient_checkpointing")
+    by_hand = {
+        "grad_accumulation_2": (["--per_device_train_batch_size", "4",
+                                 "--gradient_accumulation_steps", "2"],
+                                "batch as 2 micro-batches, accumulated by the Trainer: "
+                                "gradient_accumulation_steps=1 -> 2"),
+        "fp16_autocast": (["--fp16"], "mixed precision by the Trainer: fp16=True"),
+        "activation_checkpointing": (["--gradient_checkpointing"],
+                                     f"checkpointed by the Trainer: {checkpointing}=True"),
+        "adafactor": (["--optim", "adafactor"],
+                      "AdamW -> the Trainer's optim='adafactor' (transformers' Adafactor)"),
+    }
+    for lever, (option, said) in by_hand.items():
+        r = rows[lever]
+        assert r.skipped is None, r.skipped
+        assert r.applied == said, lever
+        batch = [] if "--per_device_train_batch_size" in option else [
+            "--per_device_train_batch_size", "8"]
+        h = torchmem.estimate_script(str(f), [*base, *batch, *option], "T4")
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever

@@ -444,6 +444,17 @@ class FakeWorld:
         self._stack.close()
 
     # -- patches -------------------------------------------------------------------------
+    def _patch_groups(self) -> None:
+        """New groups (``new_group(backend="gloo")``, subgroups) on the fake backend too, and
+        monitored barriers (Gloo's alone) that return at once."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        helper = c10d.__dict__["_new_process_group_helper"]
+        self._set(c10d, "_new_process_group_helper", _fake_backend(helper))
+        self._replace_everywhere(dist.monitored_barrier, _no_wait, "monitored_barrier")
+        self._set(dist.ProcessGroup, "monitored_barrier", _no_wait)
+
     def _set(self, owner: Any, name: str, value: Any) -> None:
         if isinstance(owner, type) and name not in owner.__dict__:  # inherited: delete after
             setattr(owner, name, value)
@@ -495,6 +506,7 @@ class FakeWorld:
             return None  # the fake group of the estimate is already the default group
 
         self._replace_everywhere(original_init, init_process_group, "init_process_group")
+        self._patch_groups()
 
         # DTensor's random ops on a "cuda" mesh run under an offset-based RNG tracker (a
         # higher-order operator); fake tensors have no random values: plain random ops
@@ -536,6 +548,33 @@ class FakeWorld:
 
         self._set(_Comm, "_install_resize", _no_resize_wrapper)
         self._set(DistributedDataParallel, "__new__", _ddp_new)
+
+
+def _fake_backend(helper: Callable[..., Any]) -> Callable[..., Any]:
+    """``distributed_c10d._new_process_group_helper`` making every new group on the fake
+    backend: a group the program asks of another backend (Lightning's barrier makes a
+    ``"gloo"`` one) would build that backend over the fake store, which it cannot use."""
+    import inspect
+
+    sig = inspect.signature(helper)
+
+    @functools.wraps(helper)
+    def new_group_helper(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        backend = bound.arguments.get("backend")
+        if backend is not None and str(backend).lower() != "fake":
+            bound.arguments["backend"] = "fake"
+            if "backend_options" in sig.parameters:
+                bound.arguments["backend_options"] = None  # another backend's options
+        return helper(*bound.args, **bound.kwargs)
+
+    return new_group_helper
+
+
+def _no_wait(*args: Any, **kwargs: Any) -> None:
+    """A monitored barrier in the fake world: no other rank to wait for (the fake backend has
+    no ``monitoredBarrier``; only Gloo's has)."""
+    return None
 
 
 def _dtensor_device(t: Any) -> torch.device:

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.levers._lightning import patch_lightning
 from torchmem.fit.levers._model_parts import (
     _cast,
     _checkpointed,
@@ -156,6 +157,10 @@ class LeverRun:
         self.sharded: list[str] = []
         self.adapted: list[tuple[str, list[str], int, int, int]] = []
         self.lora_refused: list[str] = []
+        #: the program's own LoRA run instead of peft's (litgpt's finetune_lora), in words
+        self.lora_by = ""
+        #: activation checkpointing the Trainer does itself, in words
+        self.trainer_checkpoints = ""
         self.scaled: list[str] = []
         self.offloaded: list[tuple[str, int, int]] = []
         self.trainer_accumulates = False
@@ -191,7 +196,8 @@ class LeverRun:
                 "optimizer_already", "converted",
                 "sharded", "adapted", "lora_refused", "scaled", "offloaded",
                 "trainer_accumulates", "script_accumulates", "accumulated_by",
-                "trainer_optimizer", "trainer_precision", "trainer_shards")
+                "trainer_optimizer", "trainer_precision", "trainer_shards", "lora_by",
+                "trainer_checkpoints")
         return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -288,63 +294,16 @@ class LeverRun:
         if (self.accumulate > 1 or self.lora or self.fsdp
                 or self.replace_optimizer in (torch.optim.Adafactor, _adam8bit())):
             self._patch_trainer()
-        if self.accumulate > 1 or self.autocast is not None or self.fsdp is True:
+        if self.accumulate > 1 or self.autocast is not None or self.fsdp:
             self._patch_lightning()
+        if self.autocast is not None or self.checkpoint:
+            self._patch_training_args()
         return self
 
     def _patch_lightning(self) -> None:
-        """Lightning's ``Trainer`` accumulates and mixes precision itself: made while the
-        lever is on, its ``accumulate_grad_batches`` is multiplied by ``accumulate`` (it calls
-        the optimizer's step every that many batches), and a full-precision ``Trainer`` gets
-        ``precision="16-mixed"`` or ``"bf16-mixed"`` for the autocast levers (instead of
-        torchmem's autocast and scaler), and a one-device ``Trainer`` with no strategy of its
-        own gets ``strategy="fsdp", devices=N`` for the sharding levers over N GPUs (Lightning's
-        ``FSDPStrategy``, FSDP1, as written by hand; the lever runs as rank 0 of N), where
-        Lightning is imported."""
-        import sys
-
-        lever = self
-        for name in ("lightning.pytorch", "pytorch_lightning"):
-            trainer = getattr(sys.modules.get(name), "Trainer", None)
-            if not isinstance(trainer, type) or "__init__" not in vars(trainer):
-                continue
-            orig = vars(trainer)["__init__"]
-
-            def init(tr: Any, *args: Any, __orig: Any = orig, **kwargs: Any) -> None:
-                if lever.autocast is not None and kwargs.get("precision") in _FULL_PRECISION:
-                    # Lightning's own mixed precision: its autocast and (float16) GradScaler,
-                    # which calls the optimizer's step with Lightning's closure
-                    want = "16-mixed" if lever.autocast == torch.float16 else "bf16-mixed"
-                    kwargs["precision"] = want
-                    lever._user_scales = True  # the lever's scaler stays out
-                    lever.trainer_precision = f"by Lightning: precision={want!r}"
-                if lever.fsdp is True and not lever.trainer_shards:
-                    lever._lightning_shards(kwargs)
-                if lever.accumulate > 1 and not lever.accumulated_by:
-                    k = kwargs.get("accumulate_grad_batches", 1)
-                    kwargs["accumulate_grad_batches"] = int(k) * lever.accumulate
-                    lever.trainer_accumulates = True
-                    lever.accumulated_by = (f"by Lightning: accumulate_grad_batches={k} -> "
-                                            f"{kwargs['accumulate_grad_batches']}")
-                __orig(tr, *args, **kwargs)
-
-            functools.update_wrapper(init, orig)
-            setattr(trainer, "__init__", init)  # noqa: B010
-            self._undo.append(lambda t=trainer, o=orig: setattr(t, "__init__", o))  # type: ignore[misc]
-
-    def _lightning_shards(self, kwargs: dict[str, Any]) -> None:
-        """A Lightning ``Trainer``'s own sharding for ``fsdp_N`` (see :meth:`_patch_lightning`):
-        only where it runs on one device with no strategy chosen (the lever's world is the
-        fake group's N ranks)."""
-        import torch.distributed as dist
-
-        n = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if n < 2 or kwargs.get("strategy", "auto") != "auto":
-            return
-        if kwargs.get("devices", "auto") not in ("auto", 1, "1", [0]):
-            return
-        kwargs["strategy"], kwargs["devices"] = "fsdp", n
-        self.trainer_shards = f"by Lightning: strategy='fsdp', devices={n}"
+        """Lightning's ``Trainer`` and ``Fabric`` apply the levers they have themselves
+        (:func:`torchmem.fit.levers._lightning.patch_lightning`)."""
+        self._undo.extend(patch_lightning(self))
 
     def _patch_trainer(self) -> None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
@@ -369,6 +328,18 @@ class LeverRun:
         stack.enter_context(when_imported({"transformers.trainer": self._patch_trainer_class}))
         self._undo.append(stack.close)
 
+    def _patch_training_args(self) -> None:
+        """transformers' ``TrainingArguments`` made while the lever is on get the Trainer's own
+        options, as ``--fp16``/``--bf16`` and ``--gradient_checkpointing`` written by hand
+        (:func:`torchmem.fit.levers._hf.patch_training_args`), once the step imports them."""
+        from torchmem.fit.fakegpu._imports import when_imported
+        from torchmem.fit.levers._hf import patch_training_args
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(when_imported(
+            {"transformers.training_args": lambda m: patch_training_args(self, m)}))
+        self._undo.append(stack.close)
+
     def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
         """:meth:`_patch_trainer` on ``transformers.trainer``, once imported."""
         import importlib.util
@@ -384,8 +355,11 @@ class LeverRun:
             if (lever.accumulate > 1 and targs is not None and not lever.accumulated_by
                     and hasattr(targs, "gradient_accumulation_steps")):
                 # (not where the script's own option was multiplied: it feeds the Trainer)
-                targs.gradient_accumulation_steps *= lever.accumulate
+                k = targs.gradient_accumulation_steps
+                targs.gradient_accumulation_steps = k * lever.accumulate
                 lever.trainer_accumulates = True
+                lever.accumulated_by = (f"by the Trainer: gradient_accumulation_steps={k} -> "
+                                        f"{k * lever.accumulate}")
             if (lever.replace_optimizer is torch.optim.Adafactor and targs is not None
                     and getattr(targs, "optim", None) is not None):
                 # the Trainer's own way: optim="adafactor" (transformers' Adafactor)
@@ -464,7 +438,7 @@ class LeverRun:
     def _first_call(self, root: torch.nn.Module) -> None:
         for m in root.modules():
             self._seen.add(m)
-        if self.checkpoint:
+        if self.checkpoint and not self.trainer_checkpoints:
             for name, block in repeated_blocks(root):
                 if getattr(block.forward, "__torchmem_checkpointed__", False):
                     continue
@@ -661,7 +635,9 @@ class LeverRun:
         for root in roots:
             if self.weights_dtype is not None and root not in self._done:
                 self._convert(root)
-        if self.lora:
+        if self.lora and self.lora_by:
+            self._own_adapters(roots)
+        elif self.lora:
             params = self._adapt(roots, params)
         if not self.fsdp or self.trainer_shards:
             return params
@@ -696,6 +672,13 @@ class LeverRun:
     def _get_peft_model(self, root: torch.nn.Module) -> torch.nn.Module | None:
         """``get_peft_model(root, LoraConfig(...))`` on ``root``'s attention projections,
         recorded in ``adapted``; ``None`` (the reason in ``lora_refused``) without them."""
+        training = [(n, p.numel()) for n, p in root.named_parameters() if p.requires_grad]
+        if training and all("lora_" in n for n, _ in training):
+            total = sum(p.numel() for p in root.parameters())
+            self.lora_refused.append(
+                f"no change: {type(root).__name__} already trains LoRA adapters only "
+                f"({sum(k for _, k in training):,} of {total:,} parameters)")
+            return None
         targets = attention_projections(root)
         if not targets:
             self.lora_refused.append(
@@ -721,6 +704,16 @@ class LeverRun:
         self.adapted.append((name, targets, layers, sum(p.numel() for p in mine), total))
         self._peft.add(wrapped)
         return wrapped
+
+    def _own_adapters(self, roots: list[torch.nn.Module]) -> None:
+        """The program's own LoRA adapters (``lora_by``), recorded in ``adapted`` as peft's
+        would be: the layers holding ``lora_`` parameters, trainable and all parameters."""
+        for root in roots:
+            named = list(root.named_parameters())
+            training = [(n, p.numel()) for n, p in named if p.requires_grad]
+            layers = {n.split(".lora_")[0] for n, _ in training if ".lora_" in n}
+            self.adapted.append((type(root).__name__, [self.lora_by], len(layers),
+                                 sum(k for _, k in training), sum(p.numel() for _, p in named)))
 
     def _adapt(self, roots: list[torch.nn.Module], params: list[Any]) -> list[Any]:
         """LoRA adapters on each root's attention projections (peft's ``get_peft_model``);
@@ -763,10 +756,6 @@ class LeverRun:
             else:
                 out.extend(remap([p]))
         return out
-
-
-#: Lightning's ``precision`` values of a full-precision run (None: not given, its default)
-_FULL_PRECISION = (None, 32, "32", "32-true")
 
 
 def _adam8bit() -> type:

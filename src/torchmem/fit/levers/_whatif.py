@@ -192,6 +192,8 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
         return None if any(x is None for x in said) else "; ".join(x or "" for x in said)
     s = lv.settings
     if lv.name == "activation_checkpointing":
+        if lr.trainer_checkpoints:
+            return f"checkpointed {lr.trainer_checkpoints}"
         if not lr.wrapped:
             return None
         return f"checkpointed {len(lr.wrapped)} blocks: {_names(lr.wrapped)}"
@@ -225,6 +227,9 @@ def _applied(lv: Lever, lr: LeverRun, base_opts: list[str]) -> str | None:
     if "lora" in s:
         if not lr.adapted:
             return None
+        if lr.lora_by:
+            return "; ".join(f"LoRA r={s['lora']} {lr.lora_by} ({n} layers of {cls}): {k:,} of "
+                             f"{tot:,} parameters trainable" for cls, _, n, k, tot in lr.adapted)
         return "; ".join(
             f"LoRA r={s['lora']} on {', '.join(t)} ({n} layers) of {cls}: {k:,} of {tot:,} "
             "parameters trainable" for cls, t, n, k, tot in lr.adapted)

@@ -155,6 +155,48 @@ def script_accumulation(args: Sequence[str], source: str,
     return None
 
 
+#: litgpt's training commands: with ``--devices N`` (N > 1) each shards the model itself
+#: (``FSDPStrategy`` wrapping every transformer block), its own way to spread over N GPUs
+LITGPT_SHARDING = frozenset({"finetune", "finetune_lora", "finetune_full", "finetune_adapter",
+                             "finetune_adapter_v2", "finetune_lora_legacy", "pretrain"})
+
+
+def litgpt_command(args: Sequence[str], name: str, module: bool, source: str) -> str | None:
+    """The litgpt command run (``finetune_full`` of ``litgpt finetune_full CKPT ...``, as
+    ``-m litgpt`` or its ``litgpt`` command), or ``None`` for any other program.
+
+    Example:
+        >>> litgpt_command(["finetune_full", "ckpt"], "litgpt", True, "")
+        'finetune_full'
+        >>> litgpt_command(["finetune_full"], "train.py", False, "import torch")
+    """
+    litgpt = (module and name.split(".")[0] == "litgpt") or (
+        not module and "from litgpt.__main__ import" in source)
+    return args[0] if litgpt and args else None
+
+
+def script_devices(args: Sequence[str], name: str, module: bool,
+                   source: str) -> int | None:
+    """The devices a program that shards over its ``--devices`` itself runs on (litgpt's
+    training commands, :data:`LITGPT_SHARDING`, run as ``-m litgpt`` or its ``litgpt``
+    command): the command line's ``--devices``, else litgpt's default 1; ``None`` for any
+    other program or a value that is no int (``auto``).
+
+    Example:
+        >>> script_devices(["finetune_lora", "ckpt", "--devices", "1"], "litgpt", True, "")
+        1
+        >>> script_devices(["pretrain"], "litgpt", True, ""), script_devices([], "x.py", False, "")
+        (1, None)
+    """
+    if litgpt_command(args, name, module, source) not in LITGPT_SHARDING:
+        return None
+    try:
+        value = _current("--devices", args)
+    except InvalidInputError:
+        return None
+    return 1 if value is None else value
+
+
 def with_option(args: Sequence[str], flag: str, value: int) -> list[str]:
     """``args`` with ``flag value`` replaced (every occurrence) or appended.
 

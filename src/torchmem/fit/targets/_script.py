@@ -87,8 +87,10 @@ from torchmem.fit.targets._options import (
     _current,
     _default,
     _option,
+    litgpt_command,
     script_accumulation,
     script_batch,
+    script_devices,
     with_option,
 )
 from torchmem.fit.targets._sandbox import ScratchFiles
@@ -391,11 +393,30 @@ class _Run:
     # -- after the run -----------------------------------------------------------------------------
 
     def _at(self, exc: BaseException) -> str:
-        fr = _user_frame(exc, {os.path.abspath(self.target.path), self.target.path})
+        prefer = {os.path.abspath(self.target.path), self.target.path}
+        package = self._package_dir()
+        if package:  # a package run with -m: where in the package it raised (the innermost)
+            import traceback
+
+            prefer |= {fr.filename for fr in traceback.extract_tb(exc.__traceback__)
+                       if os.path.abspath(fr.filename).startswith(package)}
+        fr = _user_frame(exc, prefer)
         if fr is None:
             return ""
         code = _statement(fr.filename, fr.lineno or 0, getattr(fr, "end_lineno", None), fr.line)
         return f" at {fr.filename}:{fr.lineno}" + (f" ({code})" if code else "")
+
+    def _package_dir(self) -> str:
+        """The folder of the top-level package a ``-m`` run belongs to (with a trailing
+        separator), or ``""``."""
+        if not self.target.module:
+            return ""
+        try:
+            spec = importlib.util.find_spec(self.target.name.split(".")[0])
+        except (ImportError, ValueError):
+            return ""
+        places = list(spec.submodule_search_locations or ()) if spec is not None else []
+        return os.path.join(os.path.abspath(places[0]), "") if places else ""
 
     def raise_bad_end(self, peak: str, e: Estimate | None = None) -> None:
         """Raise what the script's own bad end says (rejected arguments, a non-zero exit, an
@@ -611,6 +632,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
     chosen = check_levers(None if isinstance(what_if, bool) else what_if)
     batch = script_batch(argv, target.source)
     own = script_accumulation(argv, target.source)
+    devices = script_devices(argv, target.name, target.module, target.source)
+    litgpt = litgpt_command(argv, target.name, target.module, target.source)
     flag = ident = None
     first: int | None = None
     if maximize is not None:  # the script's own option, searched as --max alone searches it
@@ -647,6 +670,14 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                 lr.accumulated_by = f"by the script: {own[0]}={own[1]} -> {own[1] * k}"
             else:
                 lr.script_accumulates = True
+        if lr.fsdp is True and devices == 1 and world_size is not None and world_size > 1:
+            # the program's own sharding over N GPUs (litgpt: FSDP around every block)
+            run_argv = with_option(run_argv, "--devices", world_size)
+            lr.trainer_shards = f"by the program: --devices 1 -> {world_size}"
+        if lr.lora and litgpt == "finetune_full":
+            # litgpt's own LoRA: its finetune_lora command (rank r on query and value)
+            run_argv = ["finetune_lora", *with_option(run_argv[1:], "--lora_r", lr.lora)]
+            lr.lora_by = f"by the program: finetune_full -> finetune_lora --lora_r {lr.lora}"
         r = _Run(target, run_argv, steps, time_limit)
         o = dict(opts)
         if alloc_conf is not None:
