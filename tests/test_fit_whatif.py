@@ -1193,6 +1193,53 @@ def test_accumulation_on_an_accelerate_loop_multiplies_its_own_option(tmp_path) 
 
 
 
+#: the accelerate loop with accelerate's own settings written by hand (what ``accelerate launch``
+#: with them gives): mixed precision and the FSDP2 plugin
+ACCELERATE_BY_HAND = ACCELERATE_LOOP.replace(
+    "a = p.parse_args()\n",
+    "p.add_argument('--mixed_precision', default=None)\n"
+    "p.add_argument('--fsdp', default='')\n"
+    "a = p.parse_args()\n"
+    "from accelerate.utils import FullyShardedDataParallelPlugin\n"
+    "kw = {'fsdp_plugin': FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=a.fsdp == "
+    "'offload')} if a.fsdp else {}\n").replace(
+    "Accelerator(gradient_accumulation_steps=a.gradient_accumulation_steps)",
+    "Accelerator(gradient_accumulation_steps=a.gradient_accumulation_steps, "
+    "mixed_precision=a.mixed_precision, **kw)")
+
+
+def test_accelerate_loop_levers_are_accelerates_own_settings(tmp_path) -> None:  # noqa: ANN001
+    """run_clm_no_trainer's shape (an ``Accelerator`` of the script's own, ``prepare``, a
+    shuffled data loader): ``fp16_autocast`` is accelerate's ``mixed_precision="fp16"`` (its
+    autocast keeps the logits it returns in float32: 2,048,000 bytes more than torchmem's
+    autocast around the model, which is what the GPU holds), ``fsdp_2`` and ``cpu_offload`` its
+    FSDP2 plugin (torchmem's ``fully_shard`` before ``prepare`` made DTensor parameters that
+    accelerate then handed to DDP, which refused them; and under the fake ranks accelerate's
+    shuffled loader failed on the random state it broadcasts). Each row equals those settings
+    written into the script by hand and estimated as rank 0 of its ranks, all three GPU peaks."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    loop, hand = tmp_path / "loop.py", tmp_path / "hand.py"
+    loop.write_text(ACCELERATE_LOOP)
+    hand.write_text(ACCELERATE_BY_HAND)
+    e = torchmem.estimate_script(str(loop), ["--per_device_train_batch_size", "8"], "T4",
+                                 what_if=["fp16_autocast", "fsdp_2", "cpu_offload"])
+    rows = {r.lever: r for r in e.what_if}
+    plugin = "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2"
+    for lever, option, world, said in (
+            ("fp16_autocast", ["--mixed_precision", "fp16"], None,
+             "mixed precision by accelerate: Accelerator(mixed_precision='fp16')"),
+            ("fsdp_2", ["--fsdp", "shard"], 2, f"sharded over 2 GPUs by accelerate: {plugin}))"),
+            ("cpu_offload", ["--fsdp", "offload"], 1,
+             f"sharded over 1 GPU by accelerate: {plugin}, cpu_offload=True))")):
+        r = rows[lever]
+        assert r.skipped is None, r.skipped
+        assert r.applied == said
+        h = torchmem.estimate_script(str(hand), option, "T4", world_size=world)
+        assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+            h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+
+
 def test_accumulation_with_a_closure_step_runs_the_skipped_steps_closures() -> None:
     """A step that calls ``optimizer.step(closure)`` (the forward and backward inside the
     closure, as Lightning and LBFGS call it): under ``grad_accumulation_2`` the skipped step

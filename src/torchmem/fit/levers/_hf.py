@@ -1,10 +1,16 @@
-"""The levers transformers' ``Trainer`` applies itself, set where its arguments are made:
+"""The levers the Hugging Face libraries apply themselves.
+
+transformers' ``Trainer``, set where its arguments are made:
 ``TrainingArguments`` made while a lever is on get ``fp16=True``/``bf16=True`` (the autocast
 levers: its accelerate mixed precision and gradient scaler, instead of torchmem's) and
 activation checkpointing (``activation_checkpointing=True``; ``gradient_checkpointing=True``
 before transformers 5), as those options written by hand (``--fp16``,
 ``--gradient_checkpointing`` on a script's command line) would; an option the program already
-gives is kept.
+gives is kept. An accelerate ``Accelerator`` (a loop of one's own, run_clm_no_trainer's) made
+while a lever is on gets ``mixed_precision="fp16"``/``"bf16"`` (its autocast, fp32 outputs and
+gradient scaler) and, for the sharding levers, ``fsdp_plugin=FullyShardedDataParallelPlugin(
+fsdp_version=2)`` (``cpu_offload=True`` for ``cpu_offload``), as ``accelerate launch`` with
+those settings would give; settings it is given (or its environment gives) are kept.
 
 Example:
     >>> from types import SimpleNamespace
@@ -34,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["patch_training_args"]
+__all__ = ["patch_training_args", "patch_accelerator"]
 
 
 def patch_training_args(lever: Any, module: Any) -> Callable[[], None] | None:
@@ -62,6 +68,58 @@ def patch_training_args(lever: Any, module: Any) -> Callable[[], None] | None:
             kwargs[checkpoint] = True
             lever.trainer_checkpoints = f"by the Trainer: {checkpoint}=True"
         orig(targs, *args, **kwargs)
+
+    functools.update_wrapper(init, orig)
+    setattr(cls, "__init__", init)  # noqa: B010
+    return lambda: setattr(cls, "__init__", orig)
+
+
+def patch_accelerator(lever: Any, module: Any) -> Callable[[], None] | None:
+    """Wrap ``module.Accelerator.__init__`` (``module``: ``accelerate.accelerator``) so that an
+    ``Accelerator`` made while ``lever`` is on gets its precision and sharding as accelerate's
+    own settings (see the module's documentation); the undo callable, or ``None``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> class Accelerator:
+        ...     def __init__(self, mixed_precision=None, fsdp_plugin=None):
+        ...         self.mixed_precision = mixed_precision
+        >>> lever = SimpleNamespace(autocast=torch.bfloat16, fsdp=False, trainer_precision="",
+        ...                         trainer_shards="", _user_scales=False)
+        >>> undo = patch_accelerator(lever, SimpleNamespace(Accelerator=Accelerator))
+        >>> Accelerator().mixed_precision, lever.trainer_precision
+        ('bf16', "by accelerate: Accelerator(mixed_precision='bf16')")
+        >>> undo(); Accelerator().mixed_precision is None
+        True
+    """
+    import os
+
+    cls = getattr(module, "Accelerator", None)
+    if not isinstance(cls, type) or "__init__" not in vars(cls):
+        return None
+    orig = vars(cls)["__init__"]
+
+    def init(acc: Any, *args: Any, **kwargs: Any) -> None:
+        env_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if (lever.autocast is not None and not lever.trainer_precision
+                and kwargs.get("mixed_precision") is None and env_precision == "no"):
+            # (a Trainer's own Accelerator is given mixed_precision="no" or its fp16/bf16)
+            want = "fp16" if lever.autocast == torch.float16 else "bf16"
+            kwargs["mixed_precision"] = want
+            lever.trainer_precision = f"by accelerate: Accelerator(mixed_precision={want!r})"
+            lever._user_scales = True  # accelerate's own scaler: the lever's stays out
+        if (lever.fsdp and not lever.trainer_shards and not getattr(lever, "sharded", ())
+                and kwargs.get("fsdp_plugin") is None
+                and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true"):
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            offload = lever.fsdp == "offload"
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                   cpu_offload=offload)
+            lever.trainer_shards = (
+                "by accelerate: Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin("
+                f"fsdp_version=2{', cpu_offload=True' if offload else ''}))")
+        orig(acc, *args, **kwargs)
 
     functools.update_wrapper(init, orig)
     setattr(cls, "__init__", init)  # noqa: B010

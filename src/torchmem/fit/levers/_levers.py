@@ -298,6 +298,8 @@ class LeverRun:
             self._patch_lightning()
         if self.autocast is not None or self.checkpoint:
             self._patch_training_args()
+        if self.autocast is not None or self.fsdp:
+            self._patch_accelerator()
         return self
 
     def _patch_lightning(self) -> None:
@@ -338,6 +340,18 @@ class LeverRun:
         stack = contextlib.ExitStack()
         stack.enter_context(when_imported(
             {"transformers.training_args": lambda m: patch_training_args(self, m)}))
+        self._undo.append(stack.close)
+
+    def _patch_accelerator(self) -> None:
+        """accelerate's ``Accelerator`` made while the lever is on gets its own mixed precision
+        and FSDP2 plugin (:func:`torchmem.fit.levers._hf.patch_accelerator`), once the step
+        imports it."""
+        from torchmem.fit.fakegpu._imports import when_imported
+        from torchmem.fit.levers._hf import patch_accelerator
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(when_imported(
+            {"accelerate.accelerator": lambda m: patch_accelerator(self, m)}))
         self._undo.append(stack.close)
 
     def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
