@@ -47,6 +47,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_data_prep.py": ["--smoke"],
     "bench_diff.py": ["--events", "5000", "--repeats", "1"],
     "bench_estimate.py": ["--smoke"],
+    "bench_estimate_floor.py": ["--smoke", "--steps", "1"],
     "bench_estimate_hf.py": ["--layers", "1", "--gpus", "RTX-4090"],
     "bench_fit_dist.py": ["--smoke", "--world-sizes", "2"],
     "bench_gpu.py": ["--mb", "8", "--repeats", "1", "--batch", "1"],
@@ -220,6 +221,13 @@ def test_bench_estimate() -> None:
         rf"^torchmem +{NUM} +{NUM} GiB .* H200 (fits|OOM)", rf"^memtracker +{NUM} ",
         rf"^formula +{NUM} ", rf"^torchmem reserved / memtracker figure: {R()} ",
         rf"^torchmem reserved / formula figure: {R()} ", rf"^torchmem: {NUM} s, peak RSS")
+
+
+def test_bench_estimate_floor() -> None:
+    out = smoke("bench_estimate_floor.py")
+    has(out, r"^method +s/step +x meta", rf"^meta device +{R()} +1\.00",
+        rf"^FakeTensorMode +{R()} +{R()}", rf"^torchmem\.estimate +{R()} +{R()}",
+        rf"^torchmem / FakeTensorMode: {R()}x")
 
 
 def test_bench_estimate_hf() -> None:
