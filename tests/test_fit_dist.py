@@ -522,3 +522,47 @@ def test_cli_world_size_with_hf_config_is_refused(tmp_path, capsys):
     code = main(["estimate", "--hf-config", str(cfg), "--world-size", "8"])
     assert code == 2
     assert "--world-size" in capsys.readouterr().err
+
+
+OBJECTS = """
+import sys, torch, torch.distributed as dist
+net = torch.nn.Linear(64, 64, device="cuda")
+what = sys.argv[1]
+if what == "broadcast":
+    box = [{"lr": 1e-3}] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] == {"lr": 1e-3}
+elif what == "gather":  # rank 1 only sends its object to rank 0
+    dist.gather_object({"rank": dist.get_rank()}, None, dst=0)
+elif what == "pipeline":
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    stage = PipelineStage(net, dist.get_rank(), 2, torch.device("cuda"))
+    x = torch.randn(8, 64, device="cuda")
+    sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, y: o.sum())
+    sched.step(x) if dist.get_rank() == 0 else sched.step(target=x, losses=[])
+net(torch.randn(8, 64, device="cuda")).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(("what", "rank", "runs"), [
+    ("broadcast", 0, True), ("broadcast", 1, False), ("gather", 1, True), ("gather", 0, False),
+    ("pipeline", 0, False), ("pipeline", 1, False)])
+def test_objects_other_ranks_send_are_an_error_not_an_assumed_size(tmp_path, what, rank, runs):
+    """Collectives of Python objects under the fake ranks: the rank that sends runs them (a
+    broadcast's source, a gather's senders); a rank that would receive what others send gets
+    an error that says so. Before, the receiver unpickled a fake tensor or sized its buffer by
+    an assumed value: a two-stage ``torch.distributed.pipelining`` schedule's shape inference
+    asked for 127 TiB and the verdict read "does not fit" on both ranks."""
+    from torchmem.fit.targets._script import ScriptError, estimate_script
+
+    script = tmp_path / "objects.py"
+    script.write_text(OBJECTS)
+    if runs:
+        e = estimate_script(str(script), [what], "T4", world_size=2, rank=rank)
+        assert e.peak_requested_bytes >= (64 * 64 + 64) * 4 * 2  # weights and gradients
+        return
+    with pytest.raises(ScriptError) as err:
+        estimate_script(str(script), [what], "T4", world_size=2, rank=rank)
+    msg = str(err.value)
+    assert f"on rank {rank} needs Python objects other ranks send" in msg, msg
+    assert "pipeline parallelism is not estimated yet" in msg

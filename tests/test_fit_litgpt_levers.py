@@ -140,6 +140,11 @@ def test_litgpt_levers_are_its_own_devices_and_lora_command(litgpt_shape: Path) 
         module=True)
     assert _peaks(lora) == _peaks(lora_by_hand)
     assert lora.peak_requested_bytes < e.peak_requested_bytes
+    adapter = torchmem.estimate_script("litgpt", ["finetune_adapter", "ckpt", "--devices", "1"],
+                                       "T4", module=True, what_if=["lora"]).what_if[0]
+    assert (adapter.applied or "").startswith(
+        "LoRA r=8 by the program: finetune_adapter -> finetune_lora --lora_r 8"), adapter
+    assert _peaks(adapter) == _peaks(lora_by_hand)
 
     why = rows["fsdp_4"].skipped or ""
     assert why.startswith(

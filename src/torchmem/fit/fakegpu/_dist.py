@@ -454,6 +454,11 @@ class FakeWorld:
         self._set(c10d, "_new_process_group_helper", _fake_backend(helper))
         self._replace_everywhere(dist.monitored_barrier, _no_wait, "monitored_barrier")
         self._set(dist.ProcessGroup, "monitored_barrier", _no_wait)
+        for name, sender in _OBJECT_COLLECTIVES.items():
+            original = c10d.__dict__.get(name)
+            if original is not None:
+                self._replace_everywhere(original, _objects_of_others(name, original, sender),
+                                         name)
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         if isinstance(owner, type) and name not in owner.__dict__:  # inherited: delete after
@@ -569,6 +574,54 @@ def _fake_backend(helper: Callable[..., Any]) -> Callable[..., Any]:
         return helper(*bound.args, **bound.kwargs)
 
     return new_group_helper
+
+
+#: the collectives of Python objects whose result comes from other ranks: name -> the argument
+#: naming the rank that sends (this rank may run it: its own objects are known), or None (every
+#: rank receives what others send)
+_OBJECT_COLLECTIVES: dict[str, str | None] = {
+    "broadcast_object_list": "src", "recv_object_list": None, "all_gather_object": None,
+    "scatter_object_list": None, "gather_object": "dst",
+}
+
+
+def _objects_of_others(name: str, original: Callable[..., Any],
+                       sender: str | None) -> Callable[..., Any]:
+    """``torch.distributed.<name>`` under the fake ranks: the objects other ranks send cannot
+    be known (only this rank runs; collectives move no data), so receiving them is an error
+    that says so, instead of unpickling a fake tensor or sizing a buffer by an assumed value
+    (a pipeline stage's shape inference asked for 127 TiB and read "does not fit"). The rank
+    that sends (``src`` of a broadcast, ``dst`` of a gather, which only sends elsewhere) runs
+    the collective as it is."""
+    import inspect
+
+    import torch.distributed as dist
+
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        me = dist.get_rank()
+        if sender is not None:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            rank = bound.arguments.get(sender)
+            local = bound.arguments.get(f"group_{sender}")
+            if local is not None:
+                group = bound.arguments.get("group") or dist.group.WORLD
+                assert group is not None  # the fake world's default group
+                rank = dist.get_global_rank(group, local)
+            rank = 0 if rank is None else rank
+            if (rank == me) == (sender == "src"):
+                return original(*args, **kwargs)
+        raise InvalidInputError(
+            f"torch.distributed.{name} on rank {me} needs Python objects other ranks send; a "
+            "per-rank estimate runs this rank alone (its collectives move no data), so they "
+            "are unknown here (torch.distributed.pipelining exchanges its stages' shapes so: "
+            "pipeline parallelism is not estimated yet); fix: estimate the rank that sends, or "
+            "compute the objects on every rank instead of exchanging them")
+
+    return collective
 
 
 def _no_wait(*args: Any, **kwargs: Any) -> None:

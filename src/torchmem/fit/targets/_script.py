@@ -674,10 +674,10 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
             # the program's own sharding over N GPUs (litgpt: FSDP around every block)
             run_argv = with_option(run_argv, "--devices", world_size)
             lr.trainer_shards = f"by the program: --devices 1 -> {world_size}"
-        if lr.lora and litgpt == "finetune_full":
+        if lr.lora and litgpt in ("finetune_full", "finetune_adapter", "finetune_adapter_v2"):
             # litgpt's own LoRA: its finetune_lora command (rank r on query and value)
             run_argv = ["finetune_lora", *with_option(run_argv[1:], "--lora_r", lr.lora)]
-            lr.lora_by = f"by the program: finetune_full -> finetune_lora --lora_r {lr.lora}"
+            lr.lora_by = f"by the program: {litgpt} -> finetune_lora --lora_r {lr.lora}"
         r = _Run(target, run_argv, steps, time_limit)
         o = dict(opts)
         if alloc_conf is not None:
