@@ -1,7 +1,7 @@
 """The levers the Hugging Face libraries apply themselves.
 
-transformers' ``Trainer``, set where its arguments are made:
-``TrainingArguments`` made while a lever is on get ``fp16=True``/``bf16=True`` (the autocast
+transformers' ``Trainer``, set where its arguments are made: ``TrainingArguments`` (and their
+subclasses) made while a lever is on get ``fp16=True``/``bf16=True`` (the autocast
 levers: its accelerate mixed precision and gradient scaler, instead of torchmem's) and
 activation checkpointing (``activation_checkpointing=True``; ``gradient_checkpointing=True``
 before transformers 5), as those options written by hand (``--fp16``,
@@ -20,6 +20,8 @@ Example:
     ...     fp16: bool = False
     ...     bf16: bool = False
     ...     gradient_checkpointing: bool = False
+    ...     def __post_init__(self):
+    ...         pass
     >>> lever = SimpleNamespace(autocast=torch.float16, checkpoint=True, trainer_precision="",
     ...                         trainer_checkpoints="", _user_scales=False)
     >>> undo = patch_training_args(lever, SimpleNamespace(TrainingArguments=TrainingArguments))
@@ -44,34 +46,36 @@ __all__ = ["patch_training_args", "patch_accelerator"]
 
 
 def patch_training_args(lever: Any, module: Any) -> Callable[[], None] | None:
-    """Wrap ``module.TrainingArguments.__init__`` (``module``: ``transformers.training_args``)
-    so that arguments made while ``lever`` is on get its precision and checkpointing as the
-    Trainer's own options; the undo callable (``None`` where there is no such class)."""
+    """Wrap ``module.TrainingArguments.__post_init__`` (``module``: ``transformers.training_args``;
+    subclasses such as ``Seq2SeqTrainingArguments`` or TRL's configs run it too) so that
+    arguments made while ``lever`` is on get its precision and checkpointing as the Trainer's own
+    options, before the arguments derive the rest from them; the undo callable (``None`` where
+    there is no such class)."""
     cls = getattr(module, "TrainingArguments", None)
-    if not isinstance(cls, type) or "__init__" not in vars(cls):
+    if not isinstance(cls, type) or "__post_init__" not in vars(cls):
         return None
     names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     checkpoint = next((n for n in ("activation_checkpointing", "gradient_checkpointing")
                        if n in names), None)
-    orig = vars(cls)["__init__"]
+    orig = vars(cls)["__post_init__"]
 
-    def init(targs: Any, *args: Any, **kwargs: Any) -> None:
+    def post_init(targs: Any) -> None:
         if (lever.autocast is not None and not lever.trainer_precision
-                and not kwargs.get("fp16") and not kwargs.get("bf16")
-                and {"fp16", "bf16"} <= names):
+                and {"fp16", "bf16"} <= names and not targs.fp16 and not targs.bf16):
             key = "fp16" if lever.autocast == torch.float16 else "bf16"
-            kwargs[key] = True
+            setattr(targs, key, True)
             lever.trainer_precision = f"by the Trainer: {key}=True"
             lever._user_scales = True  # the Trainer's own scaler: the lever's stays out
         if (lever.checkpoint and checkpoint is not None and not lever.trainer_checkpoints
-                and not kwargs.get(checkpoint)):
-            kwargs[checkpoint] = True
+                and not any(getattr(targs, n, None) for n in (
+                    "activation_checkpointing", "gradient_checkpointing"))):
+            setattr(targs, checkpoint, True)
             lever.trainer_checkpoints = f"by the Trainer: {checkpoint}=True"
-        orig(targs, *args, **kwargs)
+        orig(targs)
 
-    functools.update_wrapper(init, orig)
-    setattr(cls, "__init__", init)  # noqa: B010
-    return lambda: setattr(cls, "__init__", orig)
+    functools.update_wrapper(post_init, orig)
+    setattr(cls, "__post_init__", post_init)  # noqa: B010
+    return lambda: setattr(cls, "__post_init__", orig)
 
 
 def patch_accelerator(lever: Any, module: Any) -> Callable[[], None] | None:

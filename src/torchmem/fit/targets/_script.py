@@ -416,7 +416,9 @@ class _Run:
         except (ImportError, ValueError):
             return ""
         places = list(spec.submodule_search_locations or ()) if spec is not None else []
-        return os.path.join(os.path.abspath(places[0]), "") if places else ""
+        if not places or self.target.name.split(".")[0] in ("torch", "torchmem"):
+            return ""  # (torch's own launchers: the frames of the code they run say more)
+        return os.path.join(os.path.abspath(places[0]), "")
 
     def raise_bad_end(self, peak: str, e: Estimate | None = None) -> None:
         """Raise what the script's own bad end says (rejected arguments, a non-zero exit, an
