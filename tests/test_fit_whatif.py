@@ -6,6 +6,7 @@ and the JSON shape."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -400,7 +401,10 @@ def test_cli_what_if(tmp_path, capsys) -> None:  # noqa: ANN001
     d = json.loads(capsys.readouterr().out)
     assert code == 0
     rows = {r["lever"]: r for r in d["what_if"]}
-    assert rows["activation_checkpointing"]["applied"].startswith("checkpointed 3 blocks")
+    # three 64-wide layers at batch 4: the peak is the optimizer's, which checkpointing
+    # leaves as it is: the lever applies and says it changes no peak
+    assert rows["activation_checkpointing"]["skipped"].startswith(
+        "no change: checkpointed 3 blocks"), rows["activation_checkpointing"]
     assert rows["adafactor"]["applied"] == "AdamW -> torch.optim.Adafactor"
     assert d["what_if_best"]["fits"] is True
     assert main(["estimate", f"{f}:build", "--what-if", "--levers", "nope"]) == 2
@@ -965,6 +969,33 @@ def test_a_card_run_that_fits_after_the_pool_makes_the_step_as_written_the_answe
     assert {r.lever for r in rows} == {"adafactor", "allocator"}
 
 
+POOL_AFTER_OPENMP = """
+import torch
+from torchmem.fit.levers._pool import run_all
+torch.set_num_threads(2)
+x = torch.ones(1024, 1024).tril()  # a parallel region: the parent's OpenMP threads are made
+sums = run_all(lambda k: int(torch.ones(1024, 1024).tril().sum()) * k, [1, 2], workers=2)
+print("SUMS", sums)
+"""
+
+
+def test_forked_workers_after_the_parent_used_openmp_do_not_hang(tmp_path) -> None:  # noqa: ANN001
+    """A script that ran a parallel CPU operator for real before the levers' workers were
+    forked (TRL's collator builds its masks with ``tril`` on host tensors): each worker's
+    next parallel region waited forever for the parent's OpenMP threads, which a forked
+    child does not have (every lever of a TRL ``SFTTrainer`` script hung, no CPU used). The
+    workers run one thread each now, and come back with the right answers."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_AFTER_OPENMP)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    n = 1024 * 1025 // 2  # ones on and below the diagonal
+    assert f"SUMS [{n}, {2 * n}]" in out.stdout, out.stderr[-2000:]
+
+
 def test_a_lever_whose_worker_dies_ends_as_a_failed_row_and_the_table_comes_back(
         monkeypatch) -> None:  # noqa: ANN001
     """A lever's run that kills its worker process (a crash in native code aborts it) ends
@@ -1434,3 +1465,50 @@ def test_trainer_levers_are_its_own_command_line_options(tmp_path, monkeypatch) 
         h = torchmem.estimate_script(str(f), [*base, *batch, *option], "T4")
         assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
             h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes), lever
+
+
+class _SelfCheckpointed(torch.nn.Module):
+    """Four blocks the model checkpoints itself (as TRL's ``SFTConfig`` has the Trainer do by
+    default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+def test_checkpointing_a_step_that_checkpoints_already_says_no_change() -> None:
+    """A step whose blocks are checkpointed already: the lever's row equals the step as
+    written on every GPU peak, so it says "no change" (a TRL ``SFTTrainer`` script showed it
+    as a lever to take); the same blocks unchecked take the lever as a real row."""
+    def build(checkpointed: bool):
+        def make(batch_size: int):
+            net = (_SelfCheckpointed() if checkpointed else
+                   torch.nn.Sequential(*_SelfCheckpointed().blocks)).cuda()
+            opt = torch.optim.AdamW(net.parameters())
+            x = torch.randn(batch_size, 256, device="cuda")
+
+            def step() -> None:
+                net(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            return step
+        return make
+
+    e = torchmem.estimate(build(True), gpu="T4", batch_size=512,
+                          what_if=["activation_checkpointing"])
+    assert e.what_if[0].skipped == (
+        "no change: checkpointed 4 blocks: blocks.0, blocks.1, blocks.2 (+1 more), and its GPU "
+        "peaks equal the step as written's to the byte (the step checkpoints them already, or "
+        "its peaks are outside their forward and backward)")
+    plain = torchmem.estimate(build(False), gpu="T4", batch_size=512,
+                              what_if=["activation_checkpointing"])
+    r = plain.what_if[0]
+    assert r.skipped is None and r.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert r.peak_allocated_bytes == e.peak_allocated_bytes  # checkpointed either way

@@ -50,6 +50,43 @@ _ZEROS = {_aten.zeros, _aten.new_zeros, _aten.zeros_like}
 _FLOPS: dict[Any, Any] = dict(flop_registry)
 
 
+#: formula -> how many positional arguments it takes (None: any number)
+_TAKES: dict[Any, int | None] = {}
+
+
+def _flops(count: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+           out: Any) -> int:
+    """``count``'s floating-point operations for one call (``torch.utils.flop_counter``'s
+    formula of the operator's packet), given only the positional arguments the formula takes:
+    an overload with one more (``addmm.dtype_out``'s ``out_dtype``, which TRL's chunked
+    log-probabilities call) would land on its ``out_shape`` and fail the step. A formula that
+    still cannot take the call counts nothing for it (the FLOPs only feed the levers' cost).
+
+    Example:
+        >>> a, b = torch.ones(2, 3), torch.ones(3, 4)
+        >>> _flops(_FLOPS[_aten.addmm], (torch.ones(2, 4), a, b, torch.float32), None, a @ b)
+        48
+    """
+    import inspect
+
+    if count not in _TAKES:
+        n: int | None = 0
+        for p in inspect.signature(inspect.unwrap(count)).parameters.values():
+            if p.kind is p.VAR_POSITIONAL:
+                n = None
+                break
+            if p.name == "out_shape" or p.kind not in (p.POSITIONAL_ONLY,
+                                                        p.POSITIONAL_OR_KEYWORD):
+                break
+            n += 1  # type: ignore[operator]
+        _TAKES[count] = n
+    n = _TAKES[count]
+    try:
+        return int(count(*(args if n is None else args[:n]), **(kwargs or {}), out_val=out))
+    except TypeError:
+        return 0
+
+
 _CONV_BACKWARD = _aten.convolution_backward.default
 _IS_NONZERO = _aten.is_nonzero.default
 #: value reads that are composite (they become _local_scalar_dense with autograd on); under
@@ -259,7 +296,7 @@ class _SimMode(FastDispatchMode):
         if st.levers is not None and st.levers.count_flops:
             count = _FLOPS.get(func.overloadpacket)
             if count is not None:
-                st.levers.flops += int(count(*args, **(kwargs or {}), out_val=out))
+                st.levers.flops += _flops(count, args, kwargs, out)
         if st.dist is not None:
             st.dist.after_op(func, args, kwargs, out)
         if st.oom is None:

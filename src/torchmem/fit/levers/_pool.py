@@ -79,6 +79,13 @@ def _call(i: int) -> Any:
 
 
 def _child(i: int, conn: Any, quiet: bool) -> None:
+    import torch
+
+    # one thread: an OpenMP thread team the parent used (a real CPU operator on host data:
+    # TRL's collator builds its masks with tril) is not in the forked child, whose next
+    # parallel region would wait for it forever (libgomp's team barrier); the workers are
+    # one per core anyway
+    torch.set_num_threads(1)
     if quiet:  # the job's own output (a script's logs, run again per job) goes nowhere
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, 1)

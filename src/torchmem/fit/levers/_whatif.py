@@ -382,6 +382,12 @@ def what_if(
             rows[at] = _skip(lv.name, f"no change: {applied}, and its peaks equal the step "
                              f"as written's to the byte{_ALREADY.get(lv.name, '')}")
             continue
+        if (applied is not None and lv.name == "activation_checkpointing"
+                and _peaks(e)[:3] == _peaks(base)[:3]):  # TRL's SFTConfig checkpoints already
+            rows[at] = _skip(lv.name, f"no change: {applied}, and its GPU peaks equal the step "
+                             "as written's to the byte (the step checkpoints them already, or "
+                             "its peaks are outside their forward and backward)")
+            continue
         if (applied is not None and "optimizer" in lv.settings and lr.optimizer_already
                 and len(lr.optimizer_already) == len(lr.optimizers)
                 and _peaks(e)[:3] == _peaks(base)[:3]):  # nanoGPT's AdamW(fused=True) and fused
