@@ -291,15 +291,9 @@ class LeverRun:
         self._patch_optimizers()
         if self.scaler:
             self._patch_backward()
-        if (self.accumulate > 1 or self.lora or self.fsdp
-                or self.replace_optimizer in (torch.optim.Adafactor, _adam8bit())):
-            self._patch_trainer()
         if self.accumulate > 1 or self.autocast is not None or self.fsdp:
             self._patch_lightning()
-        if self.autocast is not None or self.checkpoint:
-            self._patch_training_args()
-        if self.autocast is not None or self.fsdp:
-            self._patch_accelerator()
+        self._patch_hf()
         return self
 
     def _patch_lightning(self) -> None:
@@ -307,7 +301,31 @@ class LeverRun:
         (:func:`torchmem.fit.levers._lightning.patch_lightning`)."""
         self._undo.extend(patch_lightning(self))
 
-    def _patch_trainer(self) -> None:
+    def _patch_hf(self) -> None:
+        """The Hugging Face libraries apply the levers they have themselves, each patched where
+        the step imports it (importing transformers here costs seconds per lever, in every
+        forked worker, for a step that never uses it): transformers' ``Trainer``
+        (:meth:`_patch_trainer_class`), its ``TrainingArguments``
+        (:func:`torchmem.fit.levers._hf.patch_training_args`: fp16/bf16, checkpointing) and
+        accelerate's ``Accelerator`` (:func:`torchmem.fit.levers._hf.patch_accelerator`: mixed
+        precision, the FSDP2 plugin)."""
+        from torchmem.fit.fakegpu._imports import when_imported
+        from torchmem.fit.levers._hf import patch_accelerator, patch_training_args
+
+        patches: dict[str, Callable[[Any], Callable[[], None] | None]] = {}
+        if (self.accumulate > 1 or self.lora or self.fsdp
+                or self.replace_optimizer in (torch.optim.Adafactor, _adam8bit())):
+            patches["transformers.trainer"] = self._patch_trainer_class
+        if self.autocast is not None or self.checkpoint:
+            patches["transformers.training_args"] = lambda m: patch_training_args(self, m)
+        if self.autocast is not None or self.fsdp:
+            patches["accelerate.accelerator"] = lambda m: patch_accelerator(self, m)
+        if patches:
+            stack = contextlib.ExitStack()
+            stack.enter_context(when_imported(patches))
+            self._undo.append(stack.close)
+
+    def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
         """transformers' ``Trainer`` accumulates itself: its ``gradient_accumulation_steps``
         is multiplied by ``accumulate`` (its per-device batch is the micro-batch ``build`` was
         given), and each step runs once. With ``lora`` the ``Trainer`` is given
@@ -319,43 +337,8 @@ class LeverRun:
         The sharding levers set its own ``fsdp=True`` with ``fsdp_config={}`` (FSDP2 through
         accelerate: each ``_no_split_modules`` block, the embeddings, the model) or
         ``{"cpu_offload": True}``, as ``TrainingArguments(fsdp=True, ...)`` written by hand
-        would; torchmem's own ``fully_shard`` then stays out.
-
-        Where ``transformers.trainer`` is not imported yet, the patch waits for the step's own
-        import of it (importing it here costs seconds per lever, in every forked worker, for a
-        step that never uses it)."""
-        from torchmem.fit.fakegpu._imports import when_imported
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(when_imported({"transformers.trainer": self._patch_trainer_class}))
-        self._undo.append(stack.close)
-
-    def _patch_training_args(self) -> None:
-        """transformers' ``TrainingArguments`` made while the lever is on get the Trainer's own
-        options, as ``--fp16``/``--bf16`` and ``--gradient_checkpointing`` written by hand
-        (:func:`torchmem.fit.levers._hf.patch_training_args`), once the step imports them."""
-        from torchmem.fit.fakegpu._imports import when_imported
-        from torchmem.fit.levers._hf import patch_training_args
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(when_imported(
-            {"transformers.training_args": lambda m: patch_training_args(self, m)}))
-        self._undo.append(stack.close)
-
-    def _patch_accelerator(self) -> None:
-        """accelerate's ``Accelerator`` made while the lever is on gets its own mixed precision
-        and FSDP2 plugin (:func:`torchmem.fit.levers._hf.patch_accelerator`), once the step
-        imports it."""
-        from torchmem.fit.fakegpu._imports import when_imported
-        from torchmem.fit.levers._hf import patch_accelerator
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(when_imported(
-            {"accelerate.accelerator": lambda m: patch_accelerator(self, m)}))
-        self._undo.append(stack.close)
-
-    def _patch_trainer_class(self, module: Any) -> Callable[[], None] | None:
-        """:meth:`_patch_trainer` on ``transformers.trainer``, once imported."""
+        would; torchmem's own ``fully_shard`` then stays out. Patched on
+        ``transformers.trainer`` once imported (:meth:`_patch_hf`)."""
         import importlib.util
 
         Trainer = getattr(module, "Trainer", None)  # noqa: N806 - the class, by its name
@@ -686,9 +669,8 @@ class LeverRun:
     def _get_peft_model(self, root: torch.nn.Module) -> torch.nn.Module | None:
         """``get_peft_model(root, LoraConfig(...))`` on ``root``'s attention projections,
         recorded in ``adapted``; ``None`` (the reason in ``lora_refused``) without them."""
-        training = [(n, p.numel()) for n, p in root.named_parameters() if p.requires_grad]
+        training, total = _trainable(root)
         if training and all("lora_" in n for n, _ in training):
-            total = sum(p.numel() for p in root.parameters())
             self.lora_refused.append(
                 f"no change: {type(root).__name__} already trains LoRA adapters only "
                 f"({sum(k for _, k in training):,} of {total:,} parameters)")
@@ -723,11 +705,10 @@ class LeverRun:
         """The program's own LoRA adapters (``lora_by``), recorded in ``adapted`` as peft's
         would be: the layers holding ``lora_`` parameters, trainable and all parameters."""
         for root in roots:
-            named = list(root.named_parameters())
-            training = [(n, p.numel()) for n, p in named if p.requires_grad]
+            training, total = _trainable(root)
             layers = {n.split(".lora_")[0] for n, _ in training if ".lora_" in n}
             self.adapted.append((type(root).__name__, [self.lora_by], len(layers),
-                                 sum(k for _, k in training), sum(p.numel() for _, p in named)))
+                                 sum(k for _, k in training), total))
 
     def _adapt(self, roots: list[torch.nn.Module], params: list[Any]) -> list[Any]:
         """LoRA adapters on each root's attention projections (peft's ``get_peft_model``);
@@ -770,6 +751,19 @@ class LeverRun:
             else:
                 out.extend(remap([p]))
         return out
+
+
+def _trainable(root: torch.nn.Module) -> tuple[list[tuple[str, int]], int]:
+    """``root``'s parameters that train, as ``(name, elements)``, and all its elements.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 3); net.bias.requires_grad = False
+        >>> _trainable(net)
+        ([('weight', 6)], 9)
+    """
+    named = list(root.named_parameters())
+    return ([(n, p.numel()) for n, p in named if p.requires_grad],
+            sum(p.numel() for _, p in named))
 
 
 def _adam8bit() -> type:
