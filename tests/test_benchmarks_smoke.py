@@ -58,6 +58,7 @@ SMOKE: dict[str, list[str]] = {
     "bench_memreporter.py": ["--tensors", "500", "--repeats", "2", "--runs", "1"],
     "bench_merge.py": ["--ranks", "2", "--events", "5000", "--baseline", "1", "--jobs", "2"],
     "bench_public_truth.py": ["adam8bit", "--max-steps", "1"],
+    "bench_repeat.py": ["--smoke"],
     "bench_pytest_plugin.py": ["--rounds", "1", "--tests", "2"],
     "bench_qlora.py": ["--models", "tiny", "--seq", "64"],
     "bench_replay.py": ["--reps", "1"],
@@ -228,6 +229,14 @@ def test_bench_estimate_floor() -> None:
     has(out, r"^method +s/step +x meta", rf"^meta device +{R()} +1\.00",
         rf"^FakeTensorMode +{R()} +{R()}", rf"^torchmem\.estimate +{R()} +{R()}",
         rf"^torchmem / FakeTensorMode: {R()}x")
+
+
+def test_bench_repeat() -> None:
+    out = smoke("bench_repeat.py")
+    has(out, r"^24 model calls in two optimizer steps",
+        rf"^replayed \((1[0-9]|2[0-4]) calls replayed\): {R()} s, {R()} GiB peak RSS",
+        rf"^every call run \(--no-replay\): +{R()} s", rf"^ratio: {R()}x faster",
+        r"^peaks \(requested, allocated, reserved\) \[\d+, \d+, \d+\]: equal, split equal: True")
 
 
 def test_bench_estimate_hf() -> None:

@@ -8,6 +8,7 @@ way by hand (see the closing notes)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def iterations(global_batch, devices, micro):
 
 
 @pytest.fixture
-def litgpt_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def litgpt_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     pkg = tmp_path / "litgpt"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -100,7 +101,11 @@ def litgpt_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "litgpt" or m.startswith("litgpt.")]:
         monkeypatch.delitem(sys.modules, name)
-    return pkg
+    yield pkg
+    # the stand-in imported by the test goes too: a later test's `import litgpt` (the real
+    # package, or its absence) must not find it
+    for name in [m for m in sys.modules if m == "litgpt" or m.startswith("litgpt.")]:
+        del sys.modules[name]
 
 
 def _peaks(e: object) -> tuple[int, int, int]:

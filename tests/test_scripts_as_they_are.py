@@ -666,3 +666,25 @@ def test_data_preparation_on_host_data_runs_for_real_and_counts_its_host_memory(
     assert e.script.steps_run == 3 and e.assumed_values == []
     tokens = int(real.split()[1])
     assert e.host_peak_bytes == 2 * 8 * tokens
+
+
+def test_small_integer_draws_on_the_host_are_real_and_large_ones_fake(tmp_path, capsys):
+    """Batch indices and shuffles drawn on the host (``torch.randint``, ``torch.randperm``, up
+    to 2**20 elements) are real tensors, so a loop over them is plain Python; a larger draw
+    stays fake. Both are host memory."""
+    script = tmp_path / "draws.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch
+        small = torch.randint(100, (12,))
+        perm = torch.randperm(50)
+        big = torch.randint(10, (2048, 1024))  # 2M elements: over the cap
+        print("types", type(small).__name__, type(perm).__name__, type(big).__name__,
+              [int(i) + 1 for i in small][:1] != [], file=sys.stderr)
+        m = torch.nn.Linear(8, 8).cuda()
+        m(torch.randn(2, 8, device="cuda")).sum().backward()
+    """))
+    e = estimate_script(str(script), [], "T4")
+    assert "types Tensor Tensor FakeTensor True" in capsys.readouterr().err
+    # the three draws live together: 12 and 50 int64s (real) and 2048 x 1024 int64s (fake),
+    # with the Linear's host weights (8 x 8 + 8 float32s) made before .cuda()
+    assert e.host_peak_bytes == 12 * 8 + 50 * 8 + 2048 * 1024 * 8 + (64 + 8) * 4

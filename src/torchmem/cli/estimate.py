@@ -153,6 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser, positionals: bool = True) -> 
                         help="refuse values read from tensors (.item(), float(t), if t:) instead "
                              "of answering them with the documented stand-ins (listed as "
                              "'assumed values')")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="run every call of the model: by default calls that repeat earlier "
+                             "ones with the same shapes (accumulation micro-steps, evaluation "
+                             "forwards) are replayed into the simulator once two did the same "
+                             "(same peaks, much faster)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     parser.add_argument("-o", "--output", default=None, metavar="PICKLE",
                         help="also write the simulated run as a PyTorch memory snapshot")
@@ -546,6 +551,8 @@ def run(args: argparse.Namespace) -> int:
                                    keep_snapshot=keep, margin=margin,
                                    strict_values=getattr(args, "strict_values", False))
     if not getattr(args, "hf_config", None):
+        if getattr(args, "no_replay", False):
+            options["replay_repeats"] = False
         if getattr(args, "default_device", None):
             options["default_device"] = args.default_device
         if getattr(args, "routing", None):

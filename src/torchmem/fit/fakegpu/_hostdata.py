@@ -10,6 +10,10 @@ rule is applied by :class:`~torchmem.fit.fakegpu._env._CudaToCpu`):
   ``torch.asarray``, ``torch.from_numpy``, ``torch.frombuffer``) with no device named is real;
 - a call whose tensor inputs are all real host tensors without gradients (and which names no
   GPU) runs for real, outside the fake mode and the tracker, and gives real tensors;
+- an integer draw on the host (:data:`_DRAWS`: ``torch.randint``, ``torch.randperm``) of at
+  most :data:`_DRAW_MAX` elements with no device named is real: the batch indices a script
+  slices its data with (nanoGPT's ``get_batch``: ``for i in torch.randint(...)``), which as
+  fake tensors made every ``i + 1`` and ``data[i:j]`` an operator of the fake mode;
 - each new storage such a call makes is host memory in the estimate from then until it is freed
   (:meth:`Placement.on_real_host <torchmem.fit.fakegpu._placement.Placement>`);
 - a real tensor becomes fake where the run moves it to the GPU or mixes it with fake tensors.
@@ -35,6 +39,9 @@ _FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.from
 #: gives up (the fake path then takes the call)
 _DATA_SCAN = 100_000
 _SCALARS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+#: integer draws made real on the host (batch indices, shuffles), up to _DRAW_MAX elements
+_DRAWS = frozenset({torch.randint, torch.randperm})
+_DRAW_MAX = 1 << 20
 #: what a call on one real host tensor may take besides it and take :func:`_fast_inputs`
 #: (none of them names a device: a device is a string or a ``torch.device``, and the copies that
 #: read an index as one, ``.to(0)`` and ``.cuda(0)``, never take the fast path)
@@ -121,8 +128,34 @@ def _on_host_data(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor] | Non
         if not _host_data(data):
             return None
         return [data] if isinstance(data, torch.Tensor) else []
+    if func in _DRAWS:
+        n = _draw_size(func, args, kwargs)
+        return [] if n is not None and n <= _DRAW_MAX else None
     tensors = _tensors(args, kwargs)
     return tensors if tensors and all(map(_real_host, tensors)) else None
+
+
+def _draw_size(func: Any, args: Any, kwargs: Any) -> int | None:
+    """The elements ``torch.randint(...)`` or ``torch.randperm(n)`` makes (None: unknown).
+
+    Example:
+        >>> _draw_size(torch.randint, (100, (12,)), {}), _draw_size(torch.randperm, (5,), {})
+        (12, 5)
+        >>> _draw_size(torch.randint, (0, 9), {"size": (2, 3)})
+        6
+    """
+    if func is torch.randperm:
+        n = args[0] if args else kwargs.get("n")
+        return n if type(n) is int else None
+    size = kwargs.get("size")
+    if size is None:
+        size = next((a for a in args if isinstance(a, (tuple, list, torch.Size))), None)
+    if size is None or not all(type(d) is int for d in size):
+        return None
+    total = 1
+    for d in size:
+        total *= d
+    return total
 
 
 def _real_on_host(pl: Placement, func: Any, args: Any, kwargs: Any,

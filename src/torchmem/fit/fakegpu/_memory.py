@@ -76,6 +76,10 @@ class _State:
         self.feed: Any = None
         #: the record of every request (:mod:`torchmem.fit.run._stream`), when asked
         self.stream: Any = None
+        #: called at each new peak of requested bytes (:mod:`torchmem.fit.run._repeat`), and
+        #: the live bytes by category and module it adds to the trace's at the peak
+        self.on_peak_req: Any = None
+        self.peak_extra: tuple[dict[str, int], dict[str, int]] | None = None
         self.peak_req = 0
         self.peak_req_seq = -1
         self.ws_at_peak = 0
@@ -220,6 +224,8 @@ class _State:
                 self.peak_req = self.live_req
                 self.peak_req_seq = ev.seq
                 self.ws_at_peak = self.ws_bytes
+                if self.on_peak_req is not None:
+                    self.on_peak_req()
         elif kind == _FREE:
             if ev.storage in self.gone:
                 self.gone.discard(ev.storage)

@@ -56,6 +56,7 @@ from torchmem.fit.fakegpu._values import ValueReads
 from torchmem.fit.fakegpu.kernels import CudaEmulation
 from torchmem.fit.run._decode_feed import _DecodeFeed
 from torchmem.fit.run._kv import KVWatch, check_attrs, kv_live_bytes
+from torchmem.fit.run._repeat import RepeatedCalls
 from torchmem.fit.run._stream import StreamRecorder
 from torchmem.fit.verdict._catalog import GPU
 from torchmem.fit.verdict._catalog import gpu as _gpu
@@ -151,6 +152,7 @@ def run_once(
     stacks: bool = True,
     stream: list[Any] | None = None,
     stop_over: int | None = None,
+    replay_repeats: bool = True,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -180,7 +182,8 @@ def run_once(
     ``levers`` (a :class:`torchmem.fit.levers._levers.LeverRun`) applies memory levers to the model
     and optimizer ``build`` makes, and runs each step as its micro-steps (``torchmem
     estimate --what-if``, :mod:`torchmem.fit.levers._whatif`). ``stacks=False`` records no Python
-    stacks (faster by about a quarter; the out-of-memory site and snapshot then have none).
+    stacks (faster by about a quarter; the out-of-memory site and snapshot then have none:
+    ``keep_snapshot=True`` with it keeps the allocator's blocks and requests, not their frames).
 
     ``extrapolate_decode=True`` (one step, no snapshot) runs only the first iterations of
     ``generate()``'s loop through the model and replays the rest into the simulator
@@ -189,6 +192,11 @@ def run_once(
     ``Estimate.decode_replayed`` counts the iterations replayed (0: none) and
     ``Estimate.decode_split_exact`` is false when the split could not follow them; when
     something after the replay cannot be reproduced the full run is made instead.
+
+    ``replay_repeats=True`` (the default) replays the calls of the outermost module that repeat
+    earlier ones (a script's later micro-steps and evaluation forwards) into the simulator
+    instead of running the model again (:mod:`torchmem.fit.run._repeat`): the same peaks,
+    verdict and split; ``Estimate.calls_replayed`` counts them. ``False`` runs every call.
 
     ``stream=[]`` fills that list with every request made to the simulator
     (:mod:`torchmem.fit.run._stream`), the extrapolated ones included.
@@ -225,14 +233,17 @@ def run_once(
 
     sim = _make_sim(card.usable_bytes, alloc_conf, card.total_bytes)
     emu = _emulation(card)
-    st = _State(sim, emu, card.compute_capability, frames=keep_snapshot)
+    # a snapshot's blocks carry their Python frames unless stacks=False asks for none (the
+    # what-if's step as written keeps one only for the allocator lever's replay)
+    frames = keep_snapshot and stacks
+    st = _State(sim, emu, card.compute_capability, frames=frames)
     st.stop_over = stop_over
 
     readings = SimReadings(
         sim, total_bytes=card.total_bytes, context_bytes=card.context_bytes,
-        on_record=lambda on: setattr(st, "frames", on or keep_snapshot),
+        on_record=lambda on: setattr(st, "frames", on or frames),
     )
-    tracker = track(stacks=stacks or keep_snapshot, listeners=[st.listener])
+    tracker = track(stacks=stacks or frames, listeners=[st.listener])
 
     def at_oom() -> None:
         # the split at the out-of-memory point is the one at that moment: the modules still
@@ -256,6 +267,9 @@ def run_once(
     if stream is not None:
         stream.clear()
         st.stream = StreamRecorder(sim, stream)
+    repeats = None
+    if replay_repeats and feed is None and not frames:
+        repeats = RepeatedCalls(st, tracker, values)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     st.levers = levers
     lever_ctx = levers if levers is not None else _Null()
@@ -277,6 +291,8 @@ def run_once(
                     compile_calls() as compiled:
                 try:
                     gen.install()
+                    if repeats is not None:
+                        repeats.install()
                     try:
                         with on_device():
                             step = build(batch_size if levers is None
@@ -318,6 +334,8 @@ def run_once(
                     pass
                 finally:
                     gen.remove()
+                    if repeats is not None:
+                        repeats.remove()
                     st.end_seq = len(tracker) - 1
                     if st.dist is not None:
                         st.dist.walk()  # the state at the end, before build's objects go
@@ -332,13 +350,15 @@ def run_once(
         raise TorchmemError(
             f"internal error in the estimate's allocator feed: {tracker.listener_errors[0]!r}"
         )
-    if feed is not None and feed.rec.replayed and not feed.rec.valid:
+    if (feed is not None and feed.rec.replayed and not feed.rec.valid
+            or repeats is not None and repeats.replayed and not repeats.valid):
         return run_once(build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf,
                         params=params, kv_cache_attr=kv_cache_attr, world_size=world_size,
                         rank=rank,
                         strict_values=strict_values, default_device=default_device,
                         routing=routing, levers=levers, stacks=stacks, stream=stream,
-                        stop_over=stop_over)
+                        stop_over=stop_over,
+                        replay_repeats=repeats is None or repeats.valid)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_most:
         file, line = _source_of(build)
         at = f" ({file}:{line})" if file else ""
@@ -353,6 +373,8 @@ def run_once(
     est = _result(card, batch_size, steps, alloc_conf, st, tracker, keep_snapshot, kv, feed)
     est.params = kw
     est.rank = rank
+    if repeats is not None:
+        est.calls_replayed = repeats.replayed
     est.assumed_values = [r.to_dict() for r in values.reads]
     from torchmem.fit.fakegpu import _bnb, _checkpoints
 
@@ -470,6 +492,12 @@ def _result(
             by_cat[key] += n
             name = mod or "(outside any module)"
             by_mod[name] = by_mod.get(name, 0) + n
+    if st.peak_extra is not None:  # replayed calls' own blocks live at the peak
+        for key, n in st.peak_extra[0].items():
+            by_cat[key] = by_cat.get(key, 0) + n
+        for name, n in st.peak_extra[1].items():
+            by_mod[name] = by_mod.get(name, 0) + n
+        by_mod = {k: n for k, n in by_mod.items() if n}
     by_cat["workspace"] = st.ws_at_peak
     top = dict(sorted(by_mod.items(), key=lambda kv: -kv[1]))  # every module, largest first
     return Estimate(

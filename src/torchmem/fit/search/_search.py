@@ -62,6 +62,7 @@ def estimate(
     routing: str = "balanced",
     what_if: bool | Sequence[str] = False,
     rank: int = 0,
+    replay_repeats: bool = True,
 ) -> Estimate:
     """Will ``build``'s step fit on ``gpu``? Estimated without the GPU, with an error margin.
 
@@ -130,6 +131,12 @@ def estimate(
     documented size (every element selected or distinct; a mixture-of-experts routing mask made
     by ``one_hot`` gives each expert its share, ``routing="balanced"``, or every token,
     ``routing="worst"``), listed in ``assumed_values`` too (:mod:`torchmem.fit.fakegpu._shapes`).
+
+    Calls of the outermost module that repeat earlier ones with the same shapes (the
+    micro-steps of gradient accumulation, evaluation forwards) are replayed into the simulator
+    once two of them did the same, instead of run again (:mod:`torchmem.fit.run._repeat`): the
+    same peaks, verdict and split in a fraction of the time; ``Estimate.calls_replayed`` counts
+    them, and ``replay_repeats=False`` runs every call.
 
     ``world_size=N`` estimates one rank (``rank``, default 0) of an ``N``-rank job without the
     ranks (``rank=R`` runs rank R: its own shards where a plan splits unevenly):
@@ -216,7 +223,7 @@ def estimate(
                      world_size=world_size, rank=rank, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
                      routing=routing, stream=stream, stop_over=stop_over,
-                     stacks=not fast)
+                     stacks=not fast, replay_repeats=replay_repeats)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:
@@ -232,7 +239,8 @@ def estimate(
         return _what_if(build, card, batch_size or 1, kw, chosen, maximize, margin, progress,
                         dict(steps=steps, alloc_conf=alloc_conf, kv_cache_attr=kv_cache_attr,
                              world_size=world_size, strict_values=strict_values,
-                             default_device=default_device, routing=routing),
+                             default_device=default_device, routing=routing,
+                             replay_repeats=replay_repeats),
                         keep_snapshot, search_range)
 
     if maximize is None:

@@ -515,6 +515,7 @@ def estimate_script(
     what_if: bool | Sequence[str] = False,
     world_size: int | None = None,
     rank: int = 0,
+    replay_repeats: bool = True,
 ) -> ScriptEstimate:
     """Will this unmodified script fit on ``gpu``? Run it as ``python script args`` (or
     ``python -m script args`` with ``module=True``) under the estimate (see the module
@@ -532,6 +533,8 @@ def estimate_script(
     ``world_size=N`` runs the script as rank ``rank`` (default 0) of an ``N``-rank job (a fake
     process group: ``init_process_group``, device meshes and FSDP2 work as on ``N`` GPUs;
     ``RANK`` and ``LOCAL_RANK`` are the rank), as for a build function.
+    ``replay_repeats`` (default True) replays the model calls that repeat earlier ones, as
+    :func:`torchmem.estimate` does; False runs every one.
 
     Returns a :class:`ScriptEstimate`; ``.script`` (:class:`ScriptRun`) says how many optimizer
     steps ran, why the run stopped and which writes (``torch.save``, safetensors) were skipped.
@@ -573,14 +576,15 @@ def estimate_script(
                                maximize, spec, progress, keep_snapshot, search_range,
                                dict(alloc_conf=alloc_conf, strict_values=strict_values,
                                     default_device=default_device, routing=routing,
-                                    world_size=world_size))
+                                    world_size=world_size, replay_repeats=replay_repeats))
 
     def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
         try:
             e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
                          strict_values=strict_values, default_device=default_device,
-                         routing=routing, world_size=world_size, rank=rank)
+                         routing=routing, world_size=world_size, rank=rank,
+                         replay_repeats=replay_repeats)
         except InvalidInputError as err:
             if "put nothing on the GPU" not in str(err):
                 raise

@@ -143,7 +143,10 @@ class Estimate:
     into the simulator instead of run through the model (:mod:`torchmem.fit.run._decode`; 0:
     none): the peaks and verdict are the full run's, and so are ``by_category``,
     ``by_module`` and ``kv_cache`` unless ``decode_split_exact`` is false (they are then the
-    iterations that ran). ``predicted`` marks a search probe predicted from earlier probes'
+    iterations that ran). ``calls_replayed`` counts the calls of the outermost module (a
+    micro-step's forward and its backward, an evaluation forward) that repeated earlier calls
+    and were replayed into the simulator instead of run (:mod:`torchmem.fit.run._repeat`): the
+    peaks, verdict and split are the full run's. ``predicted`` marks a search probe predicted from earlier probes'
     allocator requests (:mod:`torchmem.fit.run._stream`), not run; a search's answer lists those
     values in ``predicted_probes``. ``stopped_over`` is set on a search's check of the value
     above its answer when that run stopped as soon as its reserved bytes passed this many
@@ -159,6 +162,8 @@ class Estimate:
         (8, None)
         >>> e.decode_replayed, e.decode_split_exact, e.predicted, e.predicted_probes, e.stopped_over
         (0, True, False, [], None)
+        >>> e.calls_replayed
+        0
     """
 
     gpu: str
@@ -202,6 +207,7 @@ class Estimate:
     what_if_best: Any = None
     decode_replayed: int = 0
     decode_split_exact: bool = True
+    calls_replayed: int = 0
     predicted: bool = False
     predicted_probes: list[int] = field(default_factory=list)
     stopped_over: int | None = None
@@ -350,6 +356,8 @@ class Estimate:
                      model_state=dict(self.model_state),
                      collectives={k: dict(v) for k, v in self.collectives.items()})
         d["assumed_values"] = [dict(a) for a in self.assumed_values]
+        if self.calls_replayed:
+            d["calls_replayed"] = self.calls_replayed
         if self.what_if:
             d["what_if"] = [r.to_dict() for r in self.what_if]
             d["what_if_best"] = None if self.what_if_best is None else self.what_if_best.to_dict()
