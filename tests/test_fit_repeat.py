@@ -247,6 +247,10 @@ def test_the_cli_replays_a_scripts_calls_and_no_replay_runs_them(tmp_path: objec
     for key in ("peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                 "by_category", "by_module"):
         assert fast[key] == full[key], key
+    text = subprocess.run([sys.executable, "-m", "torchmem", "estimate", "--gpu", "T4", script],
+                          capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr
+    assert "repeated calls: 12 model calls repeated earlier ones and were replayed" in text.stdout
 
 
 @pytest.mark.parametrize("plan", ["fsdp", "ddp"])

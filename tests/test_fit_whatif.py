@@ -881,6 +881,52 @@ def test_accumulation_on_an_unmodified_trainer_script(tmp_path, monkeypatch) -> 
     assert r.peak_requested_bytes < e.peak_requested_bytes
 
 
+TRAINER_IN_CODE = """
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+cfg = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=256, vocab_size=1000)
+model = BertForSequenceClassification(cfg).to("cuda")
+rows = [{{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.tensor(0)}} for _ in range(64)]
+args = TrainingArguments(output_dir="out", per_device_train_batch_size={b},
+                         gradient_accumulation_steps={k}, max_steps=4,
+                         logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=rows).train()
+"""
+
+
+def test_accumulation_on_a_trainer_whose_batch_is_set_in_code(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """No batch option (TRL's SFTConfig(per_device_train_batch_size=8) written in the script):
+    the Trainer's own batch is divided where its arguments reach it, equal to the script with
+    per_device_train_batch_size=4, gradient_accumulation_steps=2 written by hand; a script
+    that makes no Trainer says so in its row."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "as_written.py").write_text(TRAINER_IN_CODE.format(b=8, k=1))
+    (tmp_path / "by_hand.py").write_text(TRAINER_IN_CODE.format(b=4, k=2))
+    e = torchmem.estimate_script(str(tmp_path / "as_written.py"), [], "T4",
+                                 what_if=["grad_accumulation_2", "grad_accumulation_4"])
+    h = torchmem.estimate_script(str(tmp_path / "by_hand.py"), [], "T4")
+    rows = {r.lever: r for r in e.what_if}
+    r = rows["grad_accumulation_2"]
+    assert r.skipped is None and h.script.steps_run == 2
+    assert "per_device_train_batch_size=8 -> 4, gradient_accumulation_steps=1 -> 2" in r.applied
+    assert (r.peak_requested_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes) == (
+        h.peak_requested_bytes, h.peak_allocated_bytes, h.peak_reserved_bytes)
+    assert r.peak_requested_bytes < e.peak_requested_bytes
+    assert "per_device_train_batch_size=8 -> 2" in rows["grad_accumulation_4"].applied
+    # transformers imported, a Trainer named in a comment, none made: the row says why
+    (tmp_path / "loop.py").write_text(
+        "import transformers  # its Trainer is not used here\nimport torch\n"
+        "m = torch.nn.Linear(64, 64).cuda()\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    m(torch.randn(8, 64, device='cuda')).sum().backward(); opt.step()\n")
+    loop = torchmem.estimate_script(str(tmp_path / "loop.py"), [], "T4",
+                                    what_if=["grad_accumulation_2"]).what_if[0]
+    assert "made no transformers Trainer" in (loop.skipped or ""), loop
+
+
 TRAINER = """
 import sys
 import torch

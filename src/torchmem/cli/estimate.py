@@ -293,6 +293,9 @@ def render_text(est: Any, file: Any = None) -> None:
         con.print(line)
     if est.attention_kernel:
         con.print(f"attention kernel: {est.attention_kernel} (CUDA's choice; see the notes)")
+    if est.calls_replayed:
+        con.print(f"repeated calls: {est.calls_replayed:,} model calls repeated earlier ones and "
+                  "were replayed into the simulator (the same requests; --no-replay runs them)")
     for line in assumed_lines(est):
         con.print(line)
     for note in est.notes:

@@ -42,7 +42,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["patch_training_args", "patch_accelerator"]
+from torchmem.errors import InvalidInputError
+
+__all__ = ["patch_training_args", "patch_accelerator", "split_trainer_batch"]
 
 
 def patch_training_args(lever: Any, module: Any) -> Callable[[], None] | None:
@@ -76,6 +78,34 @@ def patch_training_args(lever: Any, module: Any) -> Callable[[], None] | None:
     functools.update_wrapper(post_init, orig)
     setattr(cls, "__post_init__", post_init)  # noqa: B010
     return lambda: setattr(cls, "__post_init__", orig)
+
+
+def split_trainer_batch(lever: Any, targs: Any) -> None:
+    """A script that sets its batch in code (``TrainingArguments(per_device_train_batch_size=8)``,
+    TRL's ``SFTConfig(...)``): the accumulation lever divides the Trainer's own per-device batch
+    into ``lever.accumulate`` micro-batches and multiplies its ``gradient_accumulation_steps``,
+    as the same two arguments written by hand would; a batch that does not divide is an error.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> lever = SimpleNamespace(accumulate=2, accumulated_by="", trainer_accumulates=False)
+        >>> targs = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1)
+        >>> split_trainer_batch(lever, targs); targs.per_device_train_batch_size, lever.accumulated_by
+        (4, 'by the Trainer: per_device_train_batch_size=8 -> 4, gradient_accumulation_steps=1 -> 2')
+    """
+    b = getattr(targs, "per_device_train_batch_size", None)
+    k = getattr(targs, "gradient_accumulation_steps", None)
+    n = lever.accumulate
+    if lever.accumulated_by or n < 2 or type(b) is not int or type(k) is not int:
+        return
+    if b % n:
+        raise InvalidInputError(
+            f"the Trainer's per_device_train_batch_size={b} (set in the script) does not split "
+            f"into {n} micro-batches; expected a multiple of {n}")
+    targs.per_device_train_batch_size, targs.gradient_accumulation_steps = b // n, k * n
+    lever.trainer_accumulates = True
+    lever.accumulated_by = (f"by the Trainer: per_device_train_batch_size={b} -> {b // n}, "
+                            f"gradient_accumulation_steps={k} -> {k * n}")
 
 
 def patch_accelerator(lever: Any, module: Any) -> Callable[[], None] | None:

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from torchmem.fit.levers._hf import split_trainer_batch
 from torchmem.fit.levers._lightning import patch_lightning
 from torchmem.fit.levers._model_parts import (
     _cast,
@@ -171,6 +172,9 @@ class LeverRun:
         #: option multiplied", "by the program: ...", "by Lightning: ..."); "" when the lever's
         #: every k-th optimizer step does it
         self.accumulated_by = ""
+        #: a script whose batch is set in code for a transformers ``Trainer``: the Trainer's own
+        #: per_device_train_batch_size is divided where it is made (:func:`split_trainer_batch`)
+        self.trainer_batch = False
         #: the optimizer a ``Trainer`` was told to make itself (its ``optim``), in words
         self.trainer_optimizer = ""
         #: the mixed precision a ``Trainer`` was told to run itself (Lightning's), in words
@@ -213,7 +217,7 @@ class LeverRun:
             >>> LeverRun(accumulate=4).batch(16)
             4
         """
-        if self.script_accumulates or self.accumulated_by:
+        if self.script_accumulates or self.accumulated_by or self.trainer_batch:
             return batch_size  # the script's own batch option is divided instead
         return batch_size // self.accumulate if self.accumulate > 1 else batch_size
 
@@ -226,7 +230,8 @@ class LeverRun:
             >>> LeverRun(accumulate=2).run_step(lambda: calls.append(1)); calls
             [1, 1]
         """
-        if self.trainer_accumulates or self.script_accumulates or self.accumulated_by:
+        if (self.trainer_accumulates or self.script_accumulates or self.accumulated_by
+                or self.trainer_batch):
             step()  # the Trainer (gradient_accumulation_steps) or the script's loop accumulates
             return
         for i in range(self.accumulate):
@@ -349,6 +354,8 @@ class LeverRun:
 
         def init(trainer: Any, *args: Any, **kwargs: Any) -> None:
             targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+            if lever.trainer_batch and targs is not None:
+                split_trainer_batch(lever, targs)
             if (lever.accumulate > 1 and targs is not None and not lever.accumulated_by
                     and hasattr(targs, "gradient_accumulation_steps")):
                 # (not where the script's own option was multiplied: it feeds the Trainer)

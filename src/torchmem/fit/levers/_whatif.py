@@ -310,7 +310,8 @@ def what_if(
         why = _not_for_scripts(lv, script if isinstance(script, str) else None) \
             if script is not False else None
         if why is None:
-            why = _not_applicable(lv, base, base_opts, batch_size, bf16_ok)
+            why = _not_applicable(lv, base, base_opts,
+                                  None if script == TRAINER_BATCH else batch_size, bf16_ok)
         if why is not None:
             rows.append(_skip(lv.name, why))
         else:  # the allocator's replays run beside the levers' estimates, in the pool too
@@ -449,7 +450,7 @@ def _peaks(e: Estimate) -> tuple[int, int, int, int]:
             e.host_peak_bytes)
 
 
-def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
+def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int | None,
                     bf16_ok: bool) -> str | None:
     if lv.parts:
         for p in lv.parts:
@@ -473,7 +474,7 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
         k = lv.settings["accumulate"]
         if not opts:
             return "the step makes no optimizer (nothing to accumulate for)"
-        if batch % k:
+        if batch is not None and batch % k:
             return f"batch {batch} is not a multiple of {k}"
     if ("optimizer" in lv.settings or "replace_optimizer" in lv.settings
             or "offload_optimizer" in lv.settings) and not opts:
@@ -484,6 +485,12 @@ def _not_applicable(lv: Lever, base: Estimate, opts: list[str], batch: int,
         if not opts:
             return "the step makes no optimizer (FSDP is applied when it is made)"
     return None
+
+
+#: the batch option of a script whose batch is set in code for a transformers ``Trainer``: the
+#: accumulation levers divide the Trainer's own per_device_train_batch_size where it is made
+#: (its value is known there, so no multiple is checked before)
+TRAINER_BATCH = "the Trainer's per_device_train_batch_size (set in the script)"
 
 
 def _not_for_scripts(lv: Lever, batch_option: str | None) -> str | None:

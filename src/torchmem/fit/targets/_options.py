@@ -5,6 +5,7 @@ the levers change (:data:`BATCH_OPTIONS`), read and rewritten in the script's ar
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 from torchmem.errors import InvalidInputError
@@ -63,6 +64,20 @@ BATCH_OPTIONS = ("--batch-size", "--batch_size", "--per_device_train_batch_size"
 #: ``--train.global_batch_size`` over ``--train.micro_batch_size``): dividing the micro-batch
 #: is the whole change, the program accumulates itself
 SELF_ACCUMULATING = frozenset({"--train.micro_batch_size", "--train.micro-batch-size"})
+_HF_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:transformers|trl)\b", re.M)
+
+
+def makes_hf_trainer(source: str) -> bool:
+    """Whether a script imports transformers or TRL and names a ``Trainer`` (``Trainer``,
+    ``SFTTrainer``, ``Seq2SeqTrainer``): its batch, when no option sets it, is the Trainer's.
+
+    Example:
+        >>> makes_hf_trainer("from trl import SFTConfig, SFTTrainer")
+        True
+        >>> makes_hf_trainer("import lightning as L; trainer = L.Trainer()")
+        False
+    """
+    return "Trainer" in source and _HF_IMPORT.search(source) is not None
 
 #: a script's own gradient accumulation option (nanoGPT's configurator global, an argparse
 #: option): where the script defines one, the accumulation levers multiply it

@@ -88,6 +88,7 @@ from torchmem.fit.targets._options import (
     _default,
     _option,
     litgpt_command,
+    makes_hf_trainer,
     script_accumulation,
     script_batch,
     script_devices,
@@ -632,11 +633,13 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
     as rank 0 of the sharded job; accumulation runs it with its batch option divided
     (:func:`~torchmem.fit.targets._options.script_batch`) and its own accumulation option
     multiplied where it has one, else makes every k-th optimizer step)."""
-    from torchmem.fit.levers._whatif import check_levers
+    from torchmem.fit.levers._whatif import TRAINER_BATCH, check_levers
     from torchmem.fit.search._lever_runs import what_if_runs
 
     chosen = check_levers(None if isinstance(what_if, bool) else what_if)
     batch = script_batch(argv, target.source)
+    # a batch set in code for a transformers Trainer: the Trainer's own is divided
+    trainer_batch = batch is None and makes_hf_trainer(target.source)
     own = script_accumulation(argv, target.source)
     devices = script_devices(argv, target.name, target.module, target.source)
     litgpt = litgpt_command(argv, target.name, target.module, target.source)
@@ -676,6 +679,8 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                 lr.accumulated_by = f"by the script: {own[0]}={own[1]} -> {own[1] * k}"
             else:
                 lr.script_accumulates = True
+        if lr.accumulate > 1 and trainer_batch:
+            lr.trainer_batch = True
         if lr.fsdp is True and devices == 1 and world_size is not None and world_size > 1:
             # the program's own sharding over N GPUs (litgpt: FSDP around every block)
             run_argv = with_option(run_argv, "--devices", world_size)
@@ -701,6 +706,10 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
                 # sharding lever's ranks: nanoGPT asserts its accumulation divides them)
                 r.raise_bad_end("before it put anything on the GPU")
                 raise
+            if lr.trainer_batch and not lr.accumulated_by:
+                raise InvalidInputError(
+                    "no batch option in the script's arguments or defaults, and it made no "
+                    "transformers Trainer whose per_device_train_batch_size could be divided")
             return r.finish(e)
         except InvalidInputError as err:
             # a row's reason: "the script", not the whole command line again
@@ -711,6 +720,7 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
 
     out = what_if_runs(one, card, 1 if batch is None else batch[1], chosen, ident, spec,
                        progress, keep_snapshot, search_range,
-                       script=True if batch is None else batch[0], start=first)
+                       script=(TRAINER_BATCH if trainer_batch else True) if batch is None
+                       else batch[0], start=first)
     assert isinstance(out, ScriptEstimate)
     return out
