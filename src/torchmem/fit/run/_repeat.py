@@ -18,10 +18,18 @@ strides, dtypes and devices of its tensor arguments and the values of the others
 parameter's dtype and whether it has a gradient (the first micro-step after ``zero_grad``
 makes the gradients; later ones add into them). A call is replayed only when its record is
 self-contained: every block it frees it allocated (or, in backward, is the gradient arriving
-for its output), every block it allocated is freed by the end of its backward except the
-storages of its outputs, each output a whole storage of its own on the GPU; no submodule or
-parameter carries a hook of the program's (those would not run); no snapshot frames are being
-recorded. The per-category split stays exact: each replayed block carries the category and
+for its output or an argument its graph saved; after a forward under autocast, a cast copy
+autocast's cache frees at its exit), every block it allocated is freed by the end of its
+backward except the storages of its outputs, each output a whole storage of its own on the GPU
+(a call that returns a KV cache object, as transformers' models do unless ``use_cache=False``,
+is run); neither the module nor a submodule or parameter carries a hook (those would not run
+again, or run beside their record), except FSDP2's in a call without grad under the fake
+ranks; a call with grad under the fake ranks is run (its backward reduces); no snapshot
+frames are being recorded. The replay goes through the global module hooks (the tracker's
+scope), not the rest of ``__call__`` (the levers' wrapper is in the record). A forward whose
+allocations change with Python state of its own (a counter, a schedule) while its signature
+stays the same would be replayed as its recorded calls: ``replay_repeats=False`` runs every
+call. The per-category split stays exact: each replayed block carries the category and
 module of the block it repeats (the live bytes at a peak are the trace's plus the replay's),
 and each output's trace entry names the module that made it.
 
@@ -73,6 +81,7 @@ from torchmem.fit.run._repeat_window import (
 from torchmem.model.events import Category
 
 __all__ = ["RepeatedCalls"]
+
 
 class RepeatedCalls:
     """Records the outermost module calls of a fake run and replays those that repeat.
