@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -87,6 +88,14 @@ from torchmem.fit.levers._model_parts import (
 from torchmem.fit.levers._optimizer_parts import _closure_only, _host_copies, _same_kernels
 
 __all__ = ["LeverRun", "attention_projections", "repeated_blocks"]
+
+
+
+def _bind(opt: Any, name: str, fn: Callable[..., Any]) -> None:
+    """Set ``opt.<name>`` to ``fn`` as a method bound to ``opt``: code that wraps an optimizer's
+    ``step`` reads ``opt.step.__func__`` (torch's learning-rate schedulers do), which a plain
+    function has not."""
+    setattr(opt, name, types.MethodType(lambda _opt, *a, **k: fn(*a, **k), opt))
 
 
 class LeverRun:
@@ -251,8 +260,8 @@ class LeverRun:
         saved = [{k: o.__dict__[k] for k in ("step", "zero_grad") if k in o.__dict__}
                  for o in opts]
         for o in opts:
-            o.step = noop
-            o.zero_grad = noop
+            _bind(o, "step", noop)
+            _bind(o, "zero_grad", noop)
         try:
             yield
         finally:
@@ -286,8 +295,8 @@ class LeverRun:
                 return inner_zero_grad(*args, **kwargs)
             return None
 
-        opt.step = step
-        opt.zero_grad = zero_grad
+        _bind(opt, "step", step)
+        _bind(opt, "zero_grad", zero_grad)
 
     # -- installation --------------------------------------------------------------------------
 
@@ -562,7 +571,7 @@ class LeverRun:
             finally:
                 tls.in_step = False
 
-        opt.step = step
+        _bind(opt, "step", step)
         self.scaled.append(type(opt).__name__)
 
     def _offload(self, opt: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -586,8 +595,8 @@ class LeverRun:
             for dev, _ in pairs:
                 dev.grad = None
 
-        opt.step = step
-        opt.zero_grad = zero_grad
+        _bind(opt, "step", step)
+        _bind(opt, "zero_grad", zero_grad)
         self.offloaded.append((type(opt).__name__, len(pairs),
                                sum(d.numel() * d.element_size() for d, _ in pairs)))
 
