@@ -91,7 +91,9 @@ def _lightning_ddp(batch):
     return lambda: trainer.fit(model, data)
 
 
-def _plain_ddp(batch):
+def _plain_ddp(batch, side_stream=False):
+    import contextlib
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     class Forward(torch.nn.Module):  # what Lightning's wrapper runs: training_step's forward
@@ -103,7 +105,10 @@ def _plain_ddp(batch):
             return self.model.net(x)
 
     model = _Model().cuda()
-    ddp = DDP(Forward(model), device_ids=[0])
+    # Lightning's DDPStrategy._setup_model builds DDP under a stream of its own
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if side_stream else contextlib.nullcontext()
+    with ctx:
+        ddp = DDP(Forward(model), device_ids=[0])
     opt = model.configure_optimizers()
     x = torch.randn(batch, 512, device="cuda")
 
@@ -120,14 +125,22 @@ def _plain_ddp(batch):
 def test_lightning_ddp_on_two_devices_needs_what_a_plain_ddp_loop_needs():
     """``Trainer(devices=2, strategy="ddp")`` as rank 0 of 2: the fake CUDA shows two devices
     (Lightning checks), the step runs through DDP's gradient buckets, and the GPU peaks equal a
-    plain DDP loop's (DDP's buckets: one copy of the 4.2 MB of gradients, in two buckets)."""
+    plain DDP loop's (DDP's buckets: one copy of the 4.2 MB of gradients, in two buckets)
+    built as Lightning builds it: under a stream of its own, whose pool then holds the buckets'
+    segment (20 MiB more reserved than the same loop building DDP on the default stream)."""
     fit = torchmem.estimate(_lightning_ddp, gpu="T4", batch_size=16, steps=1, margin=0,
                             world_size=2)
     loop = torchmem.estimate(_plain_ddp, gpu="T4", batch_size=16, steps=1, margin=0,
-                             world_size=2)
+                             world_size=2, params={"side_stream": True})
+    default = torchmem.estimate(_plain_ddp, gpu="T4", batch_size=16, steps=1, margin=0,
+                                world_size=2)
     assert fit.world_size == loop.world_size == 2
     assert 0 <= fit.peak_requested_bytes - loop.peak_requested_bytes <= 64
     assert fit.peak_reserved_bytes == loop.peak_reserved_bytes
+    assert loop.peak_allocated_bytes == default.peak_allocated_bytes
+    # the 4.2 MB of buckets: a segment of 20 MiB (requests between 1 and 10 MiB) in the side
+    # stream's pool, which the default stream cannot share
+    assert loop.peak_reserved_bytes - default.peak_reserved_bytes == 20 << 20
     params = (512 * 2048 + 2048 + 2048 * 512 + 512) * 4
     assert fit.by_category["parameter"] == loop.by_category["parameter"] == params
     assert fit.by_category["gradient"] == loop.by_category["gradient"] == params

@@ -249,6 +249,10 @@ def render_text(est: Any, file: Any = None) -> None:
     t.add_row("peak allocated", _fmt(est.peak_allocated_bytes),
               "allocator blocks (rounded requests + workspaces)")
     t.add_row("peak reserved", _fmt(est.peak_reserved_bytes), "cudaMalloc'd segments")
+    if est.peak_reserved_lower_bytes is not None:
+        t.add_row("peak reserved, lower", _fmt(est.peak_reserved_lower_bytes),
+                  "the least it can be (the range's causes below); the verdict takes the "
+                  "figure above")
     t.add_row("fragmentation", _fmt(est.fragmentation_bytes),
               "reserved but unallocated at the peak of allocated")
     t.add_row("cuBLAS workspaces", _fmt(est.workspace_bytes),
@@ -298,6 +302,8 @@ def render_text(est: Any, file: Any = None) -> None:
                   "were replayed into the simulator (the same requests; --no-replay runs them)")
     for line in assumed_lines(est):
         con.print(line)
+    for cause in est.range_causes:
+        con.print(f"range: {cause}")
     for note in est.notes:
         con.print(f"note: {note}")
 

@@ -15,13 +15,14 @@ written for CUDA this module makes that work:
   of N ranks), ``get_device_name()`` the
   target GPU's name, ``get_device_capability()`` its compute capability,
   ``get_device_properties()`` its name, memory and capability, ``is_bf16_supported()``
-  follows it; ``synchronize``, ``set_device``, ``manual_seed``, ``torch.cuda.device(...)``
-  do nothing; ``empty_cache()`` empties the *simulated* cache; the memory readings
+  follows it; ``set_device``, ``manual_seed``, ``torch.cuda.device(...)`` do nothing; ``empty_cache()`` empties the *simulated* cache; the memory readings
   (``memory_allocated()``, ``max_memory_allocated()``, ``reset_peak_memory_stats()``,
   ``memory_stats()``, ``memory_summary()``, ``mem_get_info()``,
   ``memory._record_memory_history()``, ``memory._snapshot()``, ...) read or drive the
   simulator, in ``torch.cuda`` and ``torch.cuda.memory`` (:mod:`torchmem.fit.fakegpu._readings`);
-  streams and events are stand-ins (everything runs on the default stream);
+  streams and events (``Stream``, ``stream()``, ``current_stream()``, ``Event``,
+  ``synchronize()``, ``Tensor.record_stream``) give each stream its own pool and defer
+  ``record_stream``'s frees (:mod:`torchmem.fit.fakegpu._streams`);
   ``get_rng_state()`` gives a 16-byte host tensor (checkpointing saves it);
   ``f"{t:.4f}"`` of a 0-d tensor formats its (answered) value, as for a real tensor;
   without a placement ``.pin_memory()`` returns the tensor;
@@ -67,6 +68,7 @@ from torch.utils import _device as _devmod
 from torchmem.fit.fakegpu._hostdata import _fast_inputs, _on_host_data, _real_on_host
 from torchmem.fit.fakegpu._placement import _REAL, Placement, _tensors
 from torchmem.fit.fakegpu._readings import SimReadings
+from torchmem.fit.fakegpu._streams import ACTIVE, FakeEvent, FakeStream, Streams, fake_record_stream
 
 __all__ = ["fake_cuda"]
 
@@ -302,50 +304,6 @@ def _rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.zeros(16, dtype=torch.uint8, device="cpu")
 
 
-class _Event:
-    """A CUDA event that records nothing (the estimate runs on one stream)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def wait(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-class _Stream(_Event):
-    """A CUDA stream stand-in: work on it is simulated on the default stream."""
-
-    def wait_stream(self, other: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def is_capturing(self) -> bool:
-        return False  # no CUDA graph is captured in the estimate
-
-    def record_event(self, event: Any = None) -> _Event:
-        return event if event is not None else _Event()
-
-    def __enter__(self) -> _Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 @contextlib.contextmanager
 def _no_hub_kernels() -> Iterator[None]:
     """transformers 5.25+ swaps in CUDA kernels from the Hub for a model on a GPU (RoPE's
@@ -359,14 +317,6 @@ def _no_hub_kernels() -> Iterator[None]:
         yield
     finally:
         os.environ.pop("USE_HUB_KERNELS", None)
-
-
-def _fake_record_stream(self: torch.Tensor, stream: Any) -> None:
-    """``Tensor.record_stream`` for the fake run, which runs every stream as the one default
-    stream in program order: a freed block is free for reuse at once, as it is on a GPU once
-    the recorded stream's work is done (torch's own method refuses the stand-in stream)."""
-    if not isinstance(stream, (_Stream, torch.Stream)):
-        raise TypeError(f"record_stream expects a stream, got {type(stream).__name__}")
 
 
 def _is_index(x: Any) -> bool:
@@ -623,6 +573,7 @@ def fake_cuda(
     placement: Placement | None = None,
     devices: int = 1,
     values: Any = None,
+    streams: Streams | None = None,
 ) -> Iterator[None]:
     """Make user code see one CUDA device named ``name`` while fake tensors stand in for it.
 
@@ -636,7 +587,9 @@ def fake_cuda(
     ``N`` ranks on one node sees ``N`` GPUs (a trainer asked for ``devices=N`` checks that),
     while the run itself uses device 0 (rank 0's). ``values`` (a
     :class:`~torchmem.fit.fakegpu._values.ValueReads`) lists what is assumed without a read
-    (``GradScaler``'s finite gradients). Not thread-safe and not re-entrant: one estimate at a
+    (``GradScaler``'s finite gradients). ``streams`` (:class:`~torchmem.fit.fakegpu._streams.Streams`)
+    answers ``torch.cuda.Stream``, ``stream()``, ``Event`` and ``record_stream`` (without it, one
+    on ``readings``' simulator that marks no blocks). Not thread-safe and not re-entrant: one estimate at a
     time per process.
 
     Example:
@@ -657,21 +610,24 @@ def fake_cuda(
         name=name, total_memory=total_bytes, major=capability[0], minor=capability[1],
         multi_processor_count=1, is_integrated=False, is_multi_gpu_board=False,
     )
-    stream = _Stream()
+    if streams is None:
+        streams = Streams(readings.sim)
     patches: dict[str, Any] = {
         "get_device_properties": lambda *a, **k: props,
         "device": lambda *a, **k: contextlib.nullcontext(),
-        "stream": lambda *a, **k: contextlib.nullcontext(),
-        "Stream": _Stream,
-        "Event": _Event,
-        "current_stream": lambda *a, **k: stream,
-        "default_stream": lambda *a, **k: stream,
+        "stream": lambda s=None, *a, **k: streams.using(s),
+        "StreamContext": lambda s=None, *a, **k: streams.using(s),
+        "set_stream": streams.set,
+        "Stream": FakeStream,
+        "Event": FakeEvent,
+        "current_stream": lambda *a, **k: streams.stream(),
+        "default_stream": lambda *a, **k: streams.default,
         "is_available": lambda: True,
         "is_current_stream_capturing": lambda: False,
         "device_count": lambda: devices,
         "current_device": lambda: 0,
         "set_device": lambda *a, **k: None,
-        "synchronize": lambda *a, **k: None,
+        "synchronize": lambda *a, **k: streams.synchronize(),
         "manual_seed": lambda *a, **k: None,
         "manual_seed_all": lambda *a, **k: None,
         "get_device_name": lambda *a, **k: name,
@@ -760,7 +716,8 @@ def fake_cuda(
             setattr(cuda, k, v)
         for k, v in memory_patches.items():
             setattr(memory, k, v)
-        torch.Tensor.record_stream = _fake_record_stream  # type: ignore[method-assign,assignment]
+        ACTIVE.append(streams)
+        torch.Tensor.record_stream = fake_record_stream  # type: ignore[method-assign,assignment]
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
         GradScaler._maybe_opt_step = _fake_maybe_opt_step(values)  # type: ignore[method-assign]
@@ -787,6 +744,8 @@ def fake_cuda(
         init._no_grad_trunc_normal_ = trunc
         GradScaler._maybe_opt_step = opt_step  # type: ignore[method-assign]
         torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+        if ACTIVE and ACTIVE[-1] is streams:
+            ACTIVE.pop()
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
         DataLoader.__iter__ = loader_iter  # type: ignore[method-assign]

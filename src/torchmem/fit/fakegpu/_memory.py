@@ -116,6 +116,9 @@ class _State:
         self.dist: Any = None
         #: the memory levers applied (:mod:`torchmem.fit.levers._levers`), counting FLOPs when asked
         self.levers: Any = None
+        #: the run's CUDA streams (:class:`~torchmem.fit.fakegpu._streams.Streams`): the stream
+        #: each request is made on; None: all on the default stream
+        self.streams: Any = None
         # cuBLAS workspace per (thread, stream): CudaEmulation.gemm_workspace_bytes
         self.ws_size = int(emu.gemm_workspace_bytes) if emu is not None else 0
         # cuBLASLt workspace per (thread, stream): CudaEmulation.lt_workspace_bytes
@@ -141,8 +144,13 @@ class _State:
         frames = None
         if self.frames:
             frames = _frames(getattr(ev, "stack", None), op or label)
+        streams = self.streams
+        stream = 0
+        if streams is not None:
+            streams.before_malloc()
+            stream = streams.current
         try:
-            addr = self.sim.malloc(nbytes, frames=frames)
+            addr = self.sim.malloc(nbytes, stream=stream, frames=frames)
         except SimulatedOutOfMemoryError as e:
             self.oom = OOMSite(
                 requested_bytes=nbytes,
@@ -156,6 +164,21 @@ class _State:
             )
             if self.on_oom is not None:
                 self.on_oom()
+            return None
+        self._peaks()
+        return addr
+
+    def _try_malloc(self, nbytes: int, op: str) -> int | None:
+        """A request the caller catches the out-of-memory error of (``None`` then), as cuDNN
+        catches a workspace's and tries its next plan."""
+        streams = self.streams
+        if streams is not None:
+            streams.before_malloc()
+        frames = _frames(None, op) if self.frames else None
+        try:
+            addr = self.sim.malloc(nbytes, stream=streams.current if streams is not None else 0,
+                                   frames=frames)
+        except SimulatedOutOfMemoryError:
             return None
         self._peaks()
         return addr
@@ -243,6 +266,11 @@ class _State:
             if addr is not None:
                 self.sim.free(addr)
 
+    def address(self, t: torch.Tensor) -> int | None:
+        """The simulated address of ``t``'s block (``None``: not on the GPU, or empty)."""
+        sid = self.sid_of.get(t.untyped_storage()._cdata)
+        return None if sid is None else self.addr.get(sid)
+
     def _workspace(self, nbytes: int, op: str, label: str) -> None:
         addr = self._malloc(nbytes, None, op, label)
         if addr is not None:
@@ -267,7 +295,8 @@ class _State:
         if self.ws_size and func.overloadpacket in _GEMMS:
             key: object = (
                 "autograd" if torch._C._current_autograd_node() is not None
-                else threading.get_ident()
+                else threading.get_ident(),
+                self.streams.current if self.streams is not None else 0,
             )
             if key not in self.ws_keys:
                 self.ws_keys.add(key)
@@ -301,7 +330,12 @@ class _State:
             for i, entry in enumerate(self.emu.transients(func, args, kwargs, out)):
                 if int(entry[0]) <= 0:  # an empty buffer (a zero-length sequence): PyTorch
                     continue            # never calls the allocator for 0 bytes
-                addr = self._malloc(int(entry[0]), None, str(func), str(entry[1]))
+                if len(entry) > 3:  # a size that another plan replaces when it does not fit
+                    addr = self._try_malloc(int(entry[0]), str(func))  # type: ignore[misc]
+                    if addr is None:
+                        entry = (entry[3], entry[1], entry[2])  # type: ignore[misc]
+                if len(entry) <= 3 or addr is None:
+                    addr = self._malloc(int(entry[0]), None, str(func), str(entry[1]))
                 if addr is None:
                     break
                 held[i] = addr

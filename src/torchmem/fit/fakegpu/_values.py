@@ -164,6 +164,8 @@ class ValueReads:
         self._shadows: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         #: reads answered with a real value (not listed in :attr:`reads`)
         self.real_reads = 0
+        #: called at each read of a GPU tensor (the host waits for the GPU's work there)
+        self.on_read: Any = None
 
     def shadow(self, t: Any) -> torch.Tensor | None:
         """The real values of ``t`` on the host, or ``None`` when they are not known: a real
@@ -343,6 +345,8 @@ class ValueReads:
         """
         if _has_value(t):
             return None
+        if self.on_read is not None:  # the host waits for the GPU's work
+            self.on_read()
         known = self.shadow(t)
         if known is not None and known.numel() == 1:
             from torch.utils._python_dispatch import _disable_current_modes

@@ -660,6 +660,12 @@ class LeverRun:
         kw: dict[str, Any] = ({"offload_policy": CPUOffloadPolicy()}
                               if self.fsdp == "offload" else {})
         targets = {id(t): t for r in roots for t in _shard_targets(_unwrapped(r))}
+        # let go of the parameters fully_shard replaces: each block's originals are freed as
+        # it is sharded, as with fully_shard written before the optimizer
+        owned = {id(q) for t in targets.values() for q in t.parameters()}
+        keys = [id(p) if isinstance(p, torch.Tensor) and id(p) in owned else p for p in params]
+        params[:] = []
+        flat.clear()
         for root in targets.values():  # once each (two roots may lead to one model)
             if isinstance(root, FSDPModule):
                 continue  # sharded by an earlier optimizer (Lightning's fit() run again)
@@ -674,8 +680,10 @@ class LeverRun:
                 if n in new:
                     remap[i] = new[n]
         out: list[Any] = []
-        for p in params:
-            if isinstance(p, dict):
+        for p in keys:
+            if isinstance(p, int):  # fully_shard keeps every parameter's name
+                out.append(remap[p])
+            elif isinstance(p, dict):
                 ps = p["params"] if not isinstance(p["params"], torch.Tensor) else [p["params"]]
                 out.append({**p, "params": [remap.get(id(q), q) for q in ps]})
             else:

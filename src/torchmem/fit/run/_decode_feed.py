@@ -35,6 +35,8 @@ class _DecodeFeed:
 
         def rec_malloc(size: int, *a: Any, **kw: Any) -> int:
             addr = malloc(size, *a, **kw)
+            if kw.get("stream", 0):  # another stream's pool: not reproduced by the replay
+                self.rec.valid = False
             if self.rec.recording:
                 h = self.rec.on_malloc(size)
                 self.handle[addr], self.addr_of[h] = h, addr

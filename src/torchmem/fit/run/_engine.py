@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import io
 import os
 import traceback
 import warnings
@@ -52,6 +53,7 @@ from torchmem.fit.fakegpu._memory import _REPORT_KEYS, _live_at, _make_sim, _Sta
 from torchmem.fit.fakegpu._pointers import SimulatedPointers
 from torchmem.fit.fakegpu._readings import SimReadings
 from torchmem.fit.fakegpu._shapes import check_routing
+from torchmem.fit.fakegpu._streams import Streams
 from torchmem.fit.fakegpu._values import ValueReads
 from torchmem.fit.fakegpu.kernels import CudaEmulation
 from torchmem.fit.run._decode_feed import _DecodeFeed
@@ -153,6 +155,8 @@ def run_once(
     stream: list[Any] | None = None,
     stop_over: int | None = None,
     replay_repeats: bool = True,
+    bound: str = "upper",
+    lower: bool = True,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -198,6 +202,17 @@ def run_once(
     instead of running the model again (:mod:`torchmem.fit.run._repeat`): the same peaks,
     verdict and split; ``Estimate.calls_replayed`` counts them. ``False`` runs every call.
 
+    What the GPU decides at run time is bounded: ``bound="upper"`` (the default, the
+    estimate's figures and verdict) takes the most it can hold, ``"lower"`` the least. Each
+    CUDA stream has its own pool, and a block ``record_stream`` marked for another stream is
+    free only once that stream's work is done (:mod:`torchmem.fit.fakegpu._streams`): at the
+    latest where the program waits for the GPU, at the earliest by the next allocation. cuDNN's
+    heuristics size a convolution's workspace (:mod:`torchmem.fit.fakegpu.kernels._conv`): at
+    most the largest seen, at least the NHWC copies. A run with either is run again with
+    ``"lower"`` for ``Estimate.peak_reserved_lower_bytes`` (``range_causes`` says why; its
+    output to stdout and stderr is not shown again); ``lower=False`` leaves that run out (a
+    search's probes, the what-if's rows: the verdicts take the upper figures).
+
     ``stream=[]`` fills that list with every request made to the simulator
     (:mod:`torchmem.fit.run._stream`), the extrapolated ones included.
 
@@ -238,6 +253,12 @@ def run_once(
     frames = keep_snapshot and stacks
     st = _State(sim, emu, card.compute_capability, frames=frames)
     st.stop_over = stop_over
+    if bound not in ("upper", "lower"):
+        raise InvalidInputError(f"bound must be 'upper' or 'lower', got {bound!r}")
+    if emu is not None:
+        emu.upper = bound == "upper"
+    streams = Streams(sim, st.address, "late" if bound == "upper" else "early")
+    st.streams = streams
 
     readings = SimReadings(
         sim, total_bytes=card.total_bytes, context_bytes=card.context_bytes,
@@ -258,6 +279,7 @@ def run_once(
     step: Any = None
     failure: InvalidInputError | None = None
     values = ValueReads(strict=strict_values)
+    values.on_read = lambda: streams.synchronize([streams.current])
     gen = GenerationPatches(values)
     kv = KVWatch(attrs, st.sid_of.get)
     feed = None
@@ -284,6 +306,7 @@ def run_once(
             clear_workspaces=st.clear_workspaces,
             total_bytes=card.total_bytes,
             context_bytes=card.context_bytes, placement=st.pl, devices=world or 1, values=values,
+            streams=streams,
         ):
             emu_ctx = emu if emu is not None else _Null()
             with emu_ctx, _SimMode(st, gen, values, routing), kv, lever_ctx, \
@@ -357,7 +380,7 @@ def run_once(
                         rank=rank,
                         strict_values=strict_values, default_device=default_device,
                         routing=routing, levers=levers, stacks=stacks, stream=stream,
-                        stop_over=stop_over,
+                        stop_over=stop_over, bound=bound, lower=lower,
                         replay_repeats=repeats is None or repeats.valid)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_most:
         file, line = _source_of(build)
@@ -388,7 +411,37 @@ def run_once(
         est.notes.extend(attention_notes)
     if world is not None:
         _dist_result(est, world, st, tracker)
+    closed = emu.closed_calls if emu is not None else 0
+    if (streams.recorded or closed) and bound == "upper" and lower and st.oom is None \
+            and not est.incomplete:
+        _lower_figure(est, streams.recorded, closed, lambda: run_once(
+            build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf, params=params,
+            kv_cache_attr=kv_cache_attr, world_size=world_size, rank=rank,
+            strict_values=strict_values, default_device=default_device, routing=routing,
+            levers=levers, stacks=False, replay_repeats=replay_repeats, bound="lower"))
     return est
+
+
+def _lower_figure(est: Estimate, recorded: int, closed: int, run_lower: Callable[[], Estimate]
+                  ) -> None:
+    """Set ``est.peak_reserved_lower_bytes`` from the same run with the GPU's run-time choices
+    at their least (``run_lower``, its output not shown again), and say which choices make
+    the range."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        low = run_lower()
+    est.peak_reserved_lower_bytes = min(low.peak_reserved_bytes, est.peak_reserved_bytes)
+    if recorded:
+        est.range_causes.append(
+            f"record_stream marked {recorded:,} block{'s' if recorded != 1 else ''} for "
+            "another stream: a block is free only once that stream's work is done; the "
+            "figures take the latest the GPU can finish it (where the program waits for it), "
+            "the lower one the earliest (at once)")
+    if closed:
+        est.range_causes.append(
+            f"cuDNN sized the workspace of {closed:,} convolution call"
+            f"{'s' if closed != 1 else ''} by its own heuristics: the figures take the most "
+            "it was seen to take (NHWC copies, up to 15 split-K partial filters of at most "
+            "8 MiB), the lower one the NHWC copies alone")
 
 
 def check_default_device(device: Any) -> Callable[[], Any]:

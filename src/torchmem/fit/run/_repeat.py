@@ -135,7 +135,8 @@ class RepeatedCalls:
             w = self.rec
             if w is not None:
                 w.handle[addr] = w.n
-                w.cur.append(("m", size, w.n))
+                stream = kw.get("stream", 0)  # another stream's pool: replayed on that stream
+                w.cur.append(("m", size, w.n, stream) if stream else ("m", size, w.n))
                 w.n += 1
             return addr
 
@@ -160,6 +161,11 @@ class RepeatedCalls:
             return empty(*a, **kw)
 
         sim.malloc, sim.free, sim.empty_cache = rec_malloc, rec_free, rec_empty  # type: ignore[method-assign,assignment]
+        if st.streams is not None:
+            def on_stream_event(kind: str) -> None:
+                if self.rec is not None:  # the replay would free at once what waits here
+                    self.rec.bad = self.rec.bad or f"other streams' frees ({kind}) inside it"
+            st.streams.on_event = on_stream_event
         requested, host = st._requested, st._host
 
         def rec_requested(delta: int, sid: int = -1) -> None:
@@ -399,7 +405,14 @@ class RepeatedCalls:
         st = self.st
         kind = ev[0]
         if kind == "m":
-            a = st._malloc(ev[1], None, _OP, "tensor storage")
+            streams, before = st.streams, 0
+            if len(ev) > 3 and streams is not None:
+                before, streams.current = streams.current, ev[3]
+            try:
+                a = st._malloc(ev[1], None, _OP, "tensor storage")
+            finally:
+                if len(ev) > 3 and streams is not None:
+                    streams.current = before
             if a is None or st.oom is not None:
                 self._site(w, ev[2])
                 raise _Abort()

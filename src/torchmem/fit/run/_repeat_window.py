@@ -88,7 +88,8 @@ class _Window:
     """What one call did to the simulator: its forward's requests (``fwd``) and, when its
     outputs require grad, its backward's (``bwd``).
 
-    A request is ``("m", size, handle)``, ``("f", handle)``, ``("r", delta, tag)`` (requested
+    A request is ``("m", size, handle)`` (``("m", size, handle, stream)`` on a stream other
+    than the default one), ``("f", handle)``, ``("r", delta, tag)`` (requested
     bytes; ``tag`` the storage's tracker id while recording, its label index once finished),
     ``("h", delta)`` (host bytes), ``("e",)`` (``empty_cache``) or, in backward, ``("g", k)``:
     the gradient arriving for output ``k`` is freed (its ``"r"`` just before it names it)."""
@@ -148,7 +149,15 @@ class _Call:
             kind = ev[0]
             if kind == "m" and ev[2] in w.out_handles:
                 h = ev[2]
-                made[h] = o.make_output(w, h)
+                streams = o.st.streams
+                before = streams.current if streams is not None else 0
+                if streams is not None and len(ev) > 3:  # made on another stream's pool
+                    streams.current = ev[3]
+                try:
+                    made[h] = o.make_output(w, h)
+                finally:
+                    if streams is not None:
+                        streams.current = before
                 skip = h
             elif kind == "r" and skip >= 0:
                 skip = -1  # the output's own requested bytes: counted as it was made

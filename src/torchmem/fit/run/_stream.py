@@ -63,6 +63,8 @@ class StreamRecorder:
 
         def rec_malloc(size: int, *a: Any, **kw: Any) -> int:
             addr = malloc(size, *a, **kw)  # an out-of-memory ends the record (incomplete)
+            if kw.get("stream", 0):  # another stream's pool: no prediction from this record
+                events.append(("f", 0, -1))
             where[addr] = len(events)
             events.append(("m", size, -1))
             return addr

@@ -34,7 +34,8 @@ def _what_if(build: BuildFn, card: GPU, batch: int, kw: dict[str, Any], levers: 
         if alloc_conf is not None:
             o["alloc_conf"] = alloc_conf
         return run_once(build, batch if b is None else b, on, keep_snapshot=snap,
-                        params={**kw, **(extra or {})}, levers=lr, stacks=stacks, **o)
+                        params={**kw, **(extra or {})}, levers=lr, stacks=stacks, lower=False,
+                        **o)
 
     return what_if_runs(one, card, batch, levers, maximize, margin, progress, keep_snapshot,
                         search_range)

@@ -213,7 +213,8 @@ def estimate(
     lo, hi, step = _check_range(search_range, maximize)
 
     def run(b: int, extra: Mapping[str, Any], snap: bool = False, fast: bool = False,
-            stream: list[Any] | None = None, stop_over: int | None = None) -> Estimate:
+            stream: list[Any] | None = None, stop_over: int | None = None,
+            lower: bool = False) -> Estimate:
         # a probe extrapolates generate()'s later decode steps (same peaks, verdict, split and
         # KV figures; an answer whose split could not follow the replay is rerun in full) and
         # records no Python stacks (a quarter of a run's time): they are only shown for an
@@ -223,7 +224,7 @@ def estimate(
                      world_size=world_size, rank=rank, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
                      routing=routing, stream=stream, stop_over=stop_over,
-                     stacks=not fast, replay_repeats=replay_repeats)
+                     stacks=not fast, replay_repeats=replay_repeats, lower=lower)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:
@@ -243,8 +244,8 @@ def estimate(
                              replay_repeats=replay_repeats),
                         keep_snapshot, search_range)
 
-    if maximize is None:
-        return run(batch_size or 1, {}, keep_snapshot)
+    if maximize is None:  # a plain estimate: with its lower figure where the GPU chooses
+        return run(batch_size or 1, {}, keep_snapshot, lower=True)
 
     if maximize == "batch_size":
         if batch_size is not None:

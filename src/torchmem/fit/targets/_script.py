@@ -698,7 +698,7 @@ def _script_what_if(target: Any, argv: list[str], card: GPU, steps: int, time_li
         try:
             try:
                 e = run_once(r.build, 1, on, steps=1, keep_snapshot=snap, levers=lr,
-                             stacks=stacks, **o)
+                             stacks=stacks, lower=False, **o)
             except InvalidInputError as err:
                 if "put nothing on the GPU" not in str(err):
                     raise

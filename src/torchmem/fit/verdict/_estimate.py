@@ -155,6 +155,13 @@ class Estimate:
     (a script stopped at its time limit before the optimizer steps asked for): its peaks are
     those until then, ``fits`` is false and the verdict line says INCOMPLETE.
 
+    Where the GPU's timing decides part of the figure (blocks ``record_stream`` marked for
+    another stream are free only once that stream's work is done:
+    :mod:`torchmem.fit.fakegpu._streams`), the peaks and the verdict take the latest it can be
+    done and ``peak_reserved_lower_bytes`` the earliest; ``range_causes`` says why (JSON:
+    ``peak_reserved_range`` as ``[lower, upper]`` and ``range_causes``). ``None`` and empty for a
+    run without such choices: its figures are single.
+
     Example:
         >>> e = Estimate(gpu="T4", batch_size=1, fits=False, capacity_bytes=10, overhead_bytes=2,
         ...              peak_requested_bytes=0, peak_allocated_bytes=0, peak_reserved_bytes=0)
@@ -162,8 +169,8 @@ class Estimate:
         (8, None)
         >>> e.decode_replayed, e.decode_split_exact, e.predicted, e.predicted_probes, e.stopped_over
         (0, True, False, [], None)
-        >>> e.calls_replayed
-        0
+        >>> e.calls_replayed, e.peak_reserved_lower_bytes, e.range_causes
+        (0, None, [])
     """
 
     gpu: str
@@ -212,6 +219,8 @@ class Estimate:
     predicted_probes: list[int] = field(default_factory=list)
     stopped_over: int | None = None
     incomplete: str | None = None
+    peak_reserved_lower_bytes: int | None = None
+    range_causes: list[str] = field(default_factory=list)
 
     @property
     def usable_bytes(self) -> int:
@@ -358,6 +367,9 @@ class Estimate:
         d["assumed_values"] = [dict(a) for a in self.assumed_values]
         if self.calls_replayed:
             d["calls_replayed"] = self.calls_replayed
+        if self.peak_reserved_lower_bytes is not None:
+            d["peak_reserved_range"] = [self.peak_reserved_lower_bytes, self.peak_reserved_bytes]
+            d["range_causes"] = list(self.range_causes)
         if self.what_if:
             d["what_if"] = [r.to_dict() for r in self.what_if]
             d["what_if_best"] = None if self.what_if_best is None else self.what_if_best.to_dict()

@@ -11,8 +11,12 @@ import torch
 
 #: One scratch buffer of :meth:`CudaEmulation.transients`: ``(bytes, label)``, or
 #: ``(bytes, label, frees)`` where ``frees`` are the indices of earlier scratch buffers of the
-#: same call that the kernel frees right after allocating this one (in that order).
-Transient = tuple[int, str] | tuple[int, str, tuple[int, ...]]
+#: same call that the kernel frees right after allocating this one (in that order), or
+#: ``(bytes, label, frees, fallback)`` where ``fallback`` is the size to take instead when
+#: ``bytes`` does not fit (cuDNN tries its next plan when a workspace's allocation runs out
+#: of memory: ``try_plans`` in ``Conv_v8.cpp``).
+Transient = (tuple[int, str] | tuple[int, str, tuple[int, ...]]
+             | tuple[int, str, tuple[int, ...], int])
 
 
 def _op(name: str) -> Any:

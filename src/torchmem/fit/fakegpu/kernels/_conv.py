@@ -16,9 +16,19 @@ _CONVOLUTION = getattr(torch.ops.aten.convolution, "default", None)
 
 _CONVOLUTION_BACKWARD = getattr(torch.ops.aten.convolution_backward, "default", None)
 
+#: The largest workspace cuDNN's heuristics were seen to choose beyond the NHWC copies, for the
+#: upper figure (``upper=True``). Source: the H100 run ``tests/data/gpu/convnet`` (cuDNN 9,
+#: torch 2.11, fp32 with TF32), 30 workspace requests of 5 convolutions: every request was the
+#: copies plus 16 or 147 bytes (alignment), and each weight gradient added split-K partial
+#: filters: 3, 7, 14, 14.45 and 14 filter copies, never more than 8,258,215 bytes. The upper
+#: figure allows 15 copies, at most 8 MiB, plus 512 bytes (one allocator block) per request.
+SPLIT_K_COPIES = 15
+SPLIT_K_MAX_BYTES = 8 << 20
+ALIGNMENT_BYTES = 512
+
 
 def _cudnn_conv_transients(
-    func: Any, args: Sequence[Any], cc: tuple[int, int]
+    func: Any, args: Sequence[Any], cc: tuple[int, int], upper: bool = False
 ) -> list[Transient]:
     """The workspace a cuDNN convolution asks the caching allocator for when its tensors are
     NCHW and the engine it runs is a tensor-core one, which works in NHWC.
@@ -37,10 +47,11 @@ def _cudnn_conv_transients(
     and fp16/bf16 from 7.0/8.0; they need the channels of each group to be a multiple of
     4 (TF32) or 8 (16-bit); channels-last tensors need no transform.
 
-    What this leaves out, because only cuDNN's closed heuristics decide it: the engine's own
-    scratch (a few bytes of alignment; the split-K partial filters a weight-gradient engine
-    may add, seen as 4 to 15 filter copies on an H100), and engines that skip one of the
-    transposes.
+    What only cuDNN's closed heuristics decide: the engine's own scratch (a few bytes of
+    alignment; the split-K partial filters a weight-gradient engine may add, seen as 3 to 15
+    filter copies on an H100), and engines that skip one of the transposes. ``upper=True``
+    adds the most seen (:data:`SPLIT_K_COPIES` filter copies up to :data:`SPLIT_K_MAX_BYTES`
+    to a weight gradient's, :data:`ALIGNMENT_BYTES` to each): the estimate's upper figure.
 
     Example:
         >>> import torch
@@ -53,6 +64,10 @@ def _cudnn_conv_transients(
         ...     torch.ops.aten.convolution.default,
         ...     (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), (9, 0))
         [(6586368, 'cuDNN convolution workspace: NHWC copies of input, output, filter')]
+        >>> _cudnn_conv_transients(
+        ...     torch.ops.aten.convolution.default,
+        ...     (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), (9, 0), upper=True)[0][0]
+        6586880
     """
     if func is _CONVOLUTION:
         x, w = args[0], args[1]
@@ -115,7 +130,18 @@ def _cudnn_conv_transients(
     if not total:
         return []
     label = "cuDNN convolution workspace: NHWC copies of input, output, filter"
+    sizes = [total] * len(parts)
+    if upper:
+        split_k = min(SPLIT_K_COPIES * w.numel() * size, SPLIT_K_MAX_BYTES)
+        sizes = [n + ALIGNMENT_BYTES + (split_k if part == "weight gradient" else 0)
+                 for n, part in zip(sizes, parts)]
+        label += " (the most cuDNN was seen to take)"
+        # a workspace that does not fit makes cuDNN try its next plan: the copies alone
+        if len(parts) == 1:
+            return [(sizes[0], label, (), total)]
+        return [(sizes[0], f"{label} ({parts[0]})", (), total),
+                (sizes[1], f"{label} ({parts[1]})", (0,), total)]
     if len(parts) == 1:
-        return [(total, label)]
+        return [(sizes[0], label)]
     # both gradients in one call: the data gradient's workspace is given back first
-    return [(total, f"{label} ({parts[0]})"), (total, f"{label} ({parts[1]})", (0,))]
+    return [(sizes[0], f"{label} ({parts[0]})"), (sizes[1], f"{label} ({parts[1]})", (0,))]

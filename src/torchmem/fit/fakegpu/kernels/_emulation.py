@@ -130,6 +130,11 @@ class CudaEmulation:
         self.last_sdpa_backend: str | None = None
         #: Every ``scaled_dot_product_attention`` call: (backend, inputs and why) -> count.
         self.sdpa_calls: dict[tuple[str, str], int] = {}
+        #: workspaces that cuDNN's closed heuristics size take the most seen (the estimate's
+        #: upper figure) when true, the modelled NHWC copies alone when false
+        self.upper = True
+        #: calls whose workspace such a heuristic sized (the estimate's range then has width)
+        self.closed_calls = 0
         self._cache = _CastCache()
         self._lib: Any = None
         self._undo: list[Callable[[], None]] = []
@@ -317,7 +322,10 @@ class CudaEmulation:
         if func is _EFFICIENT_FORWARD:
             return _efficient_forward_transients(args, out)
         if func is _CONVOLUTION or func is _CONVOLUTION_BACKWARD:
-            return _cudnn_conv_transients(func, args, self.compute_capability)
+            found = _cudnn_conv_transients(func, args, self.compute_capability, upper=self.upper)
+            if found:
+                self.closed_calls += 1
+            return found
         if func is _SAFE_SOFTMAX:
             return _safe_softmax_transients(args, out)
         spec = _REDUCTIONS.get(getattr(func, "_overloadpacket", None))
