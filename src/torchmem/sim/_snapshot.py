@@ -69,13 +69,15 @@ def build_snapshot(
     snap = Snapshot()
     snap.allocator_settings = settings
     snap.notes.append("simulated by torchmem.sim.CachingAllocator; time_us is the event index")
+    private = 1 << 40  # allocator.PRIVATE_POOL: a private pool's streams
     for addr, size, stream, small, expandable, blocks in segments:
         snap.segments.append(
             Segment(
                 device,
                 addr,
                 size,
-                stream=stream,
+                stream=stream % private,
+                segment_pool_id=(0, stream // private),
                 segment_type="small" if small else "large",
                 is_expandable=expandable,
                 blocks=[
@@ -98,5 +100,5 @@ def build_snapshot(
         action, addr, size, stream = events[i]
         fr = event_frames.get(i)
         stack = snap.intern_stack(_frames(snap, fr)) if fr else 0
-        trace.append(action, addr, size, stream, i, stack)
+        trace.append(action, addr, size, stream % private, i, stack)
     return snap

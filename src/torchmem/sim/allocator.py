@@ -28,7 +28,10 @@ The rules (``c10/cuda/CUDACachingAllocator.cpp``, restated; options in :mod:`.co
   device memory), mapping pages (2 MiB small, ``large_segment_size`` large) on demand
   (``segment_map``) and unmapping them in ``empty_cache`` (``segment_unmap``).
 
-Not modelled: CUDA graph capture and private pools (MemPool), IPC, ``backend:cudaMallocAsync``.
+- private pools (CUDA graph captures, MemPools): :meth:`CachingAllocator.pool_stream` numbers
+  their blocks apart, :meth:`~CachingAllocator.use_pool` keeps them from ``empty_cache``.
+
+Not modelled: IPC, ``backend:cudaMallocAsync``, MemPools with their own allocator.
 A pending cross-stream free completes when the program calls :meth:`~CachingAllocator.process_events`
 (the simulation has no GPU clock to say when the other stream is done).
 
@@ -62,6 +65,7 @@ from torchmem.sim.config import AllocatorConfig
 
 __all__ = [
     "CachingAllocator",
+    "PRIVATE_POOL",
     "round_size",
     "segment_size",
 ]
@@ -76,6 +80,10 @@ _BASE_ADDRESS = 1 << 32  # where simulated segments start (any 2 MiB-aligned val
 _SHIFT = 64  # free-block keys: size << 64 | address (one int compares faster than a tuple)
 _MASK = (1 << _SHIFT) - 1
 _HUGE = 1 << 60  # PyTorch refuses requests of 1 EiB and more outright
+#: A private pool's stream numbers (CUDA graph captures, ``torch.cuda.MemPool``): pool ``p``'s
+#: blocks of stream ``s`` are the stream ``p * PRIVATE_POOL + s`` (see
+#: :meth:`CachingAllocator.pool_stream`), so they are never shared with another pool's.
+PRIVATE_POOL = 1 << 40
 
 #: One decision of the allocator: (action, address, size, stream). ``alloc``, ``free_requested``
 #: and ``free_completed`` carry the requested (unrounded) size, ``segment_*`` the segment (or
@@ -268,6 +276,8 @@ class CachingAllocator(ExpandableMixin):
         self._frames: dict[int, Frames] = {}  # allocated block -> its allocation's frames
         self._event_frames: dict[int, Frames] = {}  # event index -> frames
         self._next_address = _BASE_ADDRESS
+        #: private pools in use -> how many users (graphs, MemPool contexts) hold them
+        self.pools_in_use: dict[int, int] = {}
         # frees off the inlined path: GC ages, frames to drop
         self._special = self._gc
 
@@ -463,6 +473,46 @@ class CachingAllocator(ExpandableMixin):
             []
         """
         self.process_events()
+
+    def pool_stream(self, pool: int, stream: int = 0) -> int:
+        """The stream number of private pool ``pool``'s blocks on ``stream`` (pool 0: the
+        default pools, ``stream`` itself).
+
+        A CUDA graph capture (or ``torch.cuda.use_mem_pool``) allocates from a private pool:
+        its blocks are reused only by requests to that pool, and ``empty_cache`` releases its
+        free segments only once :meth:`release_pool` has given back every :meth:`use_pool`
+        (``release_cached_blocks`` frees a private pool when its ``use_count`` is 0); the
+        memory-fraction collector never takes them.
+
+        Example:
+            >>> a = CachingAllocator(); a.use_pool(1)
+            >>> p = a.malloc(4 << 20, stream=a.pool_stream(1)); a.free(p)
+            >>> q = a.malloc(4 << 20); a.reserved_bytes >> 20          # not from the graph's pool
+            40
+            >>> a.empty_cache(); a.reserved_bytes >> 20                # the graph still holds it
+            40
+            >>> a.release_pool(1); a.free(q); a.empty_cache(); a.reserved_bytes
+            0
+        """
+        if not isinstance(pool, int) or pool < 0 or not isinstance(stream, int) or not (
+                0 <= stream < PRIVATE_POOL):
+            raise InvalidInputError(
+                f"pool must be an int >= 0 and stream an int in [0, 2**40), got pool={pool!r}, "
+                f"stream={stream!r}")
+        return pool * PRIVATE_POOL + stream
+
+    def use_pool(self, pool: int) -> None:
+        """One more user of private pool ``pool`` (a graph captured into it)."""
+        self.pools_in_use[pool] = self.pools_in_use.get(pool, 0) + 1
+
+    def release_pool(self, pool: int) -> None:
+        """One user fewer of private pool ``pool`` (a graph reset or deleted); with none left,
+        the next ``empty_cache`` releases its free segments."""
+        n = self.pools_in_use.get(pool, 0) - 1
+        if n > 0:
+            self.pools_in_use[pool] = n
+        else:
+            self.pools_in_use.pop(pool, None)
 
     def empty_cache(self) -> None:
         """Synchronize, then release every free segment that is a single unsplit block (large pool,
@@ -864,12 +914,16 @@ class CachingAllocator(ExpandableMixin):
         return seg is not None and seg.size == size and seg.page == 0
 
     def _release_cached_blocks(self) -> None:
-        """emptyCache: synchronize, then release whole free segments and unmap free pages."""
+        """emptyCache: synchronize, then release whole free segments and unmap free pages (a
+        private pool's only once nothing uses it)."""
         self.synchronize()
+        in_use = self.pools_in_use
         for small in (False, True):
             pools = self._free[small]
             to_unmap: list[tuple[int, int, int]] = []
             for stream in sorted(pools):
+                if stream >= PRIVATE_POOL and in_use.get(stream // PRIVATE_POOL):
+                    continue
                 for key in list(pools[stream]):
                     addr, size = key & _MASK, key >> _SHIFT
                     if self._xstarts and self._in_expandable(addr):
@@ -918,6 +972,7 @@ class CachingAllocator(ExpandableMixin):
             return [
                 (key & _MASK, key >> _SHIFT, stream)
                 for stream in sorted(pools)
+                if stream < PRIVATE_POOL  # the collector frees the default pool's blocks only
                 for key in pools[stream]
                 if self._is_whole_segment(key & _MASK, key >> _SHIFT)
             ]

@@ -286,8 +286,13 @@ class _SimMode(FastDispatchMode):
         out: Any = NotImplemented
         if func in SHAPE_OPS and not values.strict:  # data-dependent: a size by rule
             out = self.shapes.run(func, args, kwargs)
+        if out is NotImplemented and args:
+            out = values.real_in_place(func, args, kwargs)
         if out is NotImplemented:
+            commit = values.before_in_place(func, args, kwargs) if args else None
             out = func(*args, **(kwargs or {}))
+            if commit is not None:
+                commit()
         values.note_output(func, out, args, kwargs)
         self.shapes.note_output(func, args, out)
         if func.overloadpacket in _ZEROS and torch._C._current_autograd_node() is not None:

@@ -22,7 +22,9 @@ written for CUDA this module makes that work:
   simulator, in ``torch.cuda`` and ``torch.cuda.memory`` (:mod:`torchmem.fit.fakegpu._readings`);
   streams and events (``Stream``, ``stream()``, ``current_stream()``, ``Event``,
   ``synchronize()``, ``Tensor.record_stream``) give each stream its own pool and defer
-  ``record_stream``'s frees (:mod:`torchmem.fit.fakegpu._streams`);
+  ``record_stream``'s frees (:mod:`torchmem.fit.fakegpu._streams`); CUDA graphs
+  (``CUDAGraph``, ``graph()``, ``make_graphed_callables``) and ``MemPool`` allocate from
+  private pools (:mod:`torchmem.fit.fakegpu._graphs`);
   ``get_rng_state()`` gives a 16-byte host tensor (checkpointing saves it);
   ``f"{t:.4f}"`` of a 0-d tensor formats its (answered) value, as for a real tensor;
   without a placement ``.pin_memory()`` returns the tensor;
@@ -65,6 +67,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as _devmod
 
+from torchmem.fit.fakegpu._graphs import FakeGraph, FakeMemPool, graph_pool_handle, use_mem_pool
 from torchmem.fit.fakegpu._hostdata import _fast_inputs, _on_host_data, _real_on_host
 from torchmem.fit.fakegpu._placement import _REAL, Placement, _tensors
 from torchmem.fit.fakegpu._readings import SimReadings
@@ -623,7 +626,11 @@ def fake_cuda(
         "current_stream": lambda *a, **k: streams.stream(),
         "default_stream": lambda *a, **k: streams.default,
         "is_available": lambda: True,
-        "is_current_stream_capturing": lambda: False,
+        "is_current_stream_capturing": lambda: streams.capturing,
+        "CUDAGraph": FakeGraph,
+        "graph_pool_handle": graph_pool_handle,
+        "MemPool": FakeMemPool,
+        "use_mem_pool": use_mem_pool,
         "device_count": lambda: devices,
         "current_device": lambda: 0,
         "set_device": lambda *a, **k: None,
@@ -646,8 +653,13 @@ def fake_cuda(
     patches.update({k: v for k, v in own.items() if not k.startswith("_")})
     memory_patches = {k: v for k, v in own.items() if hasattr(memory, k)}
     memory_patches["empty_cache"] = patches["empty_cache"]
+    memory_patches.update(MemPool=FakeMemPool, use_mem_pool=use_mem_pool)
     saved = {k: getattr(cuda, k) for k in patches if hasattr(cuda, k)}
     memory_saved = {k: getattr(memory, k) for k in memory_patches}
+    graphs = torch.cuda.graphs  # make_graphed_callables calls its own graph_pool_handle
+    graph_patches = {k: patches[k] for k in ("CUDAGraph", "graph_pool_handle",
+                                             "is_current_stream_capturing")}
+    graph_saved = {k: getattr(graphs, k) for k in graph_patches}
     module_apply = torch.nn.Module._apply
     init = torch.nn.init
     trunc = init._no_grad_trunc_normal_
@@ -687,6 +699,7 @@ def fake_cuda(
                      ("_get_accelerator", "_accelerator_getAccelerator") if hasattr(torch._C, k)}
     clear = clear_workspaces if clear_workspaces is not None else (lambda: None)
     c_patches["_cuda_clearCublasWorkspaces"] = lambda: clear()
+    c_patches["_host_emptyCache"] = lambda: None  # torch.cuda.graph's (pinned host memory)
     if hasattr(cuda, "_clear_cublas_workspaces"):  # torch.cuda's name for it in later versions
         patches["_clear_cublas_workspaces"] = lambda: clear()
     accel_saved = {k: getattr(accel, k) for k in accel_patches}
@@ -714,9 +727,12 @@ def fake_cuda(
             setattr(torch._C, k, v)
         for k, v in patches.items():
             setattr(cuda, k, v)
+        for k, v in graph_patches.items():
+            setattr(graphs, k, v)
         for k, v in memory_patches.items():
             setattr(memory, k, v)
         ACTIVE.append(streams)
+        capture_stream = torch.cuda.graph.default_capture_stream
         torch.Tensor.record_stream = fake_record_stream  # type: ignore[method-assign,assignment]
         torch.nn.Module._apply = _fake_apply  # type: ignore[method-assign]
         init._no_grad_trunc_normal_ = _fake_trunc_normal
@@ -746,6 +762,7 @@ def fake_cuda(
         torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
         if ACTIVE and ACTIVE[-1] is streams:
             ACTIVE.pop()
+            torch.cuda.graph.default_capture_stream = capture_stream  # a real one, or None
         RandomSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
         _BaseDataLoaderIter.__init__ = loader_iter_init  # type: ignore[method-assign]
         DataLoader.__iter__ = loader_iter  # type: ignore[method-assign]
@@ -754,5 +771,7 @@ def fake_cuda(
                 setattr(cuda, k, saved[k])
             else:
                 delattr(cuda, k)
+        for k, v in graph_saved.items():
+            setattr(graphs, k, v)
         for k, v in memory_saved.items():
             setattr(memory, k, v)

@@ -148,7 +148,7 @@ class _State:
         stream = 0
         if streams is not None:
             streams.before_malloc()
-            stream = streams.current
+            stream = streams.key()
         try:
             addr = self.sim.malloc(nbytes, stream=stream, frames=frames)
         except SimulatedOutOfMemoryError as e:
@@ -176,7 +176,7 @@ class _State:
             streams.before_malloc()
         frames = _frames(None, op) if self.frames else None
         try:
-            addr = self.sim.malloc(nbytes, stream=streams.current if streams is not None else 0,
+            addr = self.sim.malloc(nbytes, stream=streams.key() if streams is not None else 0,
                                    frames=frames)
         except SimulatedOutOfMemoryError:
             return None

@@ -81,6 +81,10 @@ class Streams:
         self.default = FakeStream(_id=0)
         self._by_id: dict[int, FakeStream] = {0: self.default}
         self.recorded = 0
+        #: the private pool requests go to (a CUDA graph capture, ``use_mem_pool``; 0: none)
+        #: and whether a graph capture is underway (:mod:`torchmem.fit.fakegpu._graphs`)
+        self.pool = 0
+        self.capturing = False
         #: called with "record" at each block marked, "sync" where pending frees complete
         #: (the replay of repeated calls refuses a call that does either)
         self.on_event: Any = None
@@ -120,6 +124,11 @@ class Streams:
             yield
         finally:
             self.current = before
+
+    def key(self) -> int:
+        """The simulator's stream number of the next request: the current stream's, in the
+        private pool when one is in use."""
+        return self.sim.pool_stream(self.pool, self.current) if self.pool else self.current
 
     def before_malloc(self) -> None:
         """``process_events`` at the start of ``malloc``: under ``"early"`` every event is done."""
@@ -218,7 +227,8 @@ class FakeStream(FakeEvent):
             s.synchronize([self.id])
 
     def is_capturing(self) -> bool:
-        return False  # no CUDA graph is captured in the estimate
+        s = _active()
+        return s is not None and s.capturing and s.current == self.id
 
     def record_event(self, event: Any = None) -> FakeEvent:
         e = event if event is not None else FakeEvent()

@@ -208,16 +208,18 @@ class ValueReads:
 
         outs = out if isinstance(out, (tuple, list)) else (out,)
         fakes = [o for o in outs if isinstance(o, FakeTensor)]
-        if not fakes:
-            return
         name = getattr(func, "__name__", "").split(".")[0]
         mutates = bool(getattr(getattr(func, "_schema", None), "is_mutable", False))
+        if not fakes:
+            if mutates and args:  # an in-place op that returns nothing (_foreach_add_)
+                self._update_in_place(func, name, args, kwargs)
+            return
         small = all(o.dtype in _SHADOW_DTYPES and isinstance(o.numel(), int)
                     and o.numel() <= SHADOW_NUMEL for o in fakes)
         if not small and not mutates:
             return
-        real = self._run_on_shadows(func, name, args, kwargs) if small else None
-        if real is None:
+        real = self._run_on_shadows(func, name, args, kwargs) if small else _FAILED
+        if real is _FAILED or real is None:
             if mutates:  # the written tensor's old shadow is stale now
                 for o in fakes:
                     self._shadows.pop(id(o), None)
@@ -226,6 +228,120 @@ class ValueReads:
         for o, r in zip(outs, reals):
             if isinstance(o, FakeTensor) and isinstance(r, torch.Tensor) and r.shape == o.shape:
                 self._keep_shadow(o, r)
+
+    def _update_in_place(self, func: Any, name: str, args: Any, kwargs: Any) -> None:
+        """``func`` wrote its first argument (a tensor or a list of them) and returned nothing:
+        run it on their shadows too (AdamW's step counters: ``_foreach_add_(steps, 1)``), or
+        drop shadows it made stale."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        first = args[0]
+        written = [t for t in (first if isinstance(first, (list, tuple)) else (first,))
+                   if isinstance(t, FakeTensor)]
+        entries = [self._shadows.get(id(t)) for t in written]  # ours (constants: see below)
+        known = [e[1] if e is not None and e[0]() is t else None
+                 for t, e in zip(written, entries)]
+        if not written or all(k is None for k in known):
+            return
+        before = [None if k is None else k.clone() for k in known]
+        if (all(k is not None for k in known)
+                and self._run_on_shadows(func, name, args, kwargs) is not _FAILED):
+            return
+        for t, k, b in zip(written, known, before):  # stale (or half written): forget them
+            if k is not None and b is not None:
+                k.copy_(b)
+            self._shadows.pop(id(t), None)
+
+    def real_in_place(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An in-place operator on real host tensors only (their values are real: "host data
+        is real") runs for real on them, below the fake mode (which would write a fake copy
+        and leave them as they were: torch 2.11's AdamW keeps its step counters so, and
+        divided by ``1 - beta1 ** 0``); ``NotImplemented`` for any other operator.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> steps = [torch.tensor(0.0)]
+            >>> with FakeTensorMode(allow_non_fake_inputs=True):
+            ...     _ = ValueReads().real_in_place(torch.ops.aten._foreach_add_.Scalar, (steps, 1), {})
+            >>> steps[0].item()
+            1.0
+        """
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_leaves, tree_map
+
+        first = args[0]
+        if isinstance(first, (list, tuple)):
+            first = first[0] if first else None
+        if not isinstance(first, torch.Tensor) or isinstance(first, FakeTensor):
+            return NotImplemented
+        if not getattr(getattr(func, "_schema", None), "is_mutable", False):
+            return NotImplemented
+        for x in tree_leaves((args, kwargs or {})):
+            if isinstance(x, torch.Tensor) and (x.device.type != "cpu" or isinstance(
+                    x, FakeTensor) and self.shadow(x) is None):
+                return NotImplemented  # a value not known: the fake mode's own rule
+
+        def real(x: Any) -> Any:  # a fake input read (a scalar tensor): its known value
+            return self.shadow(x) if isinstance(x, FakeTensor) else x
+
+        with _disable_current_modes(), torch.no_grad():
+            return func(*tree_map(real, args), **tree_map(real, kwargs or {}))
+
+    def before_in_place(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Before an in-place operator writes fake tensors that carry a constant (a scalar made
+        from a Python number, such as an optimizer's step counter): their values after it,
+        computed on copies of the inputs' known values; the function returned sets them once
+        the operator ran (``None``: nothing to do). Fake tensor modes differ in whether they
+        carry such a constant through a list operator (``_foreach_add_``: torch 2.11 kept the
+        old value, and AdamW divided by ``1 - beta1 ** 0``); this makes them all agree.
+
+        Example:
+            >>> from torch._subclasses import FakeTensorMode
+            >>> v = ValueReads()
+            >>> with FakeTensorMode():
+            ...     steps = [torch.tensor(0.0)]
+            ...     commit = v.before_in_place(torch.ops.aten._foreach_add_.Scalar, (steps, 1), {})
+            ...     _ = torch._foreach_add_(steps, 1)
+            >>> commit(); steps[0].constant.item()
+            1.0
+        """
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_map
+
+        first = args[0] if args else None
+        group = first if isinstance(first, (list, tuple)) else (first,)
+        written = [t for t in group if isinstance(t, FakeTensor)
+                   and isinstance(getattr(t, "constant", None), torch.Tensor)]
+        if not written or not getattr(getattr(func, "_schema", None), "is_mutable", False):
+            return None
+        copies: dict[int, torch.Tensor] = {}
+
+        def real(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                known = self.shadow(x)
+                if known is None:
+                    raise LookupError
+                if id(x) not in copies:
+                    copies[id(x)] = known.clone()
+                return copies[id(x)]
+            if isinstance(x, torch.device) and x.type != "cpu":
+                return torch.device("cpu")
+            return x
+
+        try:
+            with _disable_current_modes(), torch.no_grad():  # copies made below the modes
+                sargs, skwargs = tree_map(real, args), tree_map(real, kwargs or {})
+                func(*sargs, **skwargs)
+        except Exception:  # noqa: BLE001 - values not known: the fake mode's own rule
+            return None
+        after = [copies[id(t)] for t in written]
+
+        def commit() -> None:
+            for t, value in zip(written, after):
+                t.constant = value
+        return commit
 
     def _run_on_shadows(self, func: Any, name: str, args: Any, kwargs: Any) -> Any:
         from torch.utils._python_dispatch import _disable_current_modes
@@ -253,14 +369,14 @@ class ValueReads:
         sargs = tree_map(real, args)
         skwargs = tree_map(real, kwargs or {})
         if missing:
-            return None
+            return _FAILED
         if skwargs.get("pin_memory"):
             skwargs["pin_memory"] = False
         try:
             with _disable_current_modes(), torch.no_grad():
                 return func(*sargs, **skwargs)
         except Exception:  # noqa: BLE001 - a value that cannot be had this way: a stand-in
-            return None
+            return _FAILED
 
     def _remember(self, t: torch.Tensor, op: str, rule: Any) -> None:
         made = self._made
@@ -416,3 +532,6 @@ class ValueReads:
         entry = AssumedValue(at, op, value)
         self._index[key] = entry
         self.reads.append(entry)
+
+#: what :meth:`ValueReads._run_on_shadows` returns when the values cannot be had
+_FAILED = object()

@@ -79,6 +79,7 @@ from torchmem.fit.run._repeat_window import (
     _with_global_hooks,
 )
 from torchmem.model.events import Category
+from torchmem.sim.allocator import PRIVATE_POOL
 
 __all__ = ["RepeatedCalls"]
 
@@ -136,6 +137,8 @@ class RepeatedCalls:
             if w is not None:
                 w.handle[addr] = w.n
                 stream = kw.get("stream", 0)  # another stream's pool: replayed on that stream
+                if stream >= PRIVATE_POOL and w.bad is None:
+                    w.bad = "it runs inside a CUDA graph capture"
                 w.cur.append(("m", size, w.n, stream) if stream else ("m", size, w.n))
                 w.n += 1
             return addr

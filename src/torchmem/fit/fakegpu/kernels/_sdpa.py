@@ -256,9 +256,56 @@ def _sdpa(cc: tuple[int, int], *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, grad, dropout, is_causal, scale=scale
         )[0]
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        q, k, v, mask, dropout, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
+    return _math(q, k, v, mask, dropout, is_causal, scale, enable_gqa)
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          dropout: float, is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """The math fallback as it runs on a GPU, operator for operator.
+
+    PyTorch's ``_scaled_dot_product_attention_math`` (a composite) adds the mask into the
+    scores in place, unless a tensor is "subclass-like", which every fake tensor is, and which
+    any dispatch mode (the estimate's) makes every tensor: the composite then adds out of place,
+    one scores-sized block more in each attention's forward than on the GPU (the transformers
+    ``Trainer`` case on an H100 was 6.8 % low). This runs the GPU's order: 16-bit inputs upcast
+    to fp32 (unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``), the query
+    scaled by sqrt(scale), a causal mask built, grouped key/value heads repeated, the scores
+    ``q @ (k^T * sqrt(scale))``, the mask added in place, ``_safe_softmax``, dropout, the
+    weights cast back (made, then dropped) and ``weights @ v`` cast back. Checked against the
+    composite run without a dispatch mode (the profiler's operator sequence, fp32 and bf16; with
+    a mask, causal, grouped-query) in tests/test_fit_sdpa_math.py.
+
+    Example:
+        >>> from torch._subclasses import FakeTensorMode
+        >>> with FakeTensorMode():
+        ...     q = torch.empty(2, 4, 64, 16)
+        ...     _math(q, q, q, torch.zeros(2, 1, 64, 64), 0.0, False, None, False).shape
+        torch.Size([2, 4, 64, 16])
+    """
+    origin = q.dtype
+    if origin in (torch.float16, torch.bfloat16) and \
+            not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed():
+        q, k, v = q.float(), k.float(), v.float()
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    q = q * root
+    if is_causal:
+        causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        mask = torch.where(causal.logical_not(), -math.inf,
+                           torch.scalar_tensor(0.0, dtype=q.dtype))
+    if enable_gqa and q.size(-3) != k.size(-3):
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    scores = torch.matmul(q, k.transpose(-2, -1) * root)
+    if mask is not None:
+        scores.add_(mask)
+    weights = torch.ops.aten._safe_softmax(scores, -1)
+    del scores
+    if dropout > 0:
+        weights = torch.dropout(weights, dropout, True)
+    returned = weights.to(origin)  # the composite returns the weights too, cast first
+    out = torch.matmul(weights, v).to(origin)
+    del returned
+    return out
 
 
 def _like_layout(q: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
