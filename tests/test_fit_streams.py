@@ -210,3 +210,41 @@ def test_cli_reports_the_range(tmp_path):
     # each batch is 16 MiB on the side stream and nothing waits before the last .item(): the
     # latest keeps all three, the earliest reuses one
     assert high - low == 2 * 16 * MiB
+
+
+def test_a_notebook_shows_the_range():
+    def build(batch: int):
+        side = torch.cuda.Stream()
+
+        def step() -> None:
+            with torch.cuda.stream(side):
+                buf = _mib(12)
+            buf.record_stream(torch.cuda.current_stream())
+            del buf
+            with torch.cuda.stream(side):
+                _mib(12)
+        return step
+
+    page = _est(build)._repr_html_()
+    assert "peak reserved, lower" in page and "12.00 MiB" in page
+    assert "range: record_stream marked 1 block for another stream" in page
+
+
+def test_torch_accelerator_streams_are_the_same_streams():
+    seen: list[bool] = []
+
+    def build(batch: int):
+        side = torch.cuda.Stream()
+
+        def step() -> None:
+            torch.accelerator.set_stream(side)
+            seen.append(torch.accelerator.current_stream() == side == torch.cuda.current_stream())
+            a = _mib(4)  # on the side stream
+            torch.accelerator.set_stream(torch.cuda.default_stream())
+            del a
+            _mib(4)  # the default stream cannot take the side stream's block
+        return step
+
+    e = _est(build)
+    assert seen == [True]
+    assert e.peak_reserved_bytes == 2 * 20 * MiB

@@ -101,6 +101,9 @@ def estimate_html(est: Any) -> str:
              f"{html.escape(est.verdict_line())}</div>"]
     if est.searched:
         parts.append(f"<div>{html.escape(est.search_line())}</div>")
+    lower = getattr(est, "peak_reserved_lower_bytes", None)
+    low_row = [] if lower is None else [
+        ["peak reserved, lower", fmt_bytes(lower), "the least it can be; the verdict takes the top"]]
     parts.append(html_table("memory", ["line", "bytes", "what it is"], [
         ["GPU total", fmt_bytes(est.capacity_bytes), "cudaMemGetInfo total of the card"],
         ["CUDA context", fmt_bytes(est.overhead_bytes), "outside PyTorch's allocator"],
@@ -108,6 +111,7 @@ def estimate_html(est: Any) -> str:
         ["peak requested", fmt_bytes(est.peak_requested_bytes), "sum of live tensor storages"],
         ["peak allocated", fmt_bytes(est.peak_allocated_bytes), "allocator blocks"],
         ["peak reserved", fmt_bytes(est.peak_reserved_bytes), "cudaMalloc'd segments"],
+        *low_row,
         ["fragmentation", fmt_bytes(est.fragmentation_bytes), "reserved, unallocated"],
         ["cuBLAS workspaces", fmt_bytes(est.workspace_bytes), "inside allocated"],
         ["error margin", fmt_bytes(est.margin_bytes),
@@ -134,6 +138,7 @@ def estimate_html(est: Any) -> str:
             f"{fmt_bytes(o.reserved_bytes)} reserved</div>{stack}"
         )
     parts.extend(_what_if_html(est))
+    parts.extend(f"<div>range: {html.escape(c)}</div>" for c in getattr(est, "range_causes", ()))
     parts.extend(f"<div>note: {html.escape(n)}</div>" for n in est.notes)
     return html_block("torchmem estimate", *parts)
 

@@ -686,7 +686,7 @@ def fake_cuda(
             "set_device_idx": patches["set_device"],
             "device_index": patches["device"],
             **{k: patches[k] for k in ("is_available", "device_count", "synchronize",
-                                       "current_stream", "empty_cache")},
+                                       "current_stream", "set_stream", "empty_cache")},
             "get_memory_info": lambda *a, **k: patches["mem_get_info"](),
         }
         for k in ("memory_allocated", "memory_reserved", "max_memory_allocated",
