@@ -369,6 +369,63 @@ CASES: dict[str, Case] = {
 }
 
 
+def cuda_graph(batch_size: int, warmup: int = 3) -> Callable[[], None]:
+    """An MLP's forward captured once in a CUDA graph (after ``warmup`` runs on a side stream,
+    as PyTorch's documentation does it), then replayed each step with a new input copied into
+    the static one; ``empty_cache()`` after each step: the graph's private pool stays."""
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).to(DEVICE)
+    static_x = torch.randn(batch_size, 1024, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(warmup):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_y = model(static_x)
+
+    def step() -> None:
+        static_x.copy_(torch.randn(batch_size, 1024, device=DEVICE))
+        graph.replay()
+        static_y.sum().item()
+        torch.cuda.empty_cache()
+    return step
+
+
+def prefetch_stream(batch_size: int, batches: int = 8) -> Callable[[], None]:
+    """A training loop's batch prefetcher: pinned host batches copied on a side stream, handed
+    over with ``record_stream``, one ``loss.item()`` per step (the estimate's range: how long a
+    batch waits is the GPU's timing)."""
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10)).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    host = [torch.randn(batch_size, 1024).pin_memory() for _ in range(batches)]
+    side = torch.cuda.Stream()
+
+    def step() -> None:
+        for x in host:
+            with torch.cuda.stream(side):
+                batch = x.to(DEVICE, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(side)
+            batch.record_stream(torch.cuda.current_stream())
+            loss = model(batch).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del batch
+        loss.item()
+    return step
+
+
+#: Cases written for the next GPU session, not recorded yet (``record_gpu_reference.py
+#: --cases cuda_graph,prefetch_stream`` records them; with their data they move to CASES).
+PENDING: dict[str, Case] = {
+    "cuda_graph": Case(cuda_graph, 256, note="a CUDA graph's private pool kept through empty_cache"),
+    "prefetch_stream": Case(prefetch_stream, 4096,
+                            note="record_stream prefetching: the estimate gives a range"),
+}
+
+
 DATA = Path(__file__).resolve().parent / "data" / "gpu"
 
 

@@ -195,3 +195,22 @@ def test_the_simulators_private_pools_outlive_the_collector_and_the_oom_retry():
     assert a.reserved_bytes == 70 * MiB
     with pytest.raises(torchmem.errors.InvalidInputError, match="pool must be an int"):
         a.pool_stream(-1)
+
+
+def test_the_pending_gpu_cases_run_under_the_estimate():
+    """The two cases written for the next GPU session (tests/gpu_cases.py PENDING) estimate
+    here: the graph's pool survives each step's empty_cache, the prefetcher gets a range."""
+    import gpu_cases
+
+    c = gpu_cases.PENDING["cuda_graph"]
+    e = torchmem.estimate(lambda b: c.build(b, **c.params), gpu="H100-80GB",
+                          batch_size=c.batch_size, margin=0, keep_snapshot=True)
+    pooled = [s for s in e.snapshot.segments if s.segment_pool_id != (0, 0)]
+    # the capture stream's cuBLAS workspace (32 MiB) and its two outputs' segments
+    assert sum(s.total_size for s in pooled) >= 32 * MiB
+    p = gpu_cases.PENDING["prefetch_stream"]
+    f = torchmem.estimate(lambda b: p.build(b, **p.params), gpu="H100-80GB",
+                          batch_size=p.batch_size, margin=0)
+    assert f.peak_reserved_lower_bytes is not None
+    # a batch is 16 MiB; the upper figure keeps all eight of a step waiting, the lower one
+    assert f.peak_reserved_bytes - f.peak_reserved_lower_bytes == 7 * 16 * MiB
