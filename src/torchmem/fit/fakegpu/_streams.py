@@ -49,7 +49,7 @@ import torch
 
 __all__ = ["Streams", "FakeStream", "FakeEvent", "ACTIVE", "fake_record_stream"]
 
-#: the estimate's streams while it runs (one estimate at a time per process), else None
+#: the estimate's streams while it runs (one estimate at a time per process; empty: none)
 ACTIVE: list[Streams] = []
 
 
