@@ -248,3 +248,27 @@ def test_torch_accelerator_streams_are_the_same_streams():
     e = _est(build)
     assert seen == [True]
     assert e.peak_reserved_bytes == 2 * 20 * MiB
+
+
+def test_a_prefetching_loader_that_names_its_stream_by_keyword():
+    """timm's PrefetchLoader enters ``functools.partial(torch.cuda.stream, stream=s)``: the
+    copies go to that stream's pool (they went to the default one)."""
+    import functools
+
+    def build(batch: int):
+        side = torch.cuda.Stream()
+        ctx = functools.partial(torch.cuda.stream, stream=side)
+        host = [torch.randn(batch, 1024) for _ in range(3)]
+
+        def step() -> None:
+            held = None
+            for x in host:
+                with ctx():
+                    nxt = x.to("cuda", non_blocking=True)  # 4 MiB in the side stream's pool
+                torch.cuda.current_stream().wait_stream(side)
+                held = nxt
+                (held * 2).sum()  # on the default stream: its own 20 MiB segment
+        return step
+
+    e = torchmem.estimate(build, gpu="H100-80GB", batch_size=1024, margin=0, steps=1)
+    assert e.peak_reserved_bytes == 20 * MiB + 20 * MiB + 2 * MiB  # side, default, the sums

@@ -618,8 +618,8 @@ def fake_cuda(
     patches: dict[str, Any] = {
         "get_device_properties": lambda *a, **k: props,
         "device": lambda *a, **k: contextlib.nullcontext(),
-        "stream": lambda s=None, *a, **k: streams.using(s),
-        "StreamContext": lambda s=None, *a, **k: streams.using(s),
+        "stream": lambda stream=None: streams.using(stream),  # timm passes stream=
+        "StreamContext": lambda stream=None: streams.using(stream),
         "set_stream": streams.set,
         "Stream": FakeStream,
         "Event": FakeEvent,
