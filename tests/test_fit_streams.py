@@ -272,3 +272,29 @@ def test_a_prefetching_loader_that_names_its_stream_by_keyword():
 
     e = torchmem.estimate(build, gpu="H100-80GB", batch_size=1024, margin=0, steps=1)
     assert e.peak_reserved_bytes == 20 * MiB + 20 * MiB + 2 * MiB  # side, default, the sums
+
+
+def test_transformers_offloaded_cache_prefetches_on_its_own_stream():
+    """``generate(..., cache_implementation="offloaded")`` makes its prefetch stream with the
+    generic ``torch.Stream()`` (the current accelerator's): it failed under the estimate
+    ("Unknown device"). Now the layers' caches go to the host and come back on that stream's
+    pool: less allocated than the dynamic cache, a segment of its own stream."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+
+    def build(batch: int, impl: str):
+        model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
+        ids = torch.randint(0, 1000, (batch, 512), device="cuda")
+        mask = torch.ones_like(ids)
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=8,
+                                      do_sample=False, pad_token_id=0,
+                                      cache_implementation=impl)
+
+    kw = dict(gpu="A100-40GB", batch_size=8, steps=1, margin=0)
+    dynamic = torchmem.estimate(build, params={"impl": "dynamic"}, **kw)
+    offloaded = torchmem.estimate(build, params={"impl": "offloaded"}, keep_snapshot=True, **kw)
+    assert offloaded.peak_allocated_bytes < dynamic.peak_allocated_bytes
+    assert {s.stream for s in offloaded.snapshot.segments} - {0}

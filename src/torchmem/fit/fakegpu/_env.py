@@ -703,6 +703,9 @@ def fake_cuda(
     if hasattr(cuda, "_clear_cublas_workspaces"):  # torch.cuda's name for it in later versions
         patches["_clear_cublas_workspaces"] = lambda: clear()
     accel_saved = {k: getattr(accel, k) for k in accel_patches}
+    # torch.Stream() / torch.Event(): the current accelerator's (transformers' offloaded cache)
+    generic = {"Stream": FakeStream, "Event": FakeEvent} if placement is not None else {}
+    generic_saved = {k: getattr(torch, k) for k in generic}
     c_saved = {k: getattr(torch._C, k) for k in c_patches if hasattr(torch._C, k)}
     mode = _CudaToCpu(placement)
     loads: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -723,6 +726,8 @@ def fake_cuda(
         torch.Tensor._make_subclass = staticmethod(_fake_make_subclass(make_subclass))  # type: ignore[method-assign,assignment]
         for k, v in accel_patches.items():
             setattr(accel, k, v)
+        for k, v in generic.items():
+            setattr(torch, k, v)
         for k, v in c_patches.items():
             setattr(torch._C, k, v)
         for k, v in patches.items():
@@ -751,6 +756,8 @@ def fake_cuda(
             del torch.Tensor._make_subclass
         for k, v in accel_saved.items():
             setattr(accel, k, v)
+        for k, v in generic_saved.items():
+            setattr(torch, k, v)
         for k in c_patches:
             if k in c_saved:
                 setattr(torch._C, k, c_saved[k])
