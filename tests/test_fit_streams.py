@@ -198,6 +198,7 @@ def test_cli_reports_the_range(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torchmem", "estimate", "--gpu", "H100-80GB",
                           str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    assert "the lower figure: running the program again" in out.stdout + out.stderr
     assert "peak reserved, lower" in out.stdout
     assert "range: record_stream marked 3 blocks" in out.stdout.replace("\n", " ")
     js = subprocess.run([sys.executable, "-m", "torchmem", "estimate", "--json", "--gpu",
@@ -298,3 +299,24 @@ def test_transformers_offloaded_cache_prefetches_on_its_own_stream():
     offloaded = torchmem.estimate(build, params={"impl": "offloaded"}, keep_snapshot=True, **kw)
     assert offloaded.peak_allocated_bytes < dynamic.peak_allocated_bytes
     assert {s.stream for s in offloaded.snapshot.segments} - {0}
+
+
+def test_a_scripts_search_runs_no_lower_figure(tmp_path):
+    """Only a plain estimate runs the program a second time for the lower figure; a search's
+    probes (and its answer) keep the upper figures, which their verdicts take."""
+    script = tmp_path / "prefetch_batch.py"
+    script.write_text(textwrap.dedent("""
+        import argparse, torch
+        p = argparse.ArgumentParser(); p.add_argument("--batch-size", type=int, default=64)
+        a = p.parse_args()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            batch = torch.randn(a.batch_size, 1 << 20, device="cuda")
+        batch.record_stream(torch.cuda.current_stream())
+        print(batch.sum().item())
+    """))
+    plain = torchmem.estimate_script(str(script), [], gpu="T4")
+    assert plain.peak_reserved_lower_bytes is not None
+    searched = torchmem.estimate_script(str(script), [], gpu="T4", maximize="batch_size",
+                                        search_range=(1, 4096))
+    assert searched.max_value and searched.peak_reserved_lower_bytes is None

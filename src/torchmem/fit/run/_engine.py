@@ -157,6 +157,7 @@ def run_once(
     replay_repeats: bool = True,
     bound: str = "upper",
     lower: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Estimate:
     """Build and run ``steps`` steps of ``build(batch_size, **params)`` on a fake ``gpu``; one
     estimate (``params`` are keyword arguments passed to ``build``, recorded in
@@ -210,8 +211,9 @@ def run_once(
     heuristics size a convolution's workspace (:mod:`torchmem.fit.fakegpu.kernels._conv`): at
     most the largest seen, at least the NHWC copies. A run with either is run again with
     ``"lower"`` for ``Estimate.peak_reserved_lower_bytes`` (``range_causes`` says why; its
-    output to stdout and stderr is not shown again); ``lower=False`` leaves that run out (a
-    search's probes, the what-if's rows: the verdicts take the upper figures).
+    output to stdout and stderr is not shown again; ``progress(message)`` is told before it);
+    ``lower=False`` leaves that run out (a search's probes, the what-if's rows: the verdicts
+    take the upper figures).
 
     ``stream=[]`` fills that list with every request made to the simulator
     (:mod:`torchmem.fit.run._stream`), the extrapolated ones included.
@@ -380,7 +382,7 @@ def run_once(
                         rank=rank,
                         strict_values=strict_values, default_device=default_device,
                         routing=routing, levers=levers, stacks=stacks, stream=stream,
-                        stop_over=stop_over, bound=bound, lower=lower,
+                        stop_over=stop_over, bound=bound, lower=lower, progress=progress,
                         replay_repeats=repeats is None or repeats.valid)
     if st.oom is None and st.peak_req == 0 and st.host_peak > 0 and not st.ws_most:
         file, line = _source_of(build)
@@ -414,6 +416,9 @@ def run_once(
     closed = emu.closed_calls if emu is not None else 0
     if (streams.recorded or closed) and bound == "upper" and lower and st.oom is None \
             and not est.incomplete:
+        if progress is not None:
+            progress("the lower figure: running the program again with the GPU's run-time "
+                     "choices at their least")
         _lower_figure(est, streams.recorded, closed, lambda: run_once(
             build, batch_size, gpu, steps=steps, alloc_conf=alloc_conf, params=params,
             kv_cache_attr=kv_cache_attr, world_size=world_size, rank=rank,

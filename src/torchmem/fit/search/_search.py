@@ -224,7 +224,8 @@ def estimate(
                      world_size=world_size, rank=rank, strict_values=strict_values,
                      extrapolate_decode=fast, default_device=default_device,
                      routing=routing, stream=stream, stop_over=stop_over,
-                     stacks=not fast, replay_repeats=replay_repeats, lower=lower)
+                     stacks=not fast, replay_repeats=replay_repeats, lower=lower,
+                     progress=progress)
         return _apply_margin(e, margin, card)
 
     if what_if is not False:

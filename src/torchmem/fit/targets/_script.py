@@ -579,13 +579,14 @@ def estimate_script(
                                     default_device=default_device, routing=routing,
                                     world_size=world_size, replay_repeats=replay_repeats))
 
-    def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None) -> ScriptEstimate:
+    def run(argv: list[str], snap: bool, shown: dict[str, Any] | None = None,
+            lower: bool = False) -> ScriptEstimate:
         r = _Run(target, argv, steps, float(time_limit))
         try:
             e = run_once(r.build, 1, card, steps=1, alloc_conf=alloc_conf, keep_snapshot=snap,
                          strict_values=strict_values, default_device=default_device,
                          routing=routing, world_size=world_size, rank=rank,
-                         replay_repeats=replay_repeats)
+                         replay_repeats=replay_repeats, lower=lower, progress=progress)
         except InvalidInputError as err:
             if "put nothing on the GPU" not in str(err):
                 raise
@@ -602,8 +603,8 @@ def estimate_script(
         out.params = dict(shown or {})
         return out
 
-    if maximize is None:
-        return run(list(args), keep_snapshot)
+    if maximize is None:  # a plain estimate: with its lower figure (a search's probes without)
+        return run(list(args), keep_snapshot, lower=True)
     flag = _option(maximize, args, target.source)
     ident = flag.lstrip("-").replace("-", "_")
     current = _current(flag, args)
