@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["SHADOW_NUMEL", "AssumedValue", "ValueReads"]
 
@@ -266,17 +267,16 @@ class ValueReads:
             >>> steps[0].item()
             1.0
         """
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.utils._python_dispatch import _disable_current_modes
-        from torch.utils._pytree import tree_leaves, tree_map
-
         first = args[0]
         if isinstance(first, (list, tuple)):
             first = first[0] if first else None
         if not isinstance(first, torch.Tensor) or isinstance(first, FakeTensor):
-            return NotImplemented
+            return NotImplemented  # (every operator passes here: the cheap tests first)
         if not getattr(getattr(func, "_schema", None), "is_mutable", False):
             return NotImplemented
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_leaves, tree_map
+
         for x in tree_leaves((args, kwargs or {})):
             if isinstance(x, torch.Tensor) and (x.device.type != "cpu" or isinstance(
                     x, FakeTensor) and self.shadow(x) is None):
@@ -306,16 +306,15 @@ class ValueReads:
             >>> commit(); steps[0].constant.item()
             1.0
         """
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.utils._python_dispatch import _disable_current_modes
-        from torch.utils._pytree import tree_map
-
         first = args[0] if args else None
         group = first if isinstance(first, (list, tuple)) else (first,)
         written = [t for t in group if isinstance(t, FakeTensor)
                    and isinstance(getattr(t, "constant", None), torch.Tensor)]
         if not written or not getattr(getattr(func, "_schema", None), "is_mutable", False):
-            return None
+            return None  # (every operator passes here: the cheap tests first)
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_map
+
         copies: dict[int, torch.Tensor] = {}
 
         def real(x: Any) -> Any:
