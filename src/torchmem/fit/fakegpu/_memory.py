@@ -140,17 +140,22 @@ class _State:
                                    self.peak_res, f"stopped: reserved bytes passed "
                                    f"{self.stop_over:,}")
 
-    def _malloc(self, nbytes: int, ev: Any, op: str | None, label: str) -> int | None:
-        frames = None
-        if self.frames:
-            frames = _frames(getattr(ev, "stack", None), op or label)
+    def _sim_malloc(self, nbytes: int, frames: Any) -> int:
+        """The simulator's ``malloc`` on the current stream (or private pool), after the
+        stream events the allocator processes first; raises its out-of-memory error."""
         streams = self.streams
         stream = 0
         if streams is not None:
             streams.before_malloc()
             stream = streams.key()
+        return self.sim.malloc(nbytes, stream=stream, frames=frames)
+
+    def _malloc(self, nbytes: int, ev: Any, op: str | None, label: str) -> int | None:
+        frames = None
+        if self.frames:
+            frames = _frames(getattr(ev, "stack", None), op or label)
         try:
-            addr = self.sim.malloc(nbytes, stream=stream, frames=frames)
+            addr = self._sim_malloc(nbytes, frames)
         except SimulatedOutOfMemoryError as e:
             self.oom = OOMSite(
                 requested_bytes=nbytes,
@@ -171,13 +176,8 @@ class _State:
     def _try_malloc(self, nbytes: int, op: str) -> int | None:
         """A request the caller catches the out-of-memory error of (``None`` then), as cuDNN
         catches a workspace's and tries its next plan."""
-        streams = self.streams
-        if streams is not None:
-            streams.before_malloc()
-        frames = _frames(None, op) if self.frames else None
         try:
-            addr = self.sim.malloc(nbytes, stream=streams.key() if streams is not None else 0,
-                                   frames=frames)
+            addr = self._sim_malloc(nbytes, _frames(None, op) if self.frames else None)
         except SimulatedOutOfMemoryError:
             return None
         self._peaks()
